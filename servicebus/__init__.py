@@ -1,0 +1,41 @@
+"""servicebus: a brokerless, peer-to-peer, durable service bus for Python."""
+
+import logging
+
+from .bus import Bus
+from .config import BusConfig
+from .errors import (
+    BusClosedError,
+    BusError,
+    DeliveryError,
+    LockedError,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    StoreError,
+    SubscribeTimeout,
+    TransportError,
+)
+from .records import BusStatus, Message, PeerStatus
+
+__all__ = [
+    "Bus",
+    "BusConfig",
+    "Message",
+    "BusStatus",
+    "PeerStatus",
+    "BusError",
+    "BusClosedError",
+    "StoreError",
+    "LockedError",
+    "TransportError",
+    "ProtocolError",
+    "DeliveryError",
+    "SubscribeTimeout",
+    "RemoteError",
+    "RequestTimeout",
+]
+
+__version__ = "0.1.0"
+
+logging.getLogger("servicebus").addHandler(logging.NullHandler())

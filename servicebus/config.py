@@ -1,0 +1,59 @@
+"""Bus configuration: explicit keyword options with documented defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["BusConfig"]
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """Every option ``Bus(..., **options)`` accepts. Times are in seconds."""
+
+    #: address other buses use to reach this one; defaults to ``bind`` (required when
+    #: ``bind`` is a wildcard such as ``tcp://*:5555`` or ``tcp://0.0.0.0:5555``)
+    advertise: str | None = None
+    #: handler worker threads owned by the bus
+    workers: int = 8
+    #: handler runs per message before it becomes a dead letter (crash reruns count)
+    max_attempts: int = 5
+    #: first handler retry delay; doubles each attempt up to ``retry_max``, +/-20 % jitter
+    retry_initial: float = 0.1
+    retry_max: float = 30.0
+    #: resend an unacknowledged message after this long; doubles per resend up to ``resend_max``
+    ack_timeout: float = 5.0
+    resend_max: float = 30.0
+    #: how long a receiver remembers handled ids, so that resends are acked but not rehandled
+    dedupe_window: float = 7 * 24 * 3600.0
+    #: unacknowledged messages in flight per subscriber per topic
+    window: int = 1000
+    #: messages per ZeroMQ frame
+    max_batch: int = 200
+    #: largest encoded payload accepted for sending or off the wire
+    max_payload: int = 1 << 20
+    #: how long ``close()`` waits for running handlers
+    close_timeout: float = 10.0
+    #: peers are pinged this often; silent for ``peer_timeout`` means down
+    heartbeat: float = 1.0
+    peer_timeout: float = 3.0
+    #: incoming messages held in memory for dispatch; the rest wait in the store
+    dispatch_queue: int = 10_000
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "advertise":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"option {field.name} must be a number, not {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"option {field.name} must be > 0, got {value!r}")
+        for name in ("workers", "max_attempts", "window", "max_batch", "max_payload", "dispatch_queue"):
+            if not isinstance(getattr(self, name), int):
+                raise TypeError(f"option {name} must be an int")
+        if self.retry_max < self.retry_initial:
+            raise ValueError("option retry_max must be >= retry_initial")
+        if self.peer_timeout <= self.heartbeat:
+            raise ValueError("option peer_timeout must be longer than heartbeat")

@@ -1,0 +1,154 @@
+"""Per-subscriber delivery state, retry timing, and the outgoing record format.
+
+Outgoing messages live once per stream (``e:<topic>`` for events). Each (peer, stream) pair
+has a ``Consumer``: a cursor into the stream plus a window of messages in flight.
+
+Durable form of a consumer (``d/`` keyspace): ``floor`` (every stream id <= floor is
+acknowledged by this peer), ``acked`` (ids above the floor acknowledged out of order) and
+``attempts`` (resend counts above 1). After a restart the consumer rescans from ``floor``,
+skips ``acked`` and resends the rest; it never resends what the peer acknowledged before the
+state was written. Writes of this state are not fsynced on their own: losing one costs a
+resend, which the receiver deduplicates (DESIGN.md section 9).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import NamedTuple
+
+import msgpack
+
+from .protocol import Envelope, Kind
+
+__all__ = [
+    "Consumer",
+    "InFlight",
+    "backoff",
+    "pack_outgoing",
+    "unpack_outgoing",
+    "event_stream",
+]
+
+
+def event_stream(topic: str) -> str:
+    return "e:" + topic
+
+
+def backoff(attempt: int, initial: float, cap: float, jitter: float = 0.2) -> float:
+    """Delay before try number ``attempt + 1``: initial * 2**(attempt-1), capped, +/- jitter."""
+    base = min(cap, initial * (2 ** min(attempt - 1, 62)))
+    return base * random.uniform(1.0 - jitter, 1.0 + jitter)
+
+
+class OutgoingRecord(NamedTuple):
+    kind: int
+    topic: str
+    sent: int
+    expires: int | None
+    correlation_id: str | None
+    headers: dict | None
+    body: bytes
+
+
+def pack_outgoing(kind: Kind, topic: str, sent: int, body: bytes, expires: int | None = None,
+                  correlation_id: str | None = None, headers: dict | None = None) -> bytes:
+    return msgpack.packb([int(kind), topic, sent, expires, correlation_id, headers, body],
+                         use_bin_type=True)
+
+
+def unpack_outgoing(data: bytes) -> OutgoingRecord:
+    return OutgoingRecord(*msgpack.unpackb(data, raw=False, strict_map_key=False))
+
+
+def envelope_from_record(message_id: str, record: OutgoingRecord, attempt: int) -> Envelope:
+    return Envelope(message_id, record.topic, record.sent, record.body, attempt,
+                    record.expires, record.correlation_id, record.headers)
+
+
+class InFlight:
+    __slots__ = ("attempt", "deadline")
+
+    def __init__(self, attempt: int, deadline: float) -> None:
+        self.attempt = attempt
+        self.deadline = deadline
+
+
+class Consumer:
+    """Delivery state of one peer on one stream. Owned by the engine thread."""
+
+    __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
+                 "exhausted", "dirty", "last_ack")
+
+    def __init__(self, peer: str, stream: str, floor: str | None,
+                 acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
+        self.peer = peer
+        self.stream = stream
+        self.floor = floor  # every stream id <= floor is acknowledged
+        self.pos = floor  # last stream id read into the window
+        self.order: deque[str] = deque()  # window ids in stream order, acked ones included
+        self.inflight: dict[str, InFlight] = {}  # unacknowledged ids of the window
+        self.skip = set(acked or ())  # acknowledged above floor before a restart
+        self.attempts = dict(attempts or {})  # resend counts restored from the store
+        self.exhausted = False  # True when pos is at the end of the stream
+        self.dirty = False
+        self.last_ack: float | None = None
+
+    # --- window ------------------------------------------------------------------------
+
+    def room(self, window: int) -> int:
+        return window - len(self.order)
+
+    def admit(self, message_id: str, now: float, ack_timeout: float) -> InFlight | None:
+        """Take the next stream id into the window; None if it was acked before a restart."""
+        self.pos = message_id
+        self.order.append(message_id)
+        if message_id in self.skip:
+            self.skip.discard(message_id)
+            self._advance()
+            return None
+        attempt = self.attempts.pop(message_id, 0) + 1
+        flight = InFlight(attempt, now + ack_timeout)
+        self.inflight[message_id] = flight
+        return flight
+
+    def ack(self, message_id: str) -> bool:
+        if self.inflight.pop(message_id, None) is None:
+            return False
+        self._advance()
+        return True
+
+    def _advance(self) -> None:
+        order, inflight = self.order, self.inflight
+        while order and order[0] not in inflight:
+            self.floor = order.popleft()
+        # Even without moving the floor, an out-of-order ack changes the durable record.
+        self.dirty = True
+
+    def reset_window(self) -> None:
+        """Forget the window so it is rebuilt from the floor (used when state is reloaded)."""
+        self.order.clear()
+        self.inflight.clear()
+        self.pos = self.floor
+        self.exhausted = False
+
+    @property
+    def idle(self) -> bool:
+        return not self.inflight and self.exhausted
+
+    # --- durable form ------------------------------------------------------------------
+
+    def record(self) -> dict:
+        inflight = self.inflight
+        return {
+            "floor": self.floor,
+            "acked": [i for i in self.order if i not in inflight] + sorted(self.skip),
+            "attempts": {i: f.attempt for i, f in inflight.items() if f.attempt > 1},
+            "last_ack": self.last_ack,
+        }
+
+    @classmethod
+    def from_record(cls, peer: str, stream: str, record: dict) -> "Consumer":
+        consumer = cls(peer, stream, record.get("floor"), record.get("acked"), record.get("attempts"))
+        consumer.last_ack = record.get("last_ack")
+        return consumer

@@ -1,0 +1,355 @@
+"""Runs handlers on worker threads owned by the bus: retries, dead letters, parking.
+
+The engine hands over incoming messages only after they are fsynced (and acked). From then
+on this module owns their ``n/`` and ``r/`` records:
+
+- Before a handler runs, the attempt count is written (unsynced; it survives SIGKILL), so a
+  message that crashes the process is eventually dead-lettered instead of looping forever.
+- The moment every handler for a message has returned, the message moves from incoming to
+  handled in one write from the worker thread itself (DESIGN.md section 9: deferring that
+  to the engine turns crashes into duplicate handling).
+- A handler that raises is retried with backoff; after ``max_attempts`` the message moves
+  to the dead letters with the exception type and text, atomically.
+- Messages without a handler yet stay in the store ("parked") and are dispatched when one
+  registers. At most ``dispatch_queue`` messages are held in memory; the rest wait in the
+  store and are read back as the queue empties.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from .config import BusConfig
+from .delivery import backoff
+from .errors import StoreError
+from .protocol import Kind, decode_payload
+from .records import EMPTY, Message
+from .store import Store
+
+__all__ = ["Dispatcher", "Incoming", "incoming_record"]
+
+log = logging.getLogger("servicebus")
+
+Handler = Callable[[Any, Message], Any]
+
+# Incoming record layout in the store (a list, for compactness):
+# [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
+KIND_NAMES = {int(Kind.EVENT): "event", int(Kind.COMMAND): "command", int(Kind.REPLY): "reply"}
+
+
+def incoming_record(kind: int, sender: str, reply_to: str, env: Any) -> list:
+    return [kind, env.topic, sender, reply_to, env.sent, env.attempt, env.expires,
+            env.correlation_id, env.headers, env.body]
+
+
+class Incoming(NamedTuple):
+    id: str
+    record: list
+    runstate: list | None  # [attempts, done_handler_names, last_error, next_ms] or None
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _to_datetime(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+class Dispatcher:
+    def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None]) -> None:
+        self._store = store
+        self._config = config
+        self._on_idle = on_idle
+        self._handlers: dict[tuple[int, str], list[tuple[str, Handler]]] = {}
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Incoming]] = []
+        self._seq = itertools.count()
+        self._known: set[str] = set()  # queued, running or waiting for a retry
+        self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
+        self._overflow = False
+        self._overflow_gen = 0
+        self._refilling = False
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        self.handled = 0
+        self.failed = 0
+        self.deadlettered = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._refill()  # messages stored before a restart
+        for n in range(self._config.workers):
+            t = threading.Thread(target=self._work, name=f"servicebus-worker-{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, timeout: float) -> bool:
+        """Stop taking work; wait up to ``timeout`` for running handlers. True if all ended."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            log.warning("close: %d handler(s) still running after %.1fs; their results will "
+                        "be rerun after the next start", len(alive), timeout)
+        return not alive
+
+    @property
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._known and not self._parked and not self._overflow
+
+    def counts(self) -> dict[str, int]:
+        with self._cv:
+            return {"queued": len(self._known), "parked_topics": len(self._parked)}
+
+    # --- handlers ----------------------------------------------------------------------
+
+    def register(self, kind: Kind, topic: str, handler: Handler) -> None:
+        base = f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', repr(handler))}"
+        key = (int(kind), topic)
+        with self._cv:
+            existing = self._handlers.get(key, [])
+            names = {n for n, _ in existing}
+            name, n = base, 1
+            while name in names:  # the same function twice: give each its own completion
+                n += 1
+                name = f"{base}#{n}"
+            self._handlers[key] = existing + [(name, handler)]
+            was_parked = key in self._parked
+            self._parked.discard(key)
+        if was_parked:
+            self._refill(only=key)
+
+    def has_handler(self, kind: Kind, topic: str) -> bool:
+        return (int(kind), topic) in self._handlers
+
+    # --- intake ------------------------------------------------------------------------
+
+    def submit(self, items: Iterable[Incoming]) -> None:
+        with self._cv:
+            added = False
+            for item in items:
+                if item.id in self._known:
+                    continue
+                if len(self._known) >= self._config.dispatch_queue:
+                    self._overflow = True
+                    self._overflow_gen += 1
+                    continue
+                self._push(item, 0.0)
+                added = True
+            if added:
+                self._cv.notify_all()
+
+    def _push(self, item: Incoming, due: float) -> None:
+        self._known.add(item.id)
+        heapq.heappush(self._heap, (due, next(self._seq), item))
+
+    def _refill(self, only: tuple[int, str] | None = None) -> None:
+        """Read stored incoming messages that are not in memory yet (restart, overflow, a
+        handler registered late)."""
+        with self._cv:
+            if self._refilling:
+                return
+            self._refilling = True
+        try:
+            while True:
+                with self._cv:
+                    gen = self._overflow_gen
+                filled = self._scan(only)
+                with self._cv:
+                    if only is not None:
+                        return
+                    # Something was turned away while we scanned: its record may sort
+                    # before where the scan had got to, so scan again once there is room.
+                    self._overflow = not filled or gen != self._overflow_gen
+                    again = (self._overflow and not self._closing
+                             and len(self._known) < self._config.dispatch_queue // 2)
+                if not again:
+                    return
+        except StoreError:
+            if not self._closing:
+                raise
+        finally:
+            with self._cv:
+                self._refilling = False
+
+    def _scan(self, only: tuple[int, str] | None) -> bool:
+        """Queue stored messages not yet in memory; False if the queue filled up first."""
+        now_ms, now = _now_ms(), time.monotonic()
+        for message_id, record in self._store.incoming():
+            if only is not None and (record[0], record[1]) != only:
+                continue
+            with self._cv:
+                if self._closing:
+                    return True
+                if message_id in self._known:
+                    continue
+                if len(self._known) >= self._config.dispatch_queue:
+                    return False
+                # The iterator reads a snapshot: a message finished since it was taken is
+                # gone from the store (finishing deletes it before leaving _known).
+                if not self._store.has_incoming(message_id):
+                    continue
+                runstate = self._store.get_runstate(message_id)
+                due = 0.0
+                if runstate and runstate[3] and runstate[3] > now_ms:
+                    due = now + (runstate[3] - now_ms) / 1000
+                self._push(Incoming(message_id, record, runstate), due)
+                self._cv.notify()
+        return True
+
+    # --- workers -----------------------------------------------------------------------
+
+    def _next(self) -> Incoming | None:
+        with self._cv:
+            while True:
+                if self._closing:
+                    return None
+                if self._heap:
+                    due = self._heap[0][0]
+                    now = time.monotonic()
+                    if due <= now:
+                        return heapq.heappop(self._heap)[2]
+                    self._cv.wait(due - now)
+                else:
+                    self._cv.wait()
+
+    def _work(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            retry_at: float | None = None
+            try:
+                retry_at = self._run(item)
+            except StoreError as exc:
+                if not self._closing:
+                    log.error("handling %s: %s", item.id, exc)
+            except BaseException:  # noqa: BLE001 - a worker must never die silently
+                log.exception("unexpected error dispatching %s", item.id)
+            finally:
+                self._finish(item, retry_at)
+
+    def _finish(self, item: Incoming, retry_at: float | None) -> None:
+        refill = False
+        with self._cv:
+            if retry_at is not None and not self._closing:
+                runstate = self._store.get_runstate(item.id) if not self._store.closed else None
+                heapq.heappush(self._heap, (retry_at, next(self._seq), item._replace(runstate=runstate)))
+                self._cv.notify()
+            else:
+                self._known.discard(item.id)
+            idle = not self._known and not self._parked and not self._overflow
+            refill = self._overflow and not self._refilling and \
+                len(self._known) < self._config.dispatch_queue // 2
+        if refill and not self._closing:
+            self._refill()
+            idle = self.idle
+        if idle:
+            self._on_idle()
+
+    def _run(self, item: Incoming) -> float | None:
+        """Run the handlers for one message. Returns when to retry, or None if finished."""
+        record = item.record
+        kind, topic = record[0], record[1]
+        handlers = self._handlers.get((kind, topic))
+        if not handlers:
+            with self._cv:
+                self._parked.add((kind, topic))
+            return None
+        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        done = list(done)
+        store, config = self._store, self._config
+        expires = record[6]
+        if expires is not None and _now_ms() > expires:
+            self._deadletter(item, "expired", last_error, attempts)
+            return None
+
+        attempts += 1
+        batch = store.batch()
+        batch.put_runstate(item.id, [attempts, done, last_error, 0])
+        store.write(batch, sync=False)  # a crash from here on counts as an attempt
+
+        message = Message(
+            id=item.id,
+            topic=topic,
+            sender=record[2],
+            reply_to=record[3],
+            sent=_to_datetime(record[4]),
+            attempt=attempts,
+            headers=MappingProxyType(record[8]) if record[8] else EMPTY,
+            kind=KIND_NAMES.get(kind, "event"),
+            correlation_id=record[7],
+            expires=_to_datetime(expires),
+        )
+        try:
+            payload = decode_payload(record[9])
+        except Exception as exc:  # validated on receipt; only a corrupted store gets here
+            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
+            return None
+
+        error: str | None = None
+        for name, handler in handlers:
+            if name in done:
+                continue
+            try:
+                handler(payload, message)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
+                            item.id, attempts, config.max_attempts, error)
+                continue
+            done.append(name)
+            if len(handlers) > 1 and len(done) < len(handlers):
+                # Remember which handlers finished, so a crash reruns only the others.
+                batch = store.batch()
+                batch.put_runstate(item.id, [attempts, done, last_error, 0])
+                store.write(batch, sync=False)
+
+        if error is None:
+            batch = store.batch()
+            batch.complete_incoming(item.id, _now_ms())
+            store.write(batch, sync=False)
+            self.handled += 1
+            return None
+        self.failed += 1
+        if attempts >= config.max_attempts:
+            self._deadletter(item, "handler_failed", error, attempts)
+            return None
+        delay = backoff(attempts, config.retry_initial, config.retry_max)
+        batch = store.batch()
+        batch.put_runstate(item.id, [attempts, done, error, _now_ms() + int(delay * 1000)])
+        store.write(batch, sync=False)
+        return time.monotonic() + delay
+
+    def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int) -> None:
+        record = item.record
+        batch = self._store.batch()
+        batch.deadletter_incoming(item.id, {
+            "origin": "incoming",
+            "reason": reason,
+            "error": error,
+            "attempts": attempts,
+            "at": _now_ms(),
+            "kind": KIND_NAMES.get(record[0], "event"),
+            "topic": record[1],
+            "record": record,
+        })
+        self._store.write(batch, sync=False)
+        self.deadlettered += 1
+        log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
+                  error or reason)

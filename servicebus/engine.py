@@ -1,0 +1,769 @@
+"""The engine: the one thread that owns every socket, the timers and the group commit.
+
+User threads never touch a socket. They append a command to a queue, poke an eventfd and
+wait on a ``concurrent.futures.Future``. One turn of the loop (DESIGN.md section 9):
+
+1. read: the wake-up fd, the ROUTER (messages, subscribes, pings) and every DEALER (acks,
+   pongs), then the queued user commands; every store change goes into one batch;
+2. commit: one ``WriteBatch``, fsynced only if something visible waits on it (a publish
+   returning, an ack leaving, a subscription being confirmed);
+3. release: resolve futures, send acks, hand received messages to the dispatcher;
+4. send: new messages into subscribers' windows, backlog read from the store, resends;
+5. timers: pings, subscribe retries, stream garbage collection, dedupe pruning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections import Counter, defaultdict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from . import protocol as P
+from .config import BusConfig
+from .delivery import (
+    Consumer,
+    backoff,
+    envelope_from_record,
+    event_stream,
+    pack_outgoing,
+    unpack_outgoing,
+)
+from .dispatch import Dispatcher, Incoming, incoming_record
+from .errors import BusClosedError, BusError
+from .ids import IdGenerator, id_millis
+from .protocol import Kind
+from .records import PeerStatus
+from .store import Batch, Store
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("servicebus")
+
+READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
+TICK = 0.1  # seconds between timer checks when idle
+GC_INTERVAL = 0.5
+DEDUPE_PRUNE_INTERVAL = 60.0
+INTENT_RETRY = 1.0
+DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class Peer:
+    """A bus we send to, through our own DEALER connected to its ROUTER."""
+
+    address: str
+    sock: zmq.Socket
+    up: bool = False
+    boot: str | None = None
+    last_pong: float | None = None
+    last_ping: float = 0.0
+    consumers: list[Consumer] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Intent:
+    """A subscribe or unsubscribe this bus asked of a publisher, until confirmed."""
+
+    publisher: str
+    topic: str
+    op: str  # "subscribe" | "unsubscribe"
+    id: str
+    confirmed: bool
+    next_try: float = 0.0
+    waiters: list[Future] = field(default_factory=list)
+
+    def record(self) -> dict:
+        return {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": _now_ms()}
+
+
+# --- commands from user threads ----------------------------------------------------------
+
+
+@dataclass
+class Publish:
+    topic: str
+    bodies: list[bytes]
+    future: Future
+
+
+@dataclass
+class SubscribeCmd:
+    publisher: str
+    topic: str
+    op: str
+    future: Future  # resolved when the intent is stored
+    confirmed: Future | None = None  # resolved when the publisher confirmed
+
+
+@dataclass
+class Drain:
+    future: Future
+
+
+@dataclass
+class Snapshot:
+    future: Future
+
+
+@dataclass
+class Call:
+    """Run a function on the engine thread (tests and admin tools)."""
+
+    fn: Any
+    future: Future
+
+
+class Engine(threading.Thread):
+    def __init__(self, *, config: BusConfig, store: Store, context: zmq.Context,
+                 router: zmq.Socket, address: str, node_id: str,
+                 dispatcher: Dispatcher) -> None:
+        super().__init__(name="servicebus-engine", daemon=True)
+        self.config = config
+        self.store = store
+        self.ctx = context
+        self.router = router
+        self.address = address
+        self.node_id = node_id
+        self.boot = os.urandom(6).hex()
+        self.dispatcher = dispatcher
+        self.ids = IdGenerator()
+
+        self._queue: deque[Any] = deque()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._stopping = False
+        self.failure: BaseException | None = None
+
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self._wake_fd, zmq.POLLIN)
+
+        self.peers: dict[str, Peer] = {}
+        self._sock_peer: dict[zmq.Socket, Peer] = {}
+        self.consumers: dict[tuple[str, str], Consumer] = {}
+        self.by_stream: dict[str, list[Consumer]] = defaultdict(list)
+        self.subscriptions: dict[tuple[str, str], dict] = {}
+        self.intents: dict[tuple[str, str], Intent] = {}
+        self._intent_ids: dict[str, Intent] = {}
+        self._drains: list[Future] = []
+        self._gc_floor: dict[str, str | None] = {}
+        self._orphans_due = True
+
+        self.malformed: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+
+        self._next_gc = 0.0
+        self._next_prune = 0.0
+        self._next_tick = 0.0
+
+        # per-turn scratch
+        self._batch: Batch | None = None
+        self._after: list[Any] = []
+        self._acks: dict[bytes, list[str]] = {}
+        self._handoff: list[Incoming] = []
+        self._new: dict[str, list[tuple[str, bytes]]] = {}
+        self._outbox: dict[Peer, list[P.Envelope]] = {}
+        self._turn_ids: set[str] = set()
+
+        self._load()
+
+    # --- user-thread side -------------------------------------------------------------
+
+    def submit(self, command: Any) -> None:
+        if self._stopping or not self.is_alive() and self.ident is not None:
+            raise BusClosedError("the bus is closed")
+        self._queue.append(command)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except (BlockingIOError, OSError):
+            pass  # already signalled (counter full) or closing: the engine will look anyway
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping = True
+        self.wake()
+        self.join(timeout)
+
+    # --- startup -----------------------------------------------------------------------
+
+    def _load(self) -> None:
+        for subscriber, topic, record in self.store.subscriptions():
+            self.subscriptions[(subscriber, topic)] = record
+        states = {(peer, stream): rec for peer, stream, rec in self.store.deliveries()}
+        for (subscriber, topic), record in self.subscriptions.items():
+            stream = event_stream(topic)
+            state = states.pop((subscriber, stream), None)
+            if state is None:
+                consumer = Consumer(subscriber, stream, record["since"])
+            else:
+                consumer = Consumer.from_record(subscriber, stream, state)
+            self._add_consumer(consumer)
+        if states:
+            batch = self.store.batch()
+            for peer, stream in states:
+                log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
+                batch.delete_delivery(peer, stream)
+            self.store.write(batch, sync=False)
+        for publisher, topic, record in self.store.intents():
+            intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"])
+            self.intents[(publisher, topic)] = intent
+            self._intent_ids[intent.id] = intent
+            self._peer(publisher)
+
+    def _add_consumer(self, consumer: Consumer) -> None:
+        self.consumers[(consumer.peer, consumer.stream)] = consumer
+        self.by_stream[consumer.stream].append(consumer)
+        self._peer(consumer.peer).consumers.append(consumer)
+
+    def _remove_consumer(self, consumer: Consumer) -> None:
+        self.consumers.pop((consumer.peer, consumer.stream), None)
+        self.by_stream[consumer.stream].remove(consumer)
+        if not self.by_stream[consumer.stream]:
+            del self.by_stream[consumer.stream]
+        self.peers[consumer.peer].consumers.remove(consumer)
+
+    def _peer(self, address: str) -> Peer:
+        peer = self.peers.get(address)
+        if peer is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame())
+            sock.connect(address)
+            peer = Peer(address, sock)
+            self.peers[address] = peer
+            self._sock_peer[sock] = peer
+            self.poller.register(sock, zmq.POLLIN)
+        return peer
+
+    def _max_frame(self) -> int:
+        return self.config.max_payload * 2 + (1 << 20)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._stopping:
+                timeout = 0 if self._queue else self._poll_timeout()
+                events = dict(self.poller.poll(timeout * 1000))
+                self._turn(events)
+            self._turn({})  # last commands and acks before the sockets close
+        except BaseException as exc:  # noqa: BLE001
+            self.failure = exc
+            log.exception("servicebus engine stopped by an unexpected error")
+        finally:
+            self._shutdown()
+
+    def _poll_timeout(self) -> float:
+        return max(0.0, min(TICK, self._next_tick - time.monotonic()))
+
+    def _turn(self, events: dict) -> None:
+        now = time.monotonic()
+        self._batch = batch = self.store.batch()
+        if self._wake_fd in events:
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+        if self.router in events:
+            self._read_router(now)
+        for sock in events:
+            peer = self._sock_peer.get(sock)
+            if peer is not None:
+                self._read_dealer(peer, now)
+        self._run_commands(now)
+        if now >= self._next_gc:
+            self._next_gc = now + GC_INTERVAL
+            self._collect_garbage()
+        for consumer in self.consumers.values():
+            if consumer.dirty:
+                consumer.dirty = False
+                batch.put_delivery(consumer.peer, consumer.stream, consumer.record())
+
+        # commit: one fsync for everything this turn that someone waits on
+        if batch.ops or batch.sync:
+            self.store.write(batch, sync=batch.sync)
+            if batch.sync:
+                self.counters["fsyncs"] += 1
+        self._batch = None
+
+        # release
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
+        acks, self._acks = self._acks, {}
+        for ident, ids in acks.items():
+            self._send_router(ident, P.encode_ack(ids))
+        if self._handoff:
+            handoff, self._handoff = self._handoff, []
+            self.dispatcher.submit(handoff)
+        self._turn_ids.clear()
+
+        # send
+        if self._new:
+            self._deliver_new(now)
+        self._fill_windows(now)
+        if now >= self._next_tick:
+            self._next_tick = now + TICK
+            self._timers(now)
+        self._flush_outbox()
+        if self._drains:
+            self._check_drains()
+
+    # --- reading -----------------------------------------------------------------------
+
+    def _read_router(self, now: float) -> None:
+        router = self.router
+        for _ in range(READ_LIMIT):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.malformed["bad_frame_count"] += 1
+                continue
+            ident = frames[0]
+            try:
+                frame = P.decode(frames[1:], max_payload=self.config.max_payload)
+            except BusError as exc:
+                self._malformed(exc)
+                continue
+            if isinstance(frame, P.Batch):
+                self._on_batch(ident, frame)
+            elif isinstance(frame, P.Ping):
+                self._send_router(ident, P.encode_pong(self.node_id, self.boot))
+            elif isinstance(frame, P.Subscribe):
+                self._on_subscribe(ident, frame)
+            elif isinstance(frame, P.Unsubscribe):
+                self._on_unsubscribe(ident, frame)
+            else:
+                self.malformed["unexpected_kind"] += 1
+
+    def _malformed(self, exc: BusError) -> None:
+        reason = getattr(exc, "reason", "malformed")
+        self.malformed[reason] += 1
+        total = sum(self.malformed.values())
+        if total & (total - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... to stay readable
+            log.warning("dropped a malformed frame (%s); %d so far", exc, total)
+
+    def _read_dealer(self, peer: Peer, now: float) -> None:
+        sock = peer.sock
+        for _ in range(READ_LIMIT):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                frame = P.decode(frames, max_payload=self.config.max_payload)
+            except BusError as exc:
+                self._malformed(exc)
+                continue
+            if isinstance(frame, P.Ack):
+                self._on_ack(peer, frame.ids)
+            elif isinstance(frame, P.Pong):
+                self._on_pong(peer, frame, now)
+            elif isinstance(frame, P.Nack):
+                log.warning("peer %s refused %d message(s): %s", peer.address, len(frame.ids), frame.reason)
+            else:
+                self.malformed["unexpected_kind"] += 1
+
+    def _on_batch(self, ident: bytes, frame: P.Batch) -> None:
+        batch, store, seen = self._batch, self.store, self._turn_ids
+        acks = self._acks.setdefault(ident, [])
+        kind = int(frame.kind)
+        for env in frame.messages:
+            mid = env.id
+            acks.append(mid)
+            if mid in seen or store.seen(mid):
+                self.counters["duplicates"] += 1
+                continue  # stored or handled already: ack again, do not handle again
+            seen.add(mid)
+            record = incoming_record(kind, frame.sender, frame.reply_to, env)
+            batch.put_incoming(mid, record)
+            self._handoff.append(Incoming(mid, record, None))
+        self.counters["received"] += len(frame.messages)
+        batch.sync = True  # the acks leave only after the fsync
+
+    def _on_subscribe(self, ident: bytes, frame: P.Subscribe) -> None:
+        key = (frame.address, frame.topic)
+        if key not in self.subscriptions:
+            record = {"since": self.ids.next(), "created": _now_ms(), "node": frame.sender}
+            self.subscriptions[key] = record
+            self._batch.put_subscription(frame.address, frame.topic, record)
+            consumer = Consumer(frame.address, event_stream(frame.topic), record["since"])
+            consumer.exhausted = True  # it starts at the end of the stream
+            consumer.dirty = True
+            self._add_consumer(consumer)
+            log.info("%s subscribed to %s", frame.address, frame.topic)
+        self._batch.sync = True
+        self._acks.setdefault(ident, []).append(frame.id)
+
+    def _on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe) -> None:
+        key = (frame.address, frame.topic)
+        if self.subscriptions.pop(key, None) is not None:
+            stream = event_stream(frame.topic)
+            consumer = self.consumers.get((frame.address, stream))
+            if consumer is not None:
+                self._remove_consumer(consumer)
+            self._batch.delete_subscription(frame.address, frame.topic)
+            self._batch.delete_delivery(frame.address, stream)
+            self._gc_floor.pop(stream, None)
+            self._orphans_due = True
+            log.info("%s unsubscribed from %s", frame.address, frame.topic)
+        self._batch.sync = True
+        self._acks.setdefault(ident, []).append(frame.id)
+
+    def _on_ack(self, peer: Peer, ids: tuple[str, ...]) -> None:
+        consumers = peer.consumers
+        wall = time.time()
+        for mid in ids:
+            intent = self._intent_ids.get(mid)
+            if intent is not None:
+                self._confirm_intent(intent)
+                continue
+            for consumer in consumers:
+                if consumer.ack(mid):
+                    consumer.last_ack = wall
+                    break
+        self.counters["acked"] += len(ids)
+
+    def _on_pong(self, peer: Peer, pong: P.Pong, now: float) -> None:
+        restarted = peer.boot is not None and peer.boot != pong.boot
+        peer.last_pong = now
+        peer.boot = pong.boot
+        if not peer.up or restarted:
+            peer.up = True
+            log.info("peer %s is up%s", peer.address, " (restarted)" if restarted else "")
+            self._peer_up(peer, now)
+
+    def _peer_up(self, peer: Peer, now: float) -> None:
+        """A peer (re)appeared: what it had in flight may be lost, so send it again now
+        rather than at the end of a long backoff."""
+        for consumer in peer.consumers:
+            consumer.exhausted = False
+            for mid, flight in consumer.inflight.items():
+                flight.deadline = 0.0
+        for intent in self.intents.values():
+            if intent.publisher == peer.address and not intent.confirmed:
+                intent.next_try = 0.0
+        self._next_tick = 0.0
+
+    # --- user commands -----------------------------------------------------------------
+
+    def _run_commands(self, now: float) -> None:
+        queue = self._queue
+        while queue:
+            cmd = queue.popleft()
+            try:
+                if isinstance(cmd, Publish):
+                    self._cmd_publish(cmd)
+                elif isinstance(cmd, SubscribeCmd):
+                    self._cmd_subscribe(cmd)
+                elif isinstance(cmd, Drain):
+                    self._drains.append(cmd.future)
+                elif isinstance(cmd, Snapshot):
+                    cmd.future.set_result(self._snapshot(now))
+                elif isinstance(cmd, Call):
+                    cmd.future.set_result(cmd.fn(self))
+                else:
+                    raise TypeError(f"unknown engine command {cmd!r}")
+            except Exception as exc:  # a bad command fails its caller, not the engine
+                if not cmd.future.done():
+                    cmd.future.set_exception(exc)
+
+    def _cmd_publish(self, cmd: Publish) -> None:
+        ids = [self.ids.next() for _ in cmd.bodies]
+        stream = event_stream(cmd.topic)
+        if stream in self.by_stream:
+            sent = _now_ms()
+            put = self._batch.put_outgoing
+            new = self._new.setdefault(stream, [])
+            for mid, body in zip(ids, cmd.bodies):
+                record = pack_outgoing(Kind.EVENT, cmd.topic, sent, body)
+                put(stream, mid, record)
+                new.append((mid, record))
+            self._batch.sync = True
+        self.counters["published"] += len(ids)
+        self._after.append(lambda: cmd.future.set_result(ids))
+
+    def _cmd_subscribe(self, cmd: SubscribeCmd) -> None:
+        key = (cmd.publisher, cmd.topic)
+        old = self.intents.get(key)
+        if old is not None:
+            self._intent_ids.pop(old.id, None)
+        intent = Intent(cmd.publisher, cmd.topic, cmd.op, self.ids.next(), False)
+        if old is not None and old.op == cmd.op:
+            intent.waiters = old.waiters
+        if cmd.confirmed is not None:
+            intent.waiters.append(cmd.confirmed)
+        self.intents[key] = intent
+        self._intent_ids[intent.id] = intent
+        self._batch.put_intent(cmd.publisher, cmd.topic, intent.record())
+        self._batch.sync = True
+        self._peer(cmd.publisher)
+        self._after.append(lambda: cmd.future.set_result(intent.id))
+        self._next_tick = 0.0
+
+    def _confirm_intent(self, intent: Intent) -> None:
+        self._intent_ids.pop(intent.id, None)
+        key = (intent.publisher, intent.topic)
+        if intent.op == "subscribe":
+            intent.confirmed = True
+            self._batch.put_intent(intent.publisher, intent.topic, intent.record())
+            log.info("subscription to %s at %s confirmed", intent.topic, intent.publisher)
+        else:
+            if self.intents.get(key) is intent:
+                del self.intents[key]
+            self._batch.delete_intent(intent.publisher, intent.topic)
+            log.info("unsubscribe from %s at %s confirmed", intent.topic, intent.publisher)
+        waiters, intent.waiters = intent.waiters, []
+        for fut in waiters:
+            self._after.append(lambda f=fut: f.done() or f.set_result(True))
+
+    # --- sending -----------------------------------------------------------------------
+
+    def _deliver_new(self, now: float) -> None:
+        """Messages published this turn go straight into windows that had caught up."""
+        new, self._new = self._new, {}
+        window, timeout = self.config.window, self.config.ack_timeout
+        for stream, items in new.items():
+            for consumer in self.by_stream.get(stream, ()):
+                peer = self.peers[consumer.peer]
+                if not consumer.exhausted or not peer.up:
+                    consumer.exhausted = False
+                    continue
+                out = self._outbox.setdefault(peer, [])
+                for n, (mid, record) in enumerate(items):
+                    if consumer.room(window) <= 0:
+                        consumer.exhausted = False  # the rest is read from the store later
+                        break
+                    flight = consumer.admit(mid, now, timeout)
+                    if flight is not None:
+                        out.append(envelope_from_record(mid, unpack_outgoing(record), flight.attempt))
+
+    def _fill_windows(self, now: float) -> None:
+        """Read backlog from the store into windows with room (never more than a window)."""
+        window, timeout = self.config.window, self.config.ack_timeout
+        for consumer in self.consumers.values():
+            if consumer.exhausted:
+                continue
+            peer = self.peers[consumer.peer]
+            room = consumer.room(window)
+            if not peer.up:
+                # Learn whether anything is pending at all (drain and status need it).
+                if not self.store.stream_ids(consumer.stream, after=consumer.pos, limit=1):
+                    consumer.exhausted = True
+                continue
+            if room <= 0:
+                continue
+            items = self.store.iter_stream(consumer.stream, after=consumer.pos, limit=room)
+            if len(items) < room:
+                consumer.exhausted = True
+            out = self._outbox.setdefault(peer, [])
+            for mid, data in items:
+                flight = consumer.admit(mid, now, timeout)
+                if flight is not None:
+                    record = unpack_outgoing(data)
+                    out.append(envelope_from_record(mid, record, flight.attempt))
+
+    def _resend_due(self, now: float) -> None:
+        cfg = self.config
+        for consumer in self.consumers.values():
+            peer = self.peers[consumer.peer]
+            if not peer.up or not consumer.inflight:
+                continue
+            out = None
+            for mid, flight in consumer.inflight.items():
+                if flight.deadline > now:
+                    continue
+                data = self.store.get_outgoing(consumer.stream, mid)
+                if data is None:  # cannot happen unless the store was edited underneath us
+                    log.error("message %s vanished from stream %s", mid, consumer.stream)
+                    continue
+                flight.attempt += 1
+                flight.deadline = now + backoff(flight.attempt - 1, cfg.ack_timeout, cfg.resend_max)
+                consumer.dirty = True
+                if out is None:
+                    out = self._outbox.setdefault(peer, [])
+                out.append(envelope_from_record(mid, unpack_outgoing(data), flight.attempt))
+                self.counters["resent"] += 1
+
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        size = self.config.max_batch
+        for peer, envs in outbox.items():
+            if not envs:
+                continue
+            if not peer.up:
+                continue  # stays in flight; resent when the peer comes back
+            for start in range(0, len(envs), size):
+                frames = P.encode_batch(Kind.EVENT, self.node_id, self.address, envs[start:start + size])
+                if not self._send_peer(peer, frames):
+                    break
+            else:
+                self.counters["sent"] += len(envs)
+
+    def _send_peer(self, peer: Peer, frames: list[bytes]) -> bool:
+        try:
+            peer.sock.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            # Not connected (IMMEDIATE) or its queue is full: treat the peer as down; what
+            # was in flight is resent when it answers a ping again.
+            if peer.up:
+                log.info("peer %s is down (cannot send)", peer.address)
+            peer.up = False
+            return False
+
+    def _send_router(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            self.router.send_multipart([ident, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH (ROUTER_MANDATORY: the peer went away) or EAGAIN: the sender
+            # will resend and we will ack again.
+            self.counters["router_send_failed"] += 1
+            log.debug("reply to a peer failed: %s", exc)
+
+    # --- timers ------------------------------------------------------------------------
+
+    def _timers(self, now: float) -> None:
+        cfg = self.config
+        for peer in self.peers.values():
+            if peer.up and peer.last_pong is not None and now - peer.last_pong > cfg.peer_timeout:
+                log.info("peer %s is down (no answer for %.1fs)", peer.address, now - peer.last_pong)
+                peer.up = False
+            interval = cfg.heartbeat if peer.up else DOWN_PING
+            if now - peer.last_ping >= interval:
+                peer.last_ping = now
+                self._send_peer(peer, P.encode_ping(self.node_id, self.boot))
+        for intent in self.intents.values():
+            if intent.confirmed or now < intent.next_try:
+                continue
+            intent.next_try = now + INTENT_RETRY
+            encode = P.encode_subscribe if intent.op == "subscribe" else P.encode_unsubscribe
+            self._send_peer(self.peers[intent.publisher],
+                            encode(intent.id, intent.topic, self.address, self.node_id))
+        self._resend_due(now)
+        if now >= self._next_prune:
+            self._next_prune = now + DEDUPE_PRUNE_INTERVAL
+            self._prune_handled()
+
+    def _collect_garbage(self) -> None:
+        """Delete stream messages every consumer of the stream has acknowledged."""
+        batch, budget = self._batch, 5000
+        for stream, consumers in list(self.by_stream.items()):
+            floors = [c.floor for c in consumers]
+            floor = min(floors) if floors and None not in floors else None
+            if floor is None or self._gc_floor.get(stream) == floor:
+                continue
+            ids = self.store.stream_ids(stream, upto=floor, limit=budget)
+            for mid in ids:
+                batch.delete_outgoing(stream, mid)
+            budget -= len(ids)
+            if budget > 0:
+                self._gc_floor[stream] = floor  # everything up to it is gone now
+            else:
+                return
+        if self._orphans_due and budget > 0:
+            # Streams nobody consumes any more (after an unsubscribe, or a removed
+            # subscription found at start): their messages are owed to no one.
+            for stream in self.store.stream_names():
+                if stream in self.by_stream:
+                    continue
+                ids = self.store.stream_ids(stream, limit=budget)
+                for mid in ids:
+                    batch.delete_outgoing(stream, mid)
+                budget -= len(ids)
+                if budget <= 0:
+                    return
+            self._orphans_due = False
+
+    def _prune_handled(self) -> None:
+        cutoff_ms = _now_ms() - int(self.config.dedupe_window * 1000)
+        if cutoff_ms <= 0:
+            return
+        old = self.store.handled_before(f"{cutoff_ms:012x}", 10_000)
+        if old:
+            batch = self._batch or self.store.batch()
+            for mid in old:
+                batch.delete_handled(mid)
+            if self._batch is None:
+                self.store.write(batch, sync=False)
+
+    # --- drain and status --------------------------------------------------------------
+
+    def idle(self) -> bool:
+        if self._queue or self._new or self._handoff:
+            return False
+        if any(not c.idle for c in self.consumers.values()):
+            return False
+        if any(not i.confirmed for i in self.intents.values()):
+            return False
+        return self.dispatcher.idle
+
+    def _check_drains(self) -> None:
+        self._drains = [f for f in self._drains if not f.done()]
+        if self._drains and self.idle():
+            for fut in self._drains:
+                fut.set_result(True)
+            self._drains = []
+
+    def _snapshot(self, now: float) -> dict:
+        peers = tuple(
+            PeerStatus(p.address, p.up, sum(len(c.inflight) for c in p.consumers),
+                       None if p.last_pong is None else now - p.last_pong)
+            for p in self.peers.values()
+        )
+        consumers = [(c.peer, c.stream, c.floor, len(c.order) - len(c.inflight) + len(c.skip))
+                     for c in self.consumers.values()]
+        return {
+            "peers": peers,
+            "consumers": consumers,
+            "malformed": dict(self.malformed),
+            "counters": dict(self.counters),
+            "intents_unconfirmed": sum(1 for i in self.intents.values() if not i.confirmed),
+        }
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        err = BusClosedError("the bus closed before this call completed")
+        if self.failure is not None:
+            err = BusClosedError(f"the bus engine failed: {self.failure!r}")
+        while self._queue:
+            cmd = self._queue.popleft()
+            if not cmd.future.done():
+                cmd.future.set_exception(err)
+        for fut in self._drains:
+            if not fut.done():
+                fut.set_result(False)
+        for intent in self.intents.values():
+            for fut in intent.waiters:
+                if not fut.done():
+                    fut.set_exception(err)
+        for peer in self.peers.values():
+            peer.sock.close(linger=0)
+        self.router.close(linger=0)
+        os.close(self._wake_fd)

@@ -1,0 +1,77 @@
+"""One exception root for everything the bus raises, grouped by cause.
+
+Errors coming from pyzmq or plyvel are translated where they cross into this package and
+raised ``from`` the original exception, so callers only ever need ``except BusError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BusError",
+    "BusClosedError",
+    "StoreError",
+    "LockedError",
+    "TransportError",
+    "ProtocolError",
+    "DeliveryError",
+    "SubscribeTimeout",
+    "RemoteError",
+    "RequestTimeout",
+]
+
+
+class BusError(Exception):
+    """Root of every error raised by servicebus."""
+
+
+class BusClosedError(BusError):
+    """The bus is closed (or closing) and cannot take new work."""
+
+
+class StoreError(BusError):
+    """The data directory or its LevelDB store cannot be used (I/O, corruption, permissions)."""
+
+
+class LockedError(BusError):
+    """Another live process holds the data directory's lock."""
+
+    def __init__(self, message: str, owner: dict | None = None) -> None:
+        super().__init__(message)
+        self.owner = owner or {}
+
+
+class TransportError(BusError):
+    """A socket could not be bound or used (address in use, bad address, ...)."""
+
+
+class ProtocolError(BusError):
+    """A frame did not follow the wire protocol; ``reason`` names what was wrong."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class DeliveryError(BusError):
+    """A message could not be delivered or handled."""
+
+
+class SubscribeTimeout(DeliveryError, TimeoutError):
+    """A subscribe handshake was not confirmed within the time the caller waited.
+
+    The intent stays stored and is retried; only the wait gave up.
+    """
+
+
+class RemoteError(DeliveryError):
+    """A remote handler raised; ``remote_type`` and ``remote_message`` describe it."""
+
+    def __init__(self, remote_type: str, remote_message: str) -> None:
+        super().__init__(f"{remote_type}: {remote_message}")
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+
+
+class RequestTimeout(BusError, TimeoutError):
+    """No reply arrived within the request's timeout."""

@@ -1,0 +1,133 @@
+"""The data directory lock: an owner record in ``DATADIR/LOCK`` plus an ``flock`` on it.
+
+The flock is what proves liveness: the kernel drops it when the owner dies, however it
+dies, so a LOCK file whose flock is free is stale and may be taken over. The owner record
+(JSON: pid, host, address, started) is what an operator and ``LockedError`` get to see.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LockedError, StoreError
+
+__all__ = ["LockOwner", "DataDirLock", "read_owner", "probe"]
+
+log = logging.getLogger("servicebus")
+LOCK_NAME = "LOCK"
+
+
+@dataclass(frozen=True)
+class LockOwner:
+    pid: int
+    host: str
+    address: str
+    started: float  # seconds since the epoch
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return f"pid {self.pid} on {self.host} ({self.address}, started {when})"
+
+    @classmethod
+    def from_json(cls, text: str) -> "LockOwner | None":
+        try:
+            data = json.loads(text)
+            return cls(int(data["pid"]), str(data["host"]), str(data["address"]), float(data["started"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def read_owner(datadir: str | os.PathLike) -> LockOwner | None:
+    """The owner record in DATADIR/LOCK, or None if there is no (readable) record."""
+    try:
+        return LockOwner.from_json((Path(datadir) / LOCK_NAME).read_text())
+    except OSError:
+        return None
+
+
+def probe(datadir: str | os.PathLike) -> tuple[LockOwner | None, bool]:
+    """(owner record, alive): alive is True when some process holds the flock right now."""
+    path = Path(datadir) / LOCK_NAME
+    owner = read_owner(datadir)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return owner, False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return owner, True
+    finally:
+        os.close(fd)  # closing drops our probe lock, if we got one
+    return owner, False
+
+
+class DataDirLock:
+    """Holds DATADIR/LOCK for the lifetime of one bus."""
+
+    def __init__(self, path: Path, fd: int, owner: LockOwner) -> None:
+        self.path = path
+        self._fd = fd
+        self.owner = owner
+
+    @classmethod
+    def acquire(cls, datadir: str | os.PathLike, address: str) -> "DataDirLock":
+        path = Path(datadir) / LOCK_NAME
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StoreError(f"cannot create lock file {path}: {exc.strerror}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                owner = read_owner(datadir)
+                who = owner.describe() if owner else "another process"
+                raise LockedError(
+                    f"data directory {datadir} is locked by {who}",
+                    owner=owner.__dict__ if owner else None,
+                ) from None
+            # The previous owner may have unlinked LOCK between our open and our flock;
+            # then we hold a lock on a file nobody else will ever open. Start again.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+
+        previous = LockOwner.from_json(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "null")
+        if previous is not None:
+            log.warning("recovered a stale lock on %s left by %s", datadir, previous.describe())
+        owner = LockOwner(os.getpid(), socket.gethostname(), address, time.time())
+        lock = cls(path, fd, owner)
+        lock.update(address)
+        return lock
+
+    def update(self, address: str) -> None:
+        """Rewrite the owner record (the bound address is known only after bind)."""
+        self.owner = LockOwner(self.owner.pid, self.owner.host, address, self.owner.started)
+        data = json.dumps(self.owner.__dict__).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        os.fsync(self._fd)
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            # Unlink while still holding the flock so no one can take the old inode over.
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1

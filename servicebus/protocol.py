@@ -1,0 +1,362 @@
+"""The wire protocol, sans I/O: frames <-> typed records, with validation.
+
+Every ZeroMQ message is four frames (after the ROUTER identity, which the engine strips)::
+
+    [b"SB1", kind (1 byte), header (msgpack), body (msgpack or empty)]
+
+Message kinds (EVENT, COMMAND, REPLY) are batched: the header is a map holding the
+sender's node id, its reply address and a list of per-message arrays
+``[id, topic, sent_ms, attempt, expires_ms|None, correlation_id|None, headers]``; the body
+is a msgpack array of the payloads, each already msgpack-encoded by the publisher (so they
+are forwarded as bytes and never re-encoded). Control kinds carry a map and an empty body.
+
+This module imports neither zmq nor plyvel. Anything malformed raises ``ProtocolError``
+with a short ``reason`` (used as a counter name by the engine).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+import msgpack
+
+from .errors import ProtocolError
+from .topics import MAX_TOPIC_BYTES
+
+__all__ = [
+    "MAGIC",
+    "Kind",
+    "Envelope",
+    "Batch",
+    "Ack",
+    "Nack",
+    "Subscribe",
+    "Unsubscribe",
+    "Ping",
+    "Pong",
+    "Frame",
+    "MESSAGE_KINDS",
+    "encode_batch",
+    "encode_ack",
+    "encode_nack",
+    "encode_subscribe",
+    "encode_unsubscribe",
+    "encode_ping",
+    "encode_pong",
+    "decode",
+    "validate_address",
+    "encode_payload",
+    "decode_payload",
+    "MAX_BATCH",
+]
+
+MAGIC = b"SB1"
+MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
+MAX_ID_LEN = 64
+MAX_NAME_LEN = 64
+MAX_ADDRESS_LEN = 512
+MAX_REASON_LEN = 4096
+
+
+class Kind(IntEnum):
+    EVENT = 1
+    COMMAND = 2
+    REPLY = 3
+    ACK = 4
+    NACK = 5
+    SUBSCRIBE = 6
+    UNSUBSCRIBE = 7
+    PING = 8
+    PONG = 9
+
+
+MESSAGE_KINDS = frozenset({Kind.EVENT, Kind.COMMAND, Kind.REPLY})
+_KIND_BYTES = {kind: bytes([kind]) for kind in Kind}
+
+
+class Envelope(NamedTuple):
+    """One message inside a batch. A tuple, not an object: thousands go by per second."""
+
+    id: str
+    topic: str
+    sent: int  # ms since the epoch, sender's clock
+    body: bytes  # msgpack-encoded payload
+    attempt: int = 1
+    expires: int | None = None  # ms since the epoch, or None for no TTL
+    correlation_id: str | None = None
+    headers: dict | None = None
+
+
+class Batch(NamedTuple):
+    kind: Kind
+    sender: str
+    reply_to: str
+    messages: tuple[Envelope, ...]
+
+
+class Ack(NamedTuple):
+    ids: tuple[str, ...]
+
+
+class Nack(NamedTuple):
+    ids: tuple[str, ...]
+    reason: str
+
+
+class Subscribe(NamedTuple):
+    id: str
+    topic: str
+    address: str  # where the subscriber wants its events sent
+    sender: str
+
+
+class Unsubscribe(NamedTuple):
+    id: str
+    topic: str
+    address: str
+    sender: str
+
+
+class Ping(NamedTuple):
+    sender: str
+    boot: str
+
+
+class Pong(NamedTuple):
+    sender: str
+    boot: str
+
+
+Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
+
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# --- payloads ------------------------------------------------------------------------------
+
+
+def encode_payload(payload: Any) -> bytes:
+    """msgpack-encode a user payload; raise ``TypeError`` naming the type that cannot be."""
+    try:
+        return msgpack.packb(payload, use_bin_type=True, strict_types=False)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise TypeError(f"payload cannot be encoded with msgpack: {exc}") from exc
+
+
+def decode_payload(body: bytes) -> Any:
+    return msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+
+# --- addresses -----------------------------------------------------------------------------
+
+_TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})$")
+_IPC = re.compile(r"^ipc://(?P<path>[^\x00-\x1f\x7f]+)$")
+
+
+def validate_address(address: object, *, what: str = "address") -> str:
+    """Return a peer address (``tcp://host:port`` or ``ipc://path``) or raise ``ValueError``.
+
+    Used on user input and on every address that arrives off the wire before any
+    ``connect()``: junk would make libzmq raise, and a forged address must not point the
+    bus at arbitrary endpoints in forms we never meant to support.
+    """
+    if not isinstance(address, str):
+        raise ValueError(f"{what} must be a str, not {type(address).__name__}")
+    if len(address) > MAX_ADDRESS_LEN:
+        raise ValueError(f"{what} is longer than {MAX_ADDRESS_LEN} characters")
+    match = _TCP.match(address)
+    if match:
+        port = int(match.group("port"))
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{what} {address!r} has port {port}; expected 1-65535")
+        if match.group("host") in ("*", "0.0.0.0", "[::]"):
+            raise ValueError(f"{what} {address!r} is a wildcard; peers need a reachable host")
+        return address
+    if _IPC.match(address):
+        return address
+    raise ValueError(f"{what} {address!r} is not of the form tcp://host:port or ipc://path")
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+
+def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope]) -> list[bytes]:
+    header = {
+        "sender": sender,
+        "reply_to": reply_to,
+        "msgs": [
+            [m.id, m.topic, m.sent, m.attempt, m.expires, m.correlation_id, m.headers or {}]
+            for m in messages
+        ],
+    }
+    body = [m.body for m in messages]
+    return [MAGIC, _KIND_BYTES[kind], _pack(header), _pack(body)]
+
+
+def _control(kind: Kind, header: dict) -> list[bytes]:
+    return [MAGIC, _KIND_BYTES[kind], _pack(header), b""]
+
+
+def encode_ack(ids: list[str] | tuple[str, ...]) -> list[bytes]:
+    return _control(Kind.ACK, {"ids": list(ids)})
+
+
+def encode_nack(ids: list[str] | tuple[str, ...], reason: str) -> list[bytes]:
+    return _control(Kind.NACK, {"ids": list(ids), "reason": reason})
+
+
+def encode_subscribe(id: str, topic: str, address: str, sender: str) -> list[bytes]:
+    return _control(Kind.SUBSCRIBE, {"id": id, "topic": topic, "address": address, "sender": sender})
+
+
+def encode_unsubscribe(id: str, topic: str, address: str, sender: str) -> list[bytes]:
+    return _control(
+        Kind.UNSUBSCRIBE, {"id": id, "topic": topic, "address": address, "sender": sender}
+    )
+
+
+def encode_ping(sender: str, boot: str) -> list[bytes]:
+    return _control(Kind.PING, {"sender": sender, "boot": boot})
+
+
+def encode_pong(sender: str, boot: str) -> list[bytes]:
+    return _control(Kind.PONG, {"sender": sender, "boot": boot})
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
+        raise ProtocolError("bad_msgpack", f"{what}: {type(exc).__name__}") from exc
+
+
+def _str(value: Any, field: str, limit: int) -> str:
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise ProtocolError("bad_field", f"{field} must be a non-empty str of at most {limit}")
+    return value
+
+
+def _opt_str(value: Any, field: str, limit: int) -> str | None:
+    return None if value is None else _str(value, field, limit)
+
+
+def _int(value: Any, field: str, minimum: int = 0) -> int:
+    if type(value) is not int or value < minimum:
+        raise ProtocolError("bad_field", f"{field} must be an int >= {minimum}")
+    return value
+
+
+def _topic(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value.encode("utf-8", "surrogatepass")) > MAX_TOPIC_BYTES:
+        raise ProtocolError("bad_field", "topic must be a non-empty str of at most 255 bytes")
+    if any(ord(ch) <= 32 or ord(ch) == 127 for ch in value):
+        raise ProtocolError("bad_field", "topic contains whitespace or control characters")
+    return value
+
+
+def _address(value: Any, field: str) -> str:
+    try:
+        return validate_address(value, what=field)
+    except ValueError as exc:
+        raise ProtocolError("bad_address", str(exc)) from exc
+
+
+def _require(header: dict, *fields: str) -> None:
+    missing = [f for f in fields if f not in header]
+    if missing:
+        raise ProtocolError("missing_field", ", ".join(missing))
+
+
+def _ids(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_BATCH:
+        raise ProtocolError("bad_field", "ids must be a list")
+    return tuple(_str(v, "ids[]", MAX_ID_LEN) for v in value)
+
+
+def decode(frames: list[bytes], *, max_payload: int) -> Frame:
+    """Turn the frames of one ZeroMQ message into a typed record, or raise ProtocolError."""
+    if len(frames) != 4:
+        raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
+    magic, kind_b, header_b, body_b = frames
+    if magic != MAGIC:
+        raise ProtocolError("bad_magic")
+    if len(kind_b) != 1 or kind_b[0] not in Kind._value2member_map_:
+        raise ProtocolError("unknown_kind")
+    kind = Kind(kind_b[0])
+    header = _unpack(header_b, "header")
+    if not isinstance(header, dict):
+        raise ProtocolError("bad_header", "header must be a map")
+
+    if kind in MESSAGE_KINDS:
+        return _decode_batch(kind, header, body_b, max_payload)
+    if body_b:
+        raise ProtocolError("bad_body", f"{kind.name} carries no body")
+    if kind is Kind.ACK:
+        _require(header, "ids")
+        return Ack(_ids(header["ids"]))
+    if kind is Kind.NACK:
+        _require(header, "ids", "reason")
+        return Nack(_ids(header["ids"]), _str(header["reason"], "reason", MAX_REASON_LEN))
+    if kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBE):
+        _require(header, "id", "topic", "address", "sender")
+        cls = Subscribe if kind is Kind.SUBSCRIBE else Unsubscribe
+        return cls(
+            _str(header["id"], "id", MAX_ID_LEN),
+            _topic(header["topic"]),
+            _address(header["address"], "address"),
+            _str(header["sender"], "sender", MAX_NAME_LEN),
+        )
+    _require(header, "sender", "boot")
+    cls = Ping if kind is Kind.PING else Pong
+    return cls(_str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN))
+
+
+def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> Batch:
+    _require(header, "sender", "reply_to", "msgs")
+    sender = _str(header["sender"], "sender", MAX_NAME_LEN)
+    reply_to = _address(header["reply_to"], "reply_to")
+    metas = header["msgs"]
+    if not isinstance(metas, list) or not metas:
+        raise ProtocolError("bad_field", "msgs must be a non-empty list")
+    if len(metas) > MAX_BATCH:
+        raise ProtocolError("oversize", f"{len(metas)} messages in one frame")
+    bodies = _unpack(body_b, "body")
+    if not isinstance(bodies, list) or len(bodies) != len(metas):
+        raise ProtocolError("bad_body", "body must be a list with one payload per message")
+    out = []
+    for meta, body in zip(metas, bodies):
+        if not isinstance(meta, list) or len(meta) != 7:
+            raise ProtocolError("bad_field", "each message header must be a 7-item array")
+        if not isinstance(body, bytes):
+            raise ProtocolError("bad_body", "payloads must be msgpack bin")
+        if len(body) > max_payload:
+            raise ProtocolError("oversize", f"payload of {len(body)} bytes")
+        mid, topic, sent, attempt, expires, corr, headers = meta
+        if headers is not None and not isinstance(headers, dict):
+            raise ProtocolError("bad_field", "headers must be a map")
+        try:
+            # Payloads are checked here so that junk never reaches a handler.
+            msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise ProtocolError("bad_payload", type(exc).__name__) from exc
+        out.append(
+            Envelope(
+                _str(mid, "id", MAX_ID_LEN),
+                _topic(topic),
+                _int(sent, "sent"),
+                body,
+                _int(attempt, "attempt", 1),
+                None if expires is None else _int(expires, "expires"),
+                _opt_str(corr, "correlation_id", MAX_ID_LEN),
+                headers or None,
+            )
+        )
+    return Batch(kind, sender, reply_to, tuple(out))

@@ -1,0 +1,403 @@
+"""The LevelDB store: one database per data directory, split into keyspaces by prefix.
+
+Only this module touches plyvel. Other modules speak in records and ``Batch`` methods,
+never in raw keys. Every change that spans keyspaces goes through one ``Batch`` and so is
+atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
+
+    m/<name>                       meta (node id, format version)
+    s/<subscriber>\\0<topic>        subscriptions: who subscribed to me
+    i/<publisher>\\0<topic>         subscribe intents: whom I asked (and whether confirmed)
+    o/<stream>\\0<id>               outgoing messages, one log per stream (e:<topic>, ...)
+    d/<peer>\\0<stream>             delivery state of one peer on one stream (a cursor)
+    n/<id>                         incoming messages not yet handled
+    r/<id>                         run state of an incoming message (attempts, errors)
+    h/<id>                         handled ids, kept for the dedupe window
+    x/<id>                         dead letters
+
+Outgoing messages are stored once per stream, however many subscribers there are; each
+subscriber's delivery state is a cursor into the stream (see ``delivery.py``). That keeps a
+fan-out to ten subscribers at one write per message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import plyvel
+
+from .errors import StoreError
+
+__all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+SEP = b"\x00"
+
+KEYSPACES = {
+    "meta": b"m/",
+    "subscriptions": b"s/",
+    "intents": b"i/",
+    "outgoing": b"o/",
+    "deliveries": b"d/",
+    "incoming": b"n/",
+    "runstate": b"r/",
+    "handled": b"h/",
+    "deadletters": b"x/",
+}
+_M, _S, _I, _O, _D, _N, _R, _H, _X = (KEYSPACES[k] for k in (
+    "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
+    "handled", "deadletters"))
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _pair(prefix: bytes, a: str, b: str) -> bytes:
+    return prefix + a.encode() + SEP + b.encode()
+
+
+def _split(key: bytes, prefix_len: int) -> tuple[str, str]:
+    a, _, b = key[prefix_len:].partition(SEP)
+    return a.decode(), b.decode()
+
+
+def _end(prefix: bytes) -> bytes:
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class Batch:
+    """A set of writes applied atomically by ``Store.write``. Belongs to one thread."""
+
+    __slots__ = ("_wb", "ops", "sync")
+
+    def __init__(self, wb: Any) -> None:
+        self._wb = wb
+        self.ops = 0
+        self.sync = False  # set when something visible waits on this batch being durable
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        self._wb.put(key, value)
+        self.ops += 1
+
+    def _delete(self, key: bytes) -> None:
+        self._wb.delete(key)
+        self.ops += 1
+
+    def put_meta(self, name: str, value: bytes) -> None:
+        self._put(_M + name.encode(), value)
+
+    def put_subscription(self, subscriber: str, topic: str, record: dict) -> None:
+        self._put(_pair(_S, subscriber, topic), _pack(record))
+
+    def delete_subscription(self, subscriber: str, topic: str) -> None:
+        self._delete(_pair(_S, subscriber, topic))
+
+    def put_intent(self, publisher: str, topic: str, record: dict) -> None:
+        self._put(_pair(_I, publisher, topic), _pack(record))
+
+    def delete_intent(self, publisher: str, topic: str) -> None:
+        self._delete(_pair(_I, publisher, topic))
+
+    def put_outgoing(self, stream: str, message_id: str, record: bytes) -> None:
+        """``record`` is already packed (see ``delivery.pack_outgoing``)."""
+        self._put(_pair(_O, stream, message_id), record)
+
+    def delete_outgoing(self, stream: str, message_id: str) -> None:
+        self._delete(_pair(_O, stream, message_id))
+
+    def put_delivery(self, peer: str, stream: str, record: dict) -> None:
+        self._put(_pair(_D, peer, stream), _pack(record))
+
+    def delete_delivery(self, peer: str, stream: str) -> None:
+        self._delete(_pair(_D, peer, stream))
+
+    def put_incoming(self, message_id: str, record: list) -> None:
+        self._put(_N + message_id.encode(), _pack(record))
+
+    def put_runstate(self, message_id: str, record: list) -> None:
+        self._put(_R + message_id.encode(), _pack(record))
+
+    def complete_incoming(self, message_id: str, handled_ms: int) -> None:
+        key = message_id.encode()
+        self._delete(_N + key)
+        self._delete(_R + key)
+        self._put(_H + key, handled_ms.to_bytes(8, "big"))
+
+    def delete_handled(self, message_id: str) -> None:
+        self._delete(_H + message_id.encode())
+
+    def deadletter_incoming(self, message_id: str, record: dict) -> None:
+        key = message_id.encode()
+        self._delete(_N + key)
+        self._delete(_R + key)
+        self._put(_X + key, _pack(record))
+
+    def put_deadletter(self, message_id: str, record: dict) -> None:
+        self._put(_X + message_id.encode(), _pack(record))
+
+    def delete_deadletter(self, message_id: str) -> None:
+        self._delete(_X + message_id.encode())
+
+
+class Store:
+    """A LevelDB database in ``DATADIR/store``.
+
+    Thread-safe: plyvel calls are, and ``close()`` waits for calls in progress so that a
+    handler thread finishing late gets a ``StoreError`` instead of touching a closed DB.
+    """
+
+    def __init__(self, db: Any, path: Path) -> None:
+        self._db = db
+        self.path = path
+        self._cv = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, create: bool = True) -> "Store":
+        path = Path(path)
+        try:
+            db = plyvel.DB(
+                str(path),
+                create_if_missing=create,
+                paranoid_checks=True,
+                write_buffer_size=8 << 20,
+                lru_cache_size=16 << 20,
+                bloom_filter_bits=10,
+            )
+        except plyvel.Error as exc:
+            raise StoreError(f"cannot open store {path}: {exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot open store {path}: {exc}") from exc
+        store = cls(db, path)
+        version = store.get_meta("format")
+        if version is None:
+            batch = store.batch()
+            batch.put_meta("format", str(FORMAT_VERSION).encode())
+            store.write(batch, sync=True)
+        elif int(version) != FORMAT_VERSION:
+            store.close()
+            raise StoreError(f"store {path} has format {int(version)}; this version reads {FORMAT_VERSION}")
+        return store
+
+    @staticmethod
+    def repair(path: str | os.PathLike) -> None:
+        try:
+            plyvel.repair_db(str(path))
+        except plyvel.Error as exc:
+            raise StoreError(f"repair of {path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.wait_for(lambda: self._active == 0)
+        self._db.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        with self._cv:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._active += 1
+        try:
+            yield
+        except plyvel.Error as exc:
+            raise StoreError(f"store error: {exc}") from exc
+        finally:
+            with self._cv:
+                self._active -= 1
+                if self._active == 0 and self._closed:
+                    self._cv.notify_all()
+
+    # --- writes ------------------------------------------------------------------------
+
+    def batch(self) -> Batch:
+        return Batch(self._db.write_batch(transaction=False))
+
+    def write(self, batch: Batch, *, sync: bool) -> None:
+        """Apply ``batch`` atomically; with ``sync`` the log is fsynced before returning."""
+        if batch.ops == 0 and not sync:
+            return
+        with self._op():
+            if sync:
+                # A batch's sync flag is fixed when it is created; the engine only knows at
+                # commit time whether anything waits on durability, so copy into one.
+                synced = self._db.write_batch(sync=True)
+                synced.append(batch._wb)
+                synced.write()
+            else:
+                batch._wb.write()
+
+    def sync(self) -> None:
+        """Make every earlier unsynced write durable (one fsync of the log)."""
+        with self._op():
+            self._db.put(_M + b"sync", b"", sync=True)
+
+    # --- reads -------------------------------------------------------------------------
+
+    def get_meta(self, name: str) -> bytes | None:
+        with self._op():
+            return self._db.get(_M + name.encode())
+
+    def _iter(self, prefix: bytes, **kwargs: Any) -> Iterator[tuple[bytes, bytes]]:
+        with self._op():
+            it = self._db.iterator(prefix=prefix, **kwargs)
+            try:
+                yield from it
+            finally:
+                it.close()
+
+    def count(self, keyspace: str) -> int:
+        prefix = KEYSPACES[keyspace]
+        with self._op():
+            with self._db.iterator(prefix=prefix, include_value=False) as it:
+                return sum(1 for _ in it)
+
+    def subscriptions(self) -> Iterator[tuple[str, str, dict]]:
+        for key, value in self._iter(_S):
+            sub, topic = _split(key, len(_S))
+            yield sub, topic, _unpack(value)
+
+    def intents(self) -> Iterator[tuple[str, str, dict]]:
+        for key, value in self._iter(_I):
+            pub, topic = _split(key, len(_I))
+            yield pub, topic, _unpack(value)
+
+    def deliveries(self) -> Iterator[tuple[str, str, dict]]:
+        for key, value in self._iter(_D):
+            peer, stream = _split(key, len(_D))
+            yield peer, stream, _unpack(value)
+
+    def stream_names(self) -> list[str]:
+        """Names of the outgoing streams that hold messages (one seek per stream)."""
+        names: list[str] = []
+        with self._op():
+            with self._db.iterator(prefix=_O, include_value=False) as it:
+                while True:
+                    key = next(it, None)
+                    if key is None:
+                        return names
+                    stream = key[len(_O):].partition(SEP)[0]
+                    names.append(stream.decode())
+                    it.seek(_O + stream + b"\x01")  # past every key of this stream
+
+    def iter_stream(
+        self, stream: str, after: str | None = None, limit: int | None = None
+    ) -> list[tuple[str, bytes]]:
+        """Up to ``limit`` (id, packed record) of a stream, in id order, after ``after``."""
+        prefix = _O + stream.encode() + SEP
+        out: list[tuple[str, bytes]] = []
+        with self._op():
+            if after is None:
+                it = self._db.iterator(prefix=prefix)
+            else:
+                it = self._db.iterator(
+                    start=prefix + after.encode(), include_start=False, stop=_end(prefix)
+                )
+            with it:
+                plen = len(prefix)
+                for key, value in it:
+                    out.append((key[plen:].decode(), value))
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
+
+    def stream_ids(self, stream: str, after: str | None = None, upto: str | None = None,
+                   limit: int | None = None) -> list[str]:
+        """Ids of a stream in (after, upto], without reading the payloads."""
+        prefix = _O + stream.encode() + SEP
+        kwargs: dict[str, Any] = {"include_value": False}
+        kwargs["start"] = prefix + after.encode() if after else prefix
+        kwargs["include_start"] = after is None
+        kwargs["stop"] = prefix + upto.encode() if upto else _end(prefix)
+        kwargs["include_stop"] = upto is not None
+        out: list[str] = []
+        plen = len(prefix)
+        with self._op():
+            with self._db.iterator(**kwargs) as it:
+                for key in it:
+                    out.append(key[plen:].decode())
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
+
+    def count_stream(self, stream: str, after: str | None = None) -> int:
+        prefix = _O + stream.encode() + SEP
+        with self._op():
+            if after is None:
+                it = self._db.iterator(prefix=prefix, include_value=False)
+            else:
+                it = self._db.iterator(start=prefix + after.encode(), include_start=False,
+                                       stop=_end(prefix), include_value=False)
+            with it:
+                return sum(1 for _ in it)
+
+    def get_outgoing(self, stream: str, message_id: str) -> bytes | None:
+        with self._op():
+            return self._db.get(_pair(_O, stream, message_id))
+
+    def has_incoming(self, message_id: str) -> bool:
+        key = message_id.encode()
+        with self._op():
+            return self._db.get(_N + key) is not None
+
+    def seen(self, message_id: str) -> bool:
+        """True if the id is stored as incoming, handled (dedupe window) or dead-lettered."""
+        key = message_id.encode()
+        with self._op():
+            get = self._db.get
+            return get(_H + key) is not None or get(_N + key) is not None or get(_X + key) is not None
+
+    def get_incoming(self, message_id: str) -> list | None:
+        with self._op():
+            value = self._db.get(_N + message_id.encode())
+        return None if value is None else _unpack(value)
+
+    def get_runstate(self, message_id: str) -> list | None:
+        with self._op():
+            value = self._db.get(_R + message_id.encode())
+        return None if value is None else _unpack(value)
+
+    def incoming(self) -> Iterator[tuple[str, list]]:
+        for key, value in self._iter(_N):
+            yield key[len(_N):].decode(), _unpack(value)
+
+    def runstates(self) -> Iterator[tuple[str, list]]:
+        for key, value in self._iter(_R):
+            yield key[len(_R):].decode(), _unpack(value)
+
+    def handled_before(self, limit_id: str, limit: int) -> list[str]:
+        """Handled ids sorting before ``limit_id`` (ids sort by time), at most ``limit``."""
+        out = []
+        with self._op():
+            with self._db.iterator(start=_H, stop=_H + limit_id.encode(), include_value=False) as it:
+                for key in it:
+                    out.append(key[len(_H):].decode())
+                    if len(out) >= limit:
+                        break
+        return out
+
+    def deadletters(self) -> Iterator[tuple[str, dict]]:
+        for key, value in self._iter(_X):
+            yield key[len(_X):].decode(), _unpack(value)
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
