@@ -230,7 +230,8 @@ class Store:
     # --- writes ------------------------------------------------------------------------
 
     def batch(self) -> Batch:
-        return Batch(self._db.write_batch(transaction=False))
+        with self._op():
+            return Batch(self._db.write_batch(transaction=False))
 
     def write(self, batch: Batch, *, sync: bool) -> None:
         """Apply ``batch`` atomically; with ``sync`` the log is fsynced before returning."""

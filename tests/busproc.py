@@ -1,0 +1,92 @@
+"""A bus in its own process, driven by command-line flags, for cross-process tests.
+
+It reports through files so the test never needs to parse logs:
+- ``--ready FILE`` is written once the bus is up (and its subscriptions confirmed);
+- each handler run appends ``start <id> <n> <attempt>`` and ``done <id> <n>`` lines to
+  ``--out FILE`` (plain appends reach the page cache, which survives SIGKILL);
+- each ``publish`` that returned appends its id to ``--ids FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from servicebus import Bus
+from servicebus.testing import wait_until
+
+
+def append(path: str, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--datadir", required=True)
+    ap.add_argument("--ready", required=True)
+    ap.add_argument("--subscribe", action="append", default=[], help="ADDRESS TOPIC", nargs=2)
+    ap.add_argument("--handle", help="topic to handle")
+    ap.add_argument("--out", help="handler log file")
+    ap.add_argument("--die-at", type=int, help="SIGKILL self inside the handler of payload n, once")
+    ap.add_argument("--marker", help="file that records that --die-at already happened")
+    ap.add_argument("--publish", help="topic to publish to once a subscriber is there")
+    ap.add_argument("--count", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=0, help="publish_many batches of this size")
+    ap.add_argument("--ids", help="file of ids whose publish returned")
+    ap.add_argument("--kill-after-publish", action="store_true")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--ack-timeout", type=float, default=5.0)
+    args = ap.parse_args()
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[{os.getpid()}] %(asctime)s %(threadName)s %(message)s")
+    bus = Bus(args.bind, args.datadir, workers=args.workers, ack_timeout=args.ack_timeout)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    if args.handle:
+        @bus.every(args.handle)
+        def handler(payload, message):
+            n = payload["n"]
+            append(args.out, f"start {message.id} {n} {message.attempt}")
+            if args.die_at is not None and n == args.die_at and not os.path.exists(args.marker):
+                append(args.marker, "died")
+                os.kill(os.getpid(), signal.SIGKILL)
+            append(args.out, f"done {message.id} {n}")
+
+    for address, topic in args.subscribe:
+        bus.subscribe(address, topic, wait=30)
+
+    if args.publish:
+        wait_until(lambda: bus.status().subscriptions > 0, 30, 0.05, "a subscriber")
+    append(args.ready, str(os.getpid()))
+
+    if args.publish:
+        n = 0
+        while n < args.count:
+            size = max(1, args.batch)
+            payloads = [{"n": i, "pad": "x" * 200} for i in range(n, min(args.count, n + size))]
+            ids = bus.publish_many(args.publish, payloads) if args.batch else [bus.publish(args.publish, payloads[0])]
+            if args.ids:
+                append(args.ids, "\n".join(ids))
+            n += len(ids)
+        if args.kill_after_publish:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    while not stop.is_set():
+        stop.wait(0.1)
+    bus.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from servicebus import Bus
+from servicebus.testing import free_address, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def make_bus(tmp_path):
+    """Open buses that are closed at the end of the test, whatever happens."""
+    buses: list[Bus] = []
+
+    def make(name: str, address: str | None = None, **options) -> Bus:
+        bus = Bus(address or free_address(), tmp_path / name, **options)
+        buses.append(bus)
+        return bus
+
+    yield make
+    for bus in buses:
+        bus.close()
+
+
+class BusProcess:
+    """A tests/busproc.py process; stopped (killed) at the end of the test."""
+
+    def __init__(self, tmp_path: Path, name: str, address: str, *args: str) -> None:
+        self.name = name
+        self.address = address
+        self.datadir = tmp_path / name
+        self.ready = tmp_path / f"{name}.ready"
+        self.out = tmp_path / f"{name}.out"
+        self.ids = tmp_path / f"{name}.ids"
+        self.marker = tmp_path / f"{name}.marker"
+        self.log = tmp_path / f"{name}.log"
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *extra: str, wait_ready: bool = True) -> "BusProcess":
+        self.ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "tests.busproc", "--bind", self.address,
+               "--datadir", str(self.datadir), "--ready", str(self.ready),
+               "--out", str(self.out), "--ids", str(self.ids), "--marker", str(self.marker),
+               *self.args, *extra]
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=logf)
+        logf.close()
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        wait_until(lambda: self.ready.exists() or self.proc.poll() is not None, timeout,
+                   message=f"{self.name} to start")
+        if not self.ready.exists():
+            raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else ""
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def lines(self, kind: str) -> list[list[str]]:
+        if not self.out.exists():
+            return []
+        return [line.split() for line in self.out.read_text().splitlines() if line.startswith(kind + " ")]
+
+    def done_counts(self) -> Counter:
+        return Counter(int(parts[2]) for parts in self.lines("done"))
+
+    def published_ids(self) -> list[str]:
+        return self.ids.read_text().split() if self.ids.exists() else []
+
+
+@pytest.fixture
+def bus_process(tmp_path):
+    procs: list[BusProcess] = []
+
+    def make(name: str, *args: str, address: str | None = None) -> BusProcess:
+        proc = BusProcess(tmp_path, name, address or free_address(), *args)
+        procs.append(proc)
+        return proc
+
+    yield make
+    for proc in procs:
+        proc.kill()

@@ -1,0 +1,128 @@
+import msgpack
+import pytest
+
+from servicebus import protocol as P
+from servicebus.errors import ProtocolError
+from servicebus.protocol import Kind
+
+LIMIT = 1 << 20
+ADDR = "tcp://127.0.0.1:5555"
+
+
+def roundtrip(frames):
+    assert all(isinstance(f, bytes) for f in frames)
+    return P.decode(frames, max_payload=LIMIT)
+
+
+def env(i=1, **kw):
+    base = dict(id=f"{i:024x}", topic="user.signup", sent=1_700_000_000_000 + i,
+                body=P.encode_payload({"n": i}))
+    base.update(kw)
+    return P.Envelope(**base)
+
+
+@pytest.mark.parametrize("kind", [Kind.EVENT, Kind.COMMAND, Kind.REPLY])
+def test_every_message_kind_round_trips_with_all_fields(kind):
+    msgs = [env(1), env(2, attempt=3, expires=123, correlation_id="c1", headers={"trace": "t"})]
+    frame = roundtrip(P.encode_batch(kind, "node1", ADDR, msgs))
+    assert frame == P.Batch(kind, "node1", ADDR, tuple(msgs))
+    assert P.decode_payload(frame.messages[1].body) == {"n": 2}
+
+
+def test_control_kinds_round_trip():
+    assert roundtrip(P.encode_ack(["a", "b"])) == P.Ack(("a", "b"))
+    assert roundtrip(P.encode_nack(["a"], "no handler")) == P.Nack(("a",), "no handler")
+    assert roundtrip(P.encode_subscribe("i1", "t.x", ADDR, "n")) == P.Subscribe("i1", "t.x", ADDR, "n")
+    assert roundtrip(P.encode_unsubscribe("i2", "t.x", ADDR, "n")) == P.Unsubscribe("i2", "t.x", ADDR, "n")
+    assert roundtrip(P.encode_ping("n", "boot")) == P.Ping("n", "boot")
+    assert roundtrip(P.encode_pong("n", "boot")) == P.Pong("n", "boot")
+
+
+def test_payloads_of_every_msgpack_type_survive_encoding():
+    payload = {"d": {"x": [1, 2.5, True, None]}, "s": "é", "b": b"\x00\xff", "i": -(2**63)}
+    assert P.decode_payload(P.encode_payload(payload)) == payload
+
+
+def test_unencodable_payload_raises_type_error_naming_the_type():
+    with pytest.raises(TypeError, match="set"):
+        P.encode_payload({"x": {1, 2}})
+    with pytest.raises(TypeError, match="object"):
+        P.encode_payload(object())
+
+
+def reason(frames):
+    with pytest.raises(ProtocolError) as info:
+        P.decode(frames, max_payload=LIMIT)
+    return info.value.reason
+
+
+def test_malformed_frames_raise_protocol_errors_with_a_reason():
+    good = P.encode_batch(Kind.EVENT, "n", ADDR, [env()])
+    assert reason(good[:3]) == "bad_frame_count"
+    assert reason([b"XX1", *good[1:]]) == "bad_magic"
+    assert reason([good[0], b"\x63", *good[2:]]) == "unknown_kind"
+    assert reason([good[0], b"", *good[2:]]) == "unknown_kind"
+    assert reason([good[0], good[1], b"\xc1\xc1", good[3]]) == "bad_msgpack"
+    assert reason([good[0], good[1], msgpack.packb([1]), good[3]]) == "bad_header"
+    assert reason([good[0], good[1], msgpack.packb({"sender": "n"}), good[3]]) == "missing_field"
+    assert reason([good[0], good[1], good[2], msgpack.packb([b"1", b"2"])]) == "bad_body"
+    assert reason([good[0], good[1], good[2], msgpack.packb([b"\xc1"])]) == "bad_payload"
+    ack = P.encode_ack(["a"])
+    assert reason([ack[0], ack[1], ack[2], b"extra"]) == "bad_body"
+
+
+def test_fields_are_validated():
+    def batch_with(meta, reply_to=ADDR):
+        header = msgpack.packb({"sender": "n", "reply_to": reply_to, "msgs": [meta]})
+        return [P.MAGIC, bytes([Kind.EVENT]), header, msgpack.packb([P.encode_payload(1)])]
+
+    ok = ["id1", "t", 1, 1, None, None, {}]
+    assert isinstance(roundtrip(batch_with(ok)), P.Batch)
+    assert reason(batch_with(["", "t", 1, 1, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "", 1, 1, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "a b", 1, 1, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "t" * 256, 1, 1, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "t", -1, 1, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "t", 1, 0, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "t", 1, 1, "x", None, {}])) == "bad_field"
+    assert reason(batch_with(["id", "t", 1, 1, None, None, []])) == "bad_field"
+    assert reason(batch_with(["id", "t", 1, 1])) == "bad_field"
+    assert reason(batch_with(ok, reply_to="tcp://evil")) == "bad_address"
+    assert reason(batch_with(ok, reply_to="inproc://x")) == "bad_address"
+
+
+def test_oversize_payloads_are_refused():
+    big = env(body=P.encode_payload(b"x" * 2000))
+    with pytest.raises(ProtocolError) as info:
+        P.decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big]), max_payload=1000)
+    assert info.value.reason == "oversize"
+
+
+@pytest.mark.parametrize("address", [
+    "tcp://127.0.0.1:1", "tcp://localhost:65535", "tcp://[::1]:80", "ipc:///tmp/x.sock"])
+def test_valid_addresses(address):
+    assert P.validate_address(address) == address
+
+
+@pytest.mark.parametrize("address", [
+    "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "tcp://*:5555",
+    "tcp://0.0.0.0:5555", "udp://x:1", "inproc://x", "", 5, "tcp://a b:1"])
+def test_invalid_addresses(address):
+    with pytest.raises(ValueError):
+        P.validate_address(address)
+
+
+def test_random_junk_never_escapes_as_anything_but_protocol_error():
+    import random
+    rng = random.Random(7)
+    good = P.encode_batch(Kind.EVENT, "n", ADDR, [env(), env(2)])
+    for _ in range(3000):
+        frames = [bytearray(f) for f in good]
+        part = rng.randrange(4)
+        if frames[part]:
+            for _ in range(rng.randint(1, 4)):
+                frames[part][rng.randrange(len(frames[part]))] = rng.randrange(256)
+        try:
+            P.decode([bytes(f) for f in frames], max_payload=LIMIT)
+        except ProtocolError:
+            pass

@@ -1,0 +1,103 @@
+import pytest
+
+from servicebus.errors import StoreError
+from servicebus.store import Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store.open(tmp_path / "store")
+    yield s
+    s.close()
+
+
+def test_subscriptions_and_intents_round_trip_and_delete(store):
+    b = store.batch()
+    b.put_subscription("tcp://127.0.0.1:1", "a.b", {"since": "x"})
+    b.put_intent("tcp://127.0.0.1:2", "c", {"op": "subscribe", "confirmed": False})
+    store.write(b, sync=True)
+    assert list(store.subscriptions()) == [("tcp://127.0.0.1:1", "a.b", {"since": "x"})]
+    assert list(store.intents()) == [("tcp://127.0.0.1:2", "c", {"op": "subscribe", "confirmed": False})]
+    b = store.batch()
+    b.delete_subscription("tcp://127.0.0.1:1", "a.b")
+    b.delete_intent("tcp://127.0.0.1:2", "c")
+    store.write(b, sync=False)
+    assert store.count("subscriptions") == store.count("intents") == 0
+
+
+def test_outgoing_streams_iterate_in_id_order_from_a_cursor(store):
+    b = store.batch()
+    for i in (3, 1, 2):
+        b.put_outgoing("e:t", f"{i:04d}", b"r%d" % i)
+    b.put_outgoing("e:t.more", "0001", b"other stream")
+    store.write(b, sync=True)
+    assert store.iter_stream("e:t") == [("0001", b"r1"), ("0002", b"r2"), ("0003", b"r3")]
+    assert store.iter_stream("e:t", after="0001", limit=1) == [("0002", b"r2")]
+    assert store.stream_ids("e:t", upto="0002") == ["0001", "0002"]
+    assert store.count_stream("e:t", after="0002") == 1
+    assert store.stream_names() == ["e:t", "e:t.more"]
+    assert store.get_outgoing("e:t", "0002") == b"r2"
+
+
+def test_delivery_state_round_trips(store):
+    b = store.batch()
+    b.put_delivery("tcp://h:1", "e:t", {"floor": "0001", "acked": ["0003"], "attempts": {}})
+    store.write(b, sync=False)
+    assert list(store.deliveries()) == [("tcp://h:1", "e:t", {"floor": "0001", "acked": ["0003"], "attempts": {}})]
+    b = store.batch()
+    b.delete_delivery("tcp://h:1", "e:t")
+    store.write(b, sync=False)
+    assert store.count("deliveries") == 0
+
+
+def test_incoming_moves_to_handled_or_deadletters_atomically(store):
+    b = store.batch()
+    b.put_incoming("m1", [1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x01"])
+    b.put_incoming("m2", [1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x02"])
+    b.put_runstate("m1", [1, [], None, 0])
+    store.write(b, sync=True)
+    assert store.seen("m1") and store.has_incoming("m2")
+    assert store.get_runstate("m1") == [1, [], None, 0]
+    b = store.batch()
+    b.complete_incoming("m1", 123)
+    b.deadletter_incoming("m2", {"reason": "handler_failed"})
+    store.write(b, sync=True)
+    assert store.get_incoming("m1") is None and store.get_runstate("m1") is None
+    assert store.seen("m1") and store.seen("m2")
+    assert [i for i, _ in store.incoming()] == []
+    assert list(store.deadletters()) == [("m2", {"reason": "handler_failed"})]
+    assert store.handled_before("zzzz", 10) == ["m1"]
+    b = store.batch()
+    b.delete_handled("m1")
+    b.delete_deadletter("m2")
+    store.write(b, sync=False)
+    assert not store.seen("m1") and not store.seen("m2")
+
+
+def test_data_survives_reopen(tmp_path):
+    s = Store.open(tmp_path / "s")
+    b = s.batch()
+    b.put_outgoing("e:t", "0001", b"x")
+    s.write(b, sync=True)
+    s.close()
+    s = Store.open(tmp_path / "s")
+    assert s.iter_stream("e:t") == [("0001", b"x")]
+    s.close()
+
+
+def test_a_closed_store_raises_store_error(tmp_path):
+    s = Store.open(tmp_path / "s")
+    s.close()
+    with pytest.raises(StoreError):
+        s.get_meta("format")
+    with pytest.raises(StoreError):
+        s.write(s.batch(), sync=True)
+
+
+def test_two_opens_of_one_store_fail_with_store_error(tmp_path):
+    s = Store.open(tmp_path / "s")
+    try:
+        with pytest.raises(StoreError):
+            Store.open(tmp_path / "s")
+    finally:
+        s.close()
