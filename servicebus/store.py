@@ -173,8 +173,8 @@ class Store:
                 str(path),
                 create_if_missing=create,
                 paranoid_checks=True,
-                write_buffer_size=8 << 20,
-                lru_cache_size=16 << 20,
+                write_buffer_size=4 << 20,  # LevelDB default: bounds memtable memory
+                lru_cache_size=8 << 20,
                 bloom_filter_bits=10,
             )
         except plyvel.Error as exc:
