@@ -266,6 +266,7 @@ class Engine(threading.Thread):
                 timeout = 0 if self._queue else self._poll_timeout()
                 events = dict(self.poller.poll(timeout * 1000))
                 self._turn(events)
+            self._next_gc = 0.0  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
