@@ -236,6 +236,9 @@ class Bus:
         received message handled (or dead-lettered), every subscribe confirmed. Returns
         False if that did not happen within ``timeout`` seconds."""
         engine = self._check_open()
+        if self._dispatcher.in_worker():
+            # The running handler is itself pending work: this would wait for itself.
+            raise RuntimeError("drain() cannot be called from inside a handler")
         future: Future = Future()
         engine.submit(E.Drain(future))
         try:

@@ -99,13 +99,18 @@ class Dispatcher:
             self._closing = True
             self._cv.notify_all()
         deadline = time.monotonic() + timeout
+        me = threading.current_thread()
         for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in self._threads if t.is_alive()]
+            if t is not me:  # close() called from a handler: that handler is finishing now
+                t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive() and t is not me]
         if alive:
             log.warning("close: %d handler(s) still running after %.1fs; their results will "
                         "be rerun after the next start", len(alive), timeout)
         return not alive
+
+    def in_worker(self) -> bool:
+        return threading.current_thread() in self._threads
 
     @property
     def idle(self) -> bool:

@@ -391,18 +391,22 @@ class Engine(threading.Thread):
         batch, store, seen = self._batch, self.store, self._turn_ids
         acks = self._acks.setdefault(ident, [])
         kind = int(frame.kind)
+        stored = False
         for env in frame.messages:
             mid = env.id
             acks.append(mid)
             if mid in seen or store.seen(mid):
+                # Stored (and fsynced) or handled already: ack again, do not handle again.
                 self.counters["duplicates"] += 1
-                continue  # stored or handled already: ack again, do not handle again
+                continue
             seen.add(mid)
             record = incoming_record(kind, frame.sender, frame.reply_to, env)
             batch.put_incoming(mid, record)
             self._handoff.append(Incoming(mid, record, None))
+            stored = True
         self.counters["received"] += len(frame.messages)
-        batch.sync = True  # the acks leave only after the fsync
+        if stored:
+            batch.sync = True  # the acks leave only after the fsync
 
     def _on_subscribe(self, ident: bytes, frame: P.Subscribe) -> None:
         key = (frame.address, frame.topic)

@@ -275,3 +275,22 @@ def test_fuzzed_frames_are_counted_and_dropped_while_delivery_goes_on(make_bus):
     finally:
         dealer.close(linger=0)
         ctx.term()
+
+
+def test_drain_from_a_handler_is_refused_and_close_from_a_handler_does_not_hang(make_bus):
+    pub, sub = pair(make_bus)
+    outcome = []
+
+    @sub.every("user.signup")
+    def handler(payload, message):
+        try:
+            sub.drain(1)
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+        sub.close()
+        outcome.append("closed")
+
+    pub.publish("user.signup", 1)
+    wait_until(lambda: "closed" in outcome, 20)
+    assert "inside a handler" in outcome[0]
+    assert sub.closed
