@@ -25,7 +25,7 @@ from . import engine as E
 from .config import BusConfig
 from .delivery import event_stream
 from .dispatch import Dispatcher
-from .errors import BusClosedError, StoreError, SubscribeTimeout, TransportError
+from .errors import BusClosedError, StoreError, SubscribeTimeout
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address
 from .records import BusStatus, Message
@@ -101,23 +101,7 @@ class Bus:
         self.node_id = node.decode()
 
         self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        router.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload * 2 + (1 << 20))
-        router.setsockopt(zmq.SNDHWM, 100_000)
-        router.setsockopt(zmq.RCVHWM, 100_000)
-        try:
-            router.bind(bind.replace(":*", ":0") if bind.startswith("tcp://") else bind)
-        except zmq.ZMQError as exc:
-            router.close(linger=0)
-            if exc.errno == zmq.EADDRINUSE:
-                raise TransportError(f"cannot bind {bind}: the address is already in use") from exc
-            raise TransportError(f"cannot bind {bind}: {exc}") from exc
-        endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        router, endpoint = E.open_router(self._ctx, bind, self.config)
         self.address = self.config.advertise or endpoint
         self._lock.update(self.address)
 

@@ -37,13 +37,13 @@ from .delivery import (
     unpack_outgoing,
 )
 from .dispatch import Dispatcher, Incoming, incoming_record
-from .errors import BusClosedError, BusError
+from .errors import BusClosedError, BusError, TransportError
 from .ids import IdGenerator, id_millis
 from .protocol import Kind
 from .records import PeerStatus
 from .store import Batch, Store
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "open_router"]
 
 log = logging.getLogger("servicebus")
 
@@ -57,6 +57,33 @@ DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming 
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
+    """Options every socket of ours gets (DESIGN.md section 4). The store, not ZeroMQ's
+    queue, is the source of truth: no linger; a bounded frame size."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    sock.setsockopt(zmq.MAXMSGSIZE, config.max_payload * 2 + (1 << 20))
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+
+
+def open_router(ctx: zmq.Context, bind: str, config: BusConfig) -> tuple[zmq.Socket, str]:
+    """Bind this bus's ROUTER; return it and the endpoint it actually bound."""
+    router = ctx.socket(zmq.ROUTER)
+    _tune(router, config, hwm=100_000)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a vanished peer raise, not vanish
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    try:
+        router.bind(bind.replace(":*", ":0") if bind.startswith("tcp://") else bind)
+    except zmq.ZMQError as exc:
+        router.close(linger=0)
+        if exc.errno == zmq.EADDRINUSE:
+            raise TransportError(f"cannot bind {bind}: the address is already in use") from exc
+        raise TransportError(f"cannot bind {bind}: {exc}") from exc
+    return router, router.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
 @dataclass(eq=False)
@@ -239,24 +266,16 @@ class Engine(threading.Thread):
         peer = self.peers.get(address)
         if peer is None:
             sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
+            _tune(sock, self.config, hwm=10_000)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame())
             sock.connect(address)
             peer = Peer(address, sock)
             self.peers[address] = peer
             self._sock_peer[sock] = peer
             self.poller.register(sock, zmq.POLLIN)
         return peer
-
-    def _max_frame(self) -> int:
-        return self.config.max_payload * 2 + (1 << 20)
 
     # --- the loop ----------------------------------------------------------------------
 
