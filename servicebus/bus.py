@@ -25,10 +25,11 @@ from . import engine as E
 from .config import BusConfig
 from .delivery import event_stream
 from .dispatch import Dispatcher
-from .errors import BusClosedError, StoreError, SubscribeTimeout
+from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address
 from .records import BusStatus, Message
+from .requests import PendingRequests
 from .store import Store
 from .topics import validate_topic
 
@@ -105,10 +106,12 @@ class Bus:
         self.address = self.config.advertise or endpoint
         self._lock.update(self.address)
 
-        self._dispatcher = Dispatcher(store, self.config, on_idle=self._wake)
+        self._requests = PendingRequests()
+        self._dispatcher = Dispatcher(store, self.config, on_idle=self._wake,
+                                      requests=self._requests, on_reply=self._reply_ready)
         self._engine = E.Engine(config=self.config, store=store, context=self._ctx, router=router,
                                 address=self.address, node_id=self.node_id,
-                                dispatcher=self._dispatcher)
+                                dispatcher=self._dispatcher, requests=self._requests)
         self._dispatcher.start()
         self._engine.start()
         log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
@@ -116,6 +119,14 @@ class Bus:
     def _wake(self) -> None:
         if self._engine is not None:
             self._engine.wake()
+
+    def _reply_ready(self, command_id: str, reply: list) -> None:
+        # Called on a worker thread once a request's reply is stored. If the engine has
+        # stopped, the stored reply is queued by the next start instead.
+        try:
+            self._engine.submit(E.QueueReply(command_id, reply))
+        except BusClosedError:
+            pass
 
     # --- plumbing ----------------------------------------------------------------------
 
@@ -164,6 +175,91 @@ class Bus:
             self._check_open()
             return []
         return self._call(lambda f: E.Publish(topic, bodies, f))
+
+    # --- commands and requests ----------------------------------------------------------
+
+    def send(self, address: str, command: str, payload: Any, *, ttl: float | None = None,
+             headers: dict[str, Any] | None = None) -> str:
+        """Send a durable command to the one bus at ``address``; return its message id.
+
+        Same durability as ``publish``: fsynced before this returns, resent until the
+        receiver acks, deduplicated and handled once there. With ``ttl`` (seconds), a
+        command not handled in time becomes a dead letter with reason ``expired`` (at the
+        sender if it was never acknowledged, at the receiver otherwise).
+        """
+        return self._send(address, command, payload, ttl=ttl, headers=headers)
+
+    def _send(self, address: str, command: str, payload: Any, *, ttl: float | None,
+              headers: dict[str, Any] | None, correlation_id: str | None = None,
+              wait: bool = True) -> Any:
+        validate_address(address)
+        validate_topic(command, "command")
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+                raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        if headers is not None:
+            if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
+                raise TypeError("headers must be a dict with str keys")
+            encode_payload(headers)  # TypeError now rather than in the engine
+        body = encode_payload(payload)
+        if len(body) > self.config.max_payload:
+            raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {self.config.max_payload}")
+        expires = None if ttl is None else time.time_ns() // 1_000_000 + int(ttl * 1000)
+        engine = self._check_open()
+        future: Future = Future()
+        engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id, future))
+        return self._wait(future, None) if wait else future
+
+    def handle(self, command: str, handler: Handler | None = None) -> Any:
+        """Handle ``command``: ``handler(payload, message)``; its return value is the reply
+        to ``request``. One handler per command (``ValueError`` for a second). Also a
+        decorator. For a plain ``send`` a raising handler is retried, then dead-lettered;
+        for a ``request`` the exception goes back to the caller as ``RemoteError``."""
+        validate_topic(command, "command")
+
+        def register(fn: Handler) -> Handler:
+            if not callable(fn):
+                raise TypeError(f"handler must be callable, not {type(fn).__name__}")
+            self._check_open()
+            self._dispatcher.register(Kind.COMMAND, command, fn)
+            return fn
+
+        return register if handler is None else register(handler)
+
+    def request_async(self, address: str, command: str, payload: Any,
+                      timeout: float = 30.0) -> Future:
+        """Send ``command`` as a request; the returned ``concurrent.futures.Future`` gets the
+        handler's return value, or raises ``RemoteError`` / ``RequestTimeout``.
+
+        The command itself is durable: if no reply comes in time the future fails, but the
+        command is still delivered (and handled) later; its late reply is logged and dropped.
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        corr, future = self._requests.new(timeout, f"{command} at {address}")
+        try:
+            stored = self._send(address, command, payload, ttl=None, headers=None,
+                                correlation_id=corr, wait=False)
+        except BaseException as exc:
+            self._requests.fail(corr, exc)
+            raise
+
+        def on_stored(f: Future) -> None:
+            if f.exception() is not None:
+                self._requests.fail(corr, f.exception())
+
+        stored.add_done_callback(on_stored)
+        return future
+
+    def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0) -> Any:
+        """Send ``command`` to ``address`` and wait for the reply (see ``request_async``)."""
+        future = self.request_async(address, command, payload, timeout)
+        try:
+            # The engine fails the future at the deadline; the extra second only guards
+            # against an engine that stopped.
+            return self._wait(future, timeout + 1.0)
+        except FutureTimeout:
+            raise RequestTimeout(f"no reply to {command} at {address} within {timeout}s") from None
 
     # --- subscribing -------------------------------------------------------------------
 

@@ -28,11 +28,22 @@ __all__ = [
     "pack_outgoing",
     "unpack_outgoing",
     "event_stream",
+    "command_stream",
+    "is_command_stream",
 ]
 
 
 def event_stream(topic: str) -> str:
     return "e:" + topic
+
+
+def command_stream(address: str) -> str:
+    """Commands and replies to one address share one stream: one consumer, that address."""
+    return "c:" + address
+
+
+def is_command_stream(stream: str) -> bool:
+    return stream.startswith("c:")
 
 
 def backoff(attempt: int, initial: float, cap: float, jitter: float = 0.2) -> float:

@@ -30,8 +30,9 @@ from typing import Any, NamedTuple
 from .config import BusConfig
 from .delivery import backoff
 from .errors import StoreError
-from .protocol import Kind, decode_payload
+from .protocol import Kind, decode_payload, encode_payload
 from .records import EMPTY, Message
+from .requests import PendingRequests
 from .store import Store
 
 __all__ = ["Dispatcher", "Incoming", "incoming_record"]
@@ -65,10 +66,13 @@ def _to_datetime(ms: int | None) -> datetime | None:
 
 
 class Dispatcher:
-    def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None]) -> None:
+    def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
+                 requests: PendingRequests, on_reply: Callable[[str, list], None]) -> None:
         self._store = store
         self._config = config
         self._on_idle = on_idle
+        self._requests = requests
+        self._on_reply = on_reply  # hands a stored reply to the engine for sending
         self._handlers: dict[tuple[int, str], list[tuple[str, Handler]]] = {}
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Incoming]] = []
@@ -128,6 +132,9 @@ class Dispatcher:
         key = (int(kind), topic)
         with self._cv:
             existing = self._handlers.get(key, [])
+            if kind is Kind.COMMAND and existing:
+                # A command has one owner: its handler's return value is the reply.
+                raise ValueError(f"command {topic!r} already has a handler ({existing[0][0]})")
             names = {n for n, _ in existing}
             name, n = base, 1
             while name in names:  # the same function twice: give each its own completion
@@ -136,6 +143,15 @@ class Dispatcher:
             self._handlers[key] = existing + [(name, handler)]
             was_parked = key in self._parked
             self._parked.discard(key)
+            # Messages of this topic waiting only for their TTL to pass can run now.
+            woken = False
+            for i, (due, seq, item) in enumerate(self._heap):
+                if due and (item.record[0], item.record[1]) == key and not (item.runstate and item.runstate[3]):
+                    self._heap[i] = (0.0, seq, item)
+                    woken = True
+            if woken:
+                heapq.heapify(self._heap)
+                self._cv.notify_all()
         if was_parked:
             self._refill(only=key)
 
@@ -271,17 +287,23 @@ class Dispatcher:
         """Run the handlers for one message. Returns when to retry, or None if finished."""
         record = item.record
         kind, topic = record[0], record[1]
-        handlers = self._handlers.get((kind, topic))
-        if not handlers:
-            with self._cv:
-                self._parked.add((kind, topic))
-            return None
+        if kind == Kind.REPLY:
+            return self._run_reply(item)
         attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
         done = list(done)
         store, config = self._store, self._config
         expires = record[6]
-        if expires is not None and _now_ms() > expires:
+        now_ms = _now_ms()
+        if expires is not None and now_ms > expires:
             self._deadletter(item, "expired", last_error, attempts)
+            return None
+        handlers = self._handlers.get((kind, topic))
+        if not handlers:
+            if expires is not None:
+                # Kept until a handler registers or the TTL passes, whichever is first.
+                return time.monotonic() + (expires - now_ms) / 1000 + 0.001
+            with self._cv:
+                self._parked.add((kind, topic))
             return None
 
         attempts += 1
@@ -305,6 +327,10 @@ class Dispatcher:
             payload = decode_payload(record[9])
         except Exception as exc:  # validated on receipt; only a corrupted store gets here
             self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
+            return None
+
+        if kind == Kind.COMMAND and record[7] is not None:
+            self._run_request(item, handlers[0][1], payload, message)
             return None
 
         error: str | None = None
@@ -340,6 +366,51 @@ class Dispatcher:
         batch.put_runstate(item.id, [attempts, done, error, _now_ms() + int(delay * 1000)])
         store.write(batch, sync=False)
         return time.monotonic() + delay
+
+    def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message) -> None:
+        """A request: the handler's return value, or its exception, is the reply. It is not
+        retried here: the caller is waiting, and decides whether to ask again."""
+        try:
+            reply: dict = {"ok": True, "value": handler(payload, message)}
+        except Exception as exc:
+            log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
+            reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        try:
+            body = encode_payload(reply)
+        except TypeError as exc:
+            body = encode_payload({"ok": False, "type": "TypeError", "message": str(exc)})
+        if len(body) > self._config.max_payload:
+            body = encode_payload({"ok": False, "type": "ValueError",
+                                   "message": f"reply of {len(body)} bytes exceeds max_payload"})
+        reply_record = [message.reply_to, message.topic, message.correlation_id, body]
+        batch = self._store.batch()
+        batch.complete_with_reply(item.id, _now_ms(), reply_record)
+        self._store.write(batch, sync=False)
+        self.handled += 1
+        self._on_reply(item.id, reply_record)
+
+    def _run_reply(self, item: Incoming) -> None:
+        record = item.record
+        corr = record[7]
+        try:
+            reply = decode_payload(record[9])
+            if not isinstance(reply, dict):
+                raise ValueError("a reply must be a map")
+        except Exception as exc:
+            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", 0)
+            return None
+        if not self._requests.resolve(corr, reply):
+            if not self._requests.is_ours(corr):
+                # For an earlier run of this service: nobody can take it. It stays stored
+                # (and visible to operators); it does not count as pending work.
+                log.warning("reply %s to request %s of an earlier run of this bus: kept in "
+                            "the incoming store", item.id, corr)
+                return None
+            log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
+        batch = self._store.batch()
+        batch.complete_incoming(item.id, _now_ms())
+        self._store.write(batch, sync=False)
+        return None
 
     def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int) -> None:
         record = item.record

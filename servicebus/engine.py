@@ -31,8 +31,10 @@ from .config import BusConfig
 from .delivery import (
     Consumer,
     backoff,
+    command_stream,
     envelope_from_record,
     event_stream,
+    is_command_stream,
     pack_outgoing,
     unpack_outgoing,
 )
@@ -41,6 +43,7 @@ from .errors import BusClosedError, BusError, TransportError
 from .ids import IdGenerator, id_millis
 from .protocol import Kind
 from .records import PeerStatus
+from .requests import PendingRequests
 from .store import Batch, Store
 
 __all__ = ["Engine", "open_router"]
@@ -126,6 +129,28 @@ class Publish:
 
 
 @dataclass
+class SendCmd:
+    """A command (or a request, with a correlation id) to one address."""
+
+    address: str
+    command: str
+    body: bytes
+    expires: int | None
+    headers: dict | None
+    correlation_id: str | None
+    future: Future
+
+
+@dataclass
+class QueueReply:
+    """A handled request's reply, stored by a worker, to be queued for sending."""
+
+    command_id: str
+    reply: list  # [reply_to, command, correlation_id, body]
+    future: Future | None = None
+
+
+@dataclass
 class SubscribeCmd:
     publisher: str
     topic: str
@@ -155,7 +180,7 @@ class Call:
 class Engine(threading.Thread):
     def __init__(self, *, config: BusConfig, store: Store, context: zmq.Context,
                  router: zmq.Socket, address: str, node_id: str,
-                 dispatcher: Dispatcher) -> None:
+                 dispatcher: Dispatcher, requests: PendingRequests) -> None:
         super().__init__(name="servicebus-engine", daemon=True)
         self.config = config
         self.store = store
@@ -165,6 +190,7 @@ class Engine(threading.Thread):
         self.node_id = node_id
         self.boot = os.urandom(6).hex()
         self.dispatcher = dispatcher
+        self.requests = requests
         self.ids = IdGenerator()
 
         self._queue: deque[Any] = deque()
@@ -194,13 +220,14 @@ class Engine(threading.Thread):
         self._next_prune = 0.0
         self._next_tick = 0.0
 
-        # per-turn scratch
-        self._batch: Batch | None = None
+        # per-turn scratch. The batch always exists: a write made after a commit (a sender-
+        # side dead letter, a pruned id) belongs to the next turn's batch, not to nothing.
+        self._batch: Batch = store.batch()
         self._after: list[Any] = []
         self._acks: dict[bytes, list[str]] = {}
         self._handoff: list[Incoming] = []
         self._new: dict[str, list[tuple[str, bytes]]] = {}
-        self._outbox: dict[Peer, list[P.Envelope]] = {}
+        self._outbox: dict[Peer, list[tuple[int, P.Envelope]]] = {}
         self._turn_ids: set[str] = set()
 
         self._load()
@@ -238,12 +265,15 @@ class Engine(threading.Thread):
             else:
                 consumer = Consumer.from_record(subscriber, stream, state)
             self._add_consumer(consumer)
-        if states:
-            batch = self.store.batch()
-            for peer, stream in states:
-                log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
-                batch.delete_delivery(peer, stream)
-            self.store.write(batch, sync=False)
+        for (peer, stream), state in list(states.items()):
+            if is_command_stream(stream):
+                self._add_consumer(Consumer.from_record(peer, stream, state))
+                del states[(peer, stream)]
+        for peer, stream in states:
+            log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
+            self._batch.delete_delivery(peer, stream)
+        for command_id, reply in self.store.replies():  # replies stored before a crash
+            self._queue.append(QueueReply(command_id, reply))
         for publisher, topic, record in self.store.intents():
             intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"])
             self.intents[(publisher, topic)] = intent
@@ -287,6 +317,8 @@ class Engine(threading.Thread):
                 self._turn(events)
             self._next_gc = 0.0  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
+            if self._batch.ops:
+                self.store.write(self._batch, sync=True)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
             log.exception("servicebus engine stopped by an unexpected error")
@@ -298,7 +330,7 @@ class Engine(threading.Thread):
 
     def _turn(self, events: dict) -> None:
         now = time.monotonic()
-        self._batch = batch = self.store.batch()
+        batch = self._batch
         if self._wake_fd in events:
             try:
                 os.eventfd_read(self._wake_fd)
@@ -324,7 +356,7 @@ class Engine(threading.Thread):
             self.store.write(batch, sync=batch.sync)
             if batch.sync:
                 self.counters["fsyncs"] += 1
-        self._batch = None
+            self._batch = self.store.batch()
 
         # release
         after, self._after = self._after, []
@@ -500,6 +532,10 @@ class Engine(threading.Thread):
             try:
                 if isinstance(cmd, Publish):
                     self._cmd_publish(cmd)
+                elif isinstance(cmd, SendCmd):
+                    self._cmd_send(cmd)
+                elif isinstance(cmd, QueueReply):
+                    self._queue_reply(cmd)
                 elif isinstance(cmd, SubscribeCmd):
                     self._cmd_subscribe(cmd)
                 elif isinstance(cmd, Drain):
@@ -528,6 +564,39 @@ class Engine(threading.Thread):
             self._batch.sync = True
         self.counters["published"] += len(ids)
         self._after.append(lambda: cmd.future.set_result(ids))
+
+    def _command_consumer(self, address: str) -> str:
+        stream = command_stream(address)
+        if (address, stream) not in self.consumers:
+            consumer = Consumer(address, stream, "")  # "" sorts before every id
+            consumer.exhausted = True
+            consumer.dirty = True
+            self._add_consumer(consumer)
+        return stream
+
+    def _cmd_send(self, cmd: SendCmd) -> None:
+        stream = self._command_consumer(cmd.address)
+        mid = self.ids.next()
+        record = pack_outgoing(Kind.COMMAND, cmd.command, _now_ms(), cmd.body, cmd.expires,
+                               cmd.correlation_id, cmd.headers)
+        self._batch.put_outgoing(stream, mid, record)
+        self._new.setdefault(stream, []).append((mid, record))
+        self._batch.sync = True
+        self.counters["commands_sent"] += 1
+        self._after.append(lambda: cmd.future.set_result(mid))
+
+    def _queue_reply(self, cmd: QueueReply) -> None:
+        reply_to, command, corr, body = cmd.reply
+        stream = self._command_consumer(reply_to)
+        mid = self.ids.next()
+        record = pack_outgoing(Kind.REPLY, command, _now_ms(), body, None, corr, None)
+        # The reply moves from "pending" to the outgoing stream in one write. No fsync of
+        # its own: the request's completion was not fsynced either, and the log keeps
+        # their order, so a crash loses both (the request runs again) or neither.
+        self._batch.put_outgoing(stream, mid, record)
+        self._batch.delete_reply(cmd.command_id)
+        self._new.setdefault(stream, []).append((mid, record))
+        self.counters["replies_sent"] += 1
 
     def _cmd_subscribe(self, cmd: SubscribeCmd) -> None:
         key = (cmd.publisher, cmd.topic)
@@ -565,10 +634,33 @@ class Engine(threading.Thread):
 
     # --- sending -----------------------------------------------------------------------
 
+    def _admit(self, consumer: Consumer, mid: str, data: bytes, now: float,
+               out: list[tuple[int, P.Envelope]]) -> None:
+        flight = consumer.admit(mid, now, self.config.ack_timeout)
+        if flight is None:
+            return  # acknowledged before a restart
+        record = unpack_outgoing(data)
+        if record.expires is not None and record.expires < _now_ms():
+            self._expire(consumer, mid, record)
+            return
+        out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
+
+    def _expire(self, consumer: Consumer, mid: str, record: Any) -> None:
+        """A message whose TTL passed before its receiver acked it: a dead letter here."""
+        consumer.ack(mid)
+        self._batch.put_deadletter(mid, {
+            "origin": "outgoing", "reason": "expired", "error": None, "at": _now_ms(),
+            "peer": consumer.peer, "stream": consumer.stream, "kind": Kind(record.kind).name.lower(),
+            "topic": record.topic, "record": list(record),
+        })
+        self.counters["expired"] += 1
+        log.warning("%s %s to %s expired before it was acknowledged: dead letter",
+                    Kind(record.kind).name.lower(), mid, consumer.peer)
+
     def _deliver_new(self, now: float) -> None:
-        """Messages published this turn go straight into windows that had caught up."""
+        """Messages written this turn go straight into windows that had caught up."""
         new, self._new = self._new, {}
-        window, timeout = self.config.window, self.config.ack_timeout
+        window = self.config.window
         for stream, items in new.items():
             for consumer in self.by_stream.get(stream, ()):
                 peer = self.peers[consumer.peer]
@@ -576,18 +668,16 @@ class Engine(threading.Thread):
                     consumer.exhausted = False
                     continue
                 out = self._outbox.setdefault(peer, [])
-                for n, (mid, record) in enumerate(items):
+                for mid, record in items:
                     if consumer.room(window) <= 0:
                         consumer.exhausted = False  # the rest is read from the store later
                         break
-                    flight = consumer.admit(mid, now, timeout)
-                    if flight is not None:
-                        out.append(envelope_from_record(mid, unpack_outgoing(record), flight.attempt))
+                    self._admit(consumer, mid, record, now, out)
 
     def _fill_windows(self, now: float) -> None:
         """Read backlog from the store into windows with room (never more than a window)."""
-        window, timeout = self.config.window, self.config.ack_timeout
-        for consumer in self.consumers.values():
+        window = self.config.window
+        for consumer in list(self.consumers.values()):
             if consumer.exhausted:
                 continue
             peer = self.peers[consumer.peer]
@@ -604,31 +694,34 @@ class Engine(threading.Thread):
                 consumer.exhausted = True
             out = self._outbox.setdefault(peer, [])
             for mid, data in items:
-                flight = consumer.admit(mid, now, timeout)
-                if flight is not None:
-                    record = unpack_outgoing(data)
-                    out.append(envelope_from_record(mid, record, flight.attempt))
+                self._admit(consumer, mid, data, now, out)
 
     def _resend_due(self, now: float) -> None:
         cfg = self.config
-        for consumer in self.consumers.values():
+        now_ms = _now_ms()
+        for consumer in list(self.consumers.values()):
             peer = self.peers[consumer.peer]
             if not peer.up or not consumer.inflight:
                 continue
             out = None
-            for mid, flight in consumer.inflight.items():
+            for mid, flight in list(consumer.inflight.items()):
                 if flight.deadline > now:
                     continue
                 data = self.store.get_outgoing(consumer.stream, mid)
                 if data is None:  # cannot happen unless the store was edited underneath us
                     log.error("message %s vanished from stream %s", mid, consumer.stream)
+                    consumer.ack(mid)
+                    continue
+                record = unpack_outgoing(data)
+                if record.expires is not None and record.expires < now_ms:
+                    self._expire(consumer, mid, record)
                     continue
                 flight.attempt += 1
                 flight.deadline = now + backoff(flight.attempt - 1, cfg.ack_timeout, cfg.resend_max)
                 consumer.dirty = True
                 if out is None:
                     out = self._outbox.setdefault(peer, [])
-                out.append(envelope_from_record(mid, unpack_outgoing(data), flight.attempt))
+                out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
                 self.counters["resent"] += 1
 
     def _flush_outbox(self) -> None:
@@ -636,17 +729,20 @@ class Engine(threading.Thread):
             return
         outbox, self._outbox = self._outbox, {}
         size = self.config.max_batch
-        for peer, envs in outbox.items():
-            if not envs:
-                continue
-            if not peer.up:
-                continue  # stays in flight; resent when the peer comes back
-            for start in range(0, len(envs), size):
-                frames = P.encode_batch(Kind.EVENT, self.node_id, self.address, envs[start:start + size])
-                if not self._send_peer(peer, frames):
+        for peer, items in outbox.items():
+            if not items or not peer.up:
+                continue  # what is in flight is resent when the peer comes back
+            by_kind: dict[int, list[P.Envelope]] = {}
+            for kind, env in items:
+                by_kind.setdefault(kind, []).append(env)
+            for kind, envs in by_kind.items():
+                for start in range(0, len(envs), size):
+                    frames = P.encode_batch(Kind(kind), self.node_id, self.address, envs[start:start + size])
+                    if not self._send_peer(peer, frames):
+                        break
+                    self.counters["sent"] += len(frames) and min(size, len(envs) - start)
+                if not peer.up:
                     break
-            else:
-                self.counters["sent"] += len(envs)
 
     def _send_peer(self, peer: Peer, frames: list[bytes]) -> bool:
         try:
@@ -689,6 +785,7 @@ class Engine(threading.Thread):
             self._send_peer(self.peers[intent.publisher],
                             encode(intent.id, intent.topic, self.address, self.node_id))
         self._resend_due(now)
+        self.requests.expire(now)
         if now >= self._next_prune:
             self._next_prune = now + DEDUPE_PRUNE_INTERVAL
             self._prune_handled()
@@ -727,13 +824,8 @@ class Engine(threading.Thread):
         cutoff_ms = _now_ms() - int(self.config.dedupe_window * 1000)
         if cutoff_ms <= 0:
             return
-        old = self.store.handled_before(f"{cutoff_ms:012x}", 10_000)
-        if old:
-            batch = self._batch or self.store.batch()
-            for mid in old:
-                batch.delete_handled(mid)
-            if self._batch is None:
-                self.store.write(batch, sync=False)
+        for mid in self.store.handled_before(f"{cutoff_ms:012x}", 10_000):
+            self._batch.delete_handled(mid)
 
     # --- drain and status --------------------------------------------------------------
 
@@ -743,6 +835,8 @@ class Engine(threading.Thread):
         if any(not c.idle for c in self.consumers.values()):
             return False
         if any(not i.confirmed for i in self.intents.values()):
+            return False
+        if len(self.requests):
             return False
         return self.dispatcher.idle
 
@@ -787,6 +881,7 @@ class Engine(threading.Thread):
             for fut in intent.waiters:
                 if not fut.done():
                     fut.set_exception(err)
+        self.requests.close(err)
         for peer in self.peers.values():
             peer.sock.close(linger=0)
         self.router.close(linger=0)

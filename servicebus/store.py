@@ -13,6 +13,7 @@ atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
     r/<id>                         run state of an incoming message (attempts, errors)
     h/<id>                         handled ids, kept for the dedupe window
     x/<id>                         dead letters
+    y/<command id>                 replies of handled requests, not yet queued for sending
 
 Outgoing messages are stored once per stream, however many subscribers there are; each
 subscriber's delivery state is a cursor into the stream (see ``delivery.py``). That keeps a
@@ -48,10 +49,11 @@ KEYSPACES = {
     "runstate": b"r/",
     "handled": b"h/",
     "deadletters": b"x/",
+    "replies": b"y/",
 }
-_M, _S, _I, _O, _D, _N, _R, _H, _X = (KEYSPACES[k] for k in (
+_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y = (KEYSPACES[k] for k in (
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
-    "handled", "deadletters"))
+    "handled", "deadletters", "replies"))
 
 
 def _pack(obj: Any) -> bytes:
@@ -132,6 +134,15 @@ class Batch:
         self._delete(_N + key)
         self._delete(_R + key)
         self._put(_H + key, handled_ms.to_bytes(8, "big"))
+
+    def complete_with_reply(self, message_id: str, handled_ms: int, reply: list) -> None:
+        """Finish a request and keep its reply, in one write: a reply is never lost
+        after its request counts as handled, and never made for an unfinished one."""
+        self.complete_incoming(message_id, handled_ms)
+        self._put(_Y + message_id.encode(), _pack(reply))
+
+    def delete_reply(self, message_id: str) -> None:
+        self._delete(_Y + message_id.encode())
 
     def delete_handled(self, message_id: str) -> None:
         self._delete(_H + message_id.encode())
@@ -326,9 +337,10 @@ class Store:
         """Ids of a stream in (after, upto], without reading the payloads."""
         prefix = _O + stream.encode() + SEP
         kwargs: dict[str, Any] = {"include_value": False}
-        kwargs["start"] = prefix + after.encode() if after else prefix
+        # None means "no bound"; "" is a real bound that sorts before every id.
+        kwargs["start"] = prefix if after is None else prefix + after.encode()
         kwargs["include_start"] = after is None
-        kwargs["stop"] = prefix + upto.encode() if upto else _end(prefix)
+        kwargs["stop"] = _end(prefix) if upto is None else prefix + upto.encode()
         kwargs["include_stop"] = upto is not None
         out: list[str] = []
         plen = len(prefix)
@@ -399,6 +411,10 @@ class Store:
     def deadletters(self) -> Iterator[tuple[str, dict]]:
         for key, value in self._iter(_X):
             yield key[len(_X):].decode(), _unpack(value)
+
+    def replies(self) -> Iterator[tuple[str, list]]:
+        for key, value in self._iter(_Y):
+            yield key[len(_Y):].decode(), _unpack(value)
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())

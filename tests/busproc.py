@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--ready", required=True)
     ap.add_argument("--subscribe", action="append", default=[], help="ADDRESS TOPIC", nargs=2)
     ap.add_argument("--handle", help="topic to handle")
+    ap.add_argument("--command", help="command to handle; replies {'n': n, 'pid': pid}")
+    ap.add_argument("--request", nargs=2, help="ADDRESS COMMAND: fire one request, do not wait")
     ap.add_argument("--out", help="handler log file")
     ap.add_argument("--die-at", type=int, help="SIGKILL self inside the handler of payload n, once")
     ap.add_argument("--marker", help="file that records that --die-at already happened")
@@ -54,15 +56,21 @@ def main() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
+    def handler(payload, message):
+        n = payload["n"]
+        append(args.out, f"start {message.id} {n} {message.attempt}")
+        if args.die_at is not None and n == args.die_at and not os.path.exists(args.marker):
+            append(args.marker, "died")
+            os.kill(os.getpid(), signal.SIGKILL)
+        append(args.out, f"done {message.id} {n}")
+        return {"n": n, "pid": os.getpid()}
+
     if args.handle:
-        @bus.every(args.handle)
-        def handler(payload, message):
-            n = payload["n"]
-            append(args.out, f"start {message.id} {n} {message.attempt}")
-            if args.die_at is not None and n == args.die_at and not os.path.exists(args.marker):
-                append(args.marker, "died")
-                os.kill(os.getpid(), signal.SIGKILL)
-            append(args.out, f"done {message.id} {n}")
+        bus.every(args.handle, handler)
+    if args.command:
+        bus.handle(args.command, handler)
+    if args.request:
+        bus.request_async(args.request[0], args.request[1], {"n": 0}, timeout=120)
 
     for address, topic in args.subscribe:
         bus.subscribe(address, topic, wait=30)

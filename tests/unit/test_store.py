@@ -36,6 +36,9 @@ def test_outgoing_streams_iterate_in_id_order_from_a_cursor(store):
     assert store.stream_ids("e:t", upto="0002") == ["0001", "0002"]
     assert store.count_stream("e:t", after="0002") == 1
     assert store.stream_names() == ["e:t", "e:t.more"]
+    # "" is a bound before every id, not "no bound": nothing is at or below it.
+    assert store.stream_ids("e:t", upto="") == []
+    assert store.stream_ids("e:t", after="", limit=1) == ["0001"]
     assert store.get_outgoing("e:t", "0002") == b"r2"
 
 
