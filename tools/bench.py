@@ -33,6 +33,8 @@ SCENARIOS = {
     "e2e-batch": ("publish_many (100/batch) -> handler, 1 -> 1 process", "batch", 200_000, 40_000),
     "e2e-threads": ("8 threads calling publish -> handler, 1 -> 1 process", "threads", 40_000, 10_000),
     "publish-serial": ("1 thread, one publish at a time (fsync each)", "serial", 5_000, 1_500),
+    "request-serial": ("request -> handler -> reply, one at a time, 2 processes", "req1", 2_000, 500),
+    "request-100": ("request_async with 100 in flight, 2 processes", "req100", 20_000, 5_000),
 }
 
 
@@ -69,6 +71,72 @@ def role_sub(args: argparse.Namespace) -> None:
         counters = bus.counters()
     print(json.dumps({"received": len(seen), "duplicates": dupes, "first": first_last[0],
                       "last": first_last[1], "fsyncs": counters.get("fsyncs", 0)}), flush=True)
+
+
+def role_server(args: argparse.Namespace) -> None:
+    from servicebus import Bus
+
+    with Bus(args.bind, args.datadir) as bus:
+        bus.handle("bench.quote", lambda payload, message: {"n": payload["n"], "price": 10})
+        print("ready", flush=True)
+        sys.stdin.readline()  # the parent closes stdin when the run is over
+        counters = bus.counters()
+    print(json.dumps({"fsyncs": counters.get("fsyncs", 0)}), flush=True)
+
+
+def role_client(args: argparse.Namespace) -> None:
+    from collections import deque
+
+    from servicebus import Bus
+
+    in_flight = 1 if args.mode == "req1" else 100
+    with Bus(args.bind, args.datadir) as bus:
+        bus.request(args.peer, "bench.quote", {"n": -1, **PAYLOAD}, timeout=60)  # warm up
+        before = bus.counters().get("fsyncs", 0)
+        start = time.time()
+        pending: deque = deque()
+        wrong = 0
+        for n in range(args.count):
+            if len(pending) >= in_flight:
+                k, fut = pending.popleft()
+                wrong += fut.result(60)["n"] != k
+            pending.append((n, bus.request_async(args.peer, "bench.quote", {"n": n, **PAYLOAD}, 60)))
+        while pending:
+            k, fut = pending.popleft()
+            wrong += fut.result(60)["n"] != k
+        end = time.time()
+        fsyncs = bus.counters().get("fsyncs", 0) - before
+    print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs, "wrong": wrong}), flush=True)
+
+
+def run_request_scenario(mode: str, count: int, run_dir: Path) -> dict:
+    from servicebus.testing import free_address
+
+    server_addr, client_addr = free_address(), free_address()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    server = subprocess.Popen(me + ["--role", "server", "--bind", server_addr,
+                                    "--datadir", str(run_dir / "server")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        client = subprocess.run(me + ["--role", "client", "--bind", client_addr, "--peer", server_addr,
+                                      "--mode", mode, "--count", str(count),
+                                      "--datadir", str(run_dir / "client")],
+                                stdout=subprocess.PIPE, text=True, check=True, timeout=600)
+        c = json.loads(client.stdout)
+        server.stdin.close()
+        s = json.loads(server.stdout.readline())
+    finally:
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return {
+        "msgs_per_s": count / (c["end"] - c["start"]),
+        "fsyncs_per_msg": (c["fsyncs"] + s["fsyncs"]) / count,
+        "exactly_once": c["wrong"] == 0,
+        "received": count, "duplicates": 0,
+    }
 
 
 def role_pub(args: argparse.Namespace) -> None:
@@ -123,8 +191,10 @@ def run_scenario(name: str, count: int, tmp: Path) -> dict:
     from servicebus.testing import free_address
 
     _desc, mode, _full, _quick = SCENARIOS[name]
-    pub_addr, sub_addr = free_address(), free_address()
     run_dir = Path(tempfile.mkdtemp(dir=tmp))
+    if mode.startswith("req"):
+        return run_request_scenario(mode, count, run_dir)
+    pub_addr, sub_addr = free_address(), free_address()
     me = [sys.executable, str(Path(__file__).resolve())]
     sub = subprocess.Popen(me + ["--role", "sub", "--bind", sub_addr, "--peer", pub_addr,
                                  "--datadir", str(run_dir / "sub"), "--count", str(count)],
@@ -158,7 +228,7 @@ def fmt_rate(values: list[float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=["sub", "pub"], help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=["sub", "pub", "server", "client"], help=argparse.SUPPRESS)
     ap.add_argument("--bind", help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
     ap.add_argument("--datadir", help=argparse.SUPPRESS)
@@ -175,6 +245,9 @@ def main() -> int:
         return 0
     if args.role == "pub":
         role_pub(args)
+        return 0
+    if args.role in ("server", "client"):
+        (role_server if args.role == "server" else role_client)(args)
         return 0
 
     names = args.only or list(SCENARIOS)
@@ -206,6 +279,7 @@ def main() -> int:
         print(f"\nbaseline: fsync of a 256-byte write {lat:.0f} us median -> ceiling {ceiling:,.0f} fsyncs/s")
         print("every message is fsynced twice: by the publisher before publish returns and by the "
               "subscriber before it acks\n")
+        print("request scenarios count round trips (request, handler, reply) per second\n")
         print(f"{'scenario':<15} {'msgs/s median (min-max)':>28} {'fsyncs/msg':>11} {'x fsync ceiling':>16} exactly-once")
         for name, runs in results.items():
             rates = [r["msgs_per_s"] for r in runs]
