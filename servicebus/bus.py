@@ -26,6 +26,7 @@ from .config import BusConfig
 from .delivery import event_stream
 from .dispatch import Dispatcher
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
+from .admin import ENDPOINT_FILE
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address
 from .records import BusStatus, Message
@@ -103,6 +104,11 @@ class Bus:
 
         self._ctx = zmq.Context()
         router, endpoint = E.open_router(self._ctx, bind, self.config)
+        try:
+            admin, admin_endpoint = E.open_admin(self._ctx, self.datadir)
+        except BaseException:
+            router.close(linger=0)
+            raise
         self.address = self.config.advertise or endpoint
         self._lock.update(self.address)
 
@@ -111,7 +117,9 @@ class Bus:
                                       requests=self._requests, on_reply=self._reply_ready)
         self._engine = E.Engine(config=self.config, store=store, context=self._ctx, router=router,
                                 address=self.address, node_id=self.node_id,
-                                dispatcher=self._dispatcher, requests=self._requests)
+                                dispatcher=self._dispatcher, requests=self._requests,
+                                admin=admin, datadir=self.datadir)
+        (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
         self._dispatcher.start()
         self._engine.start()
         log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
@@ -385,6 +393,10 @@ class Bus:
                 self._engine.stop()
             elif self._engine.ident is None:
                 self._engine.router.close(linger=0)
+                if self._engine.admin is not None:
+                    self._engine.admin.close(linger=0)
+            (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
+            (self.datadir / "admin.sock").unlink(missing_ok=True)
         if self._store is not None:
             try:
                 self._store.sync()

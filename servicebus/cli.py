@@ -1,113 +1,414 @@
-"""The ``servicebus`` command line tool (operations on a data directory).
+"""``servicebus``: inspect, unlock, replay and repair a bus's data directory.
 
-This first version shows a stopped bus's state and removes stale locks; the full
-disaster-recovery tool (listings, replay, purge, export, check, compact) builds on it.
+Read-only commands work on a stopped bus (reading its store) and on a live one (asking it
+over its admin endpoint); both print the same. Commands that write refuse while a live
+process holds the lock. Exit codes: 0 ok, 1 usage, 2 no such / not a data directory,
+3 locked by a live process, 4 corruption found. Errors are one line, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
+from typing import Any, Optional
 
 import typer
+from typer.exceptions import TyperException
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from . import admin as A
+from . import maintenance as M
 from .errors import BusError, StoreError
 from .lockfile import LOCK_NAME, probe
 from .store import Store
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Inspect and repair servicebus data directories.")
-console = Console()
-
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT = 0, 1, 2, 3, 4
 
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Inspect, unlock, replay and repair servicebus data directories.")
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
 
-def _fail(message: str, code: int) -> "typer.Exit":
-    Console(stderr=True).print(f"servicebus: {message}", highlight=False)
-    return typer.Exit(code)
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True)
+JSON = typer.Option(False, "--json", help="one JSON object per line")
+FULL = typer.Option(False, "--full", help="show payloads whole")
+LIMIT = typer.Option(100, "--limit", help="at most this many rows (0: all)")
+
+
+# --- plumbing ------------------------------------------------------------------------------
 
 
 def _datadir(path: Path) -> Path:
     if not path.is_dir():
-        raise _fail(f"{path}: no such data directory", EXIT_NO_DATADIR)
+        raise CliError(f"{path}: no such data directory", EXIT_NO_DATADIR)
     if not (path / "store").is_dir():
-        raise _fail(f"{path}: not a servicebus data directory (no store/)", EXIT_NO_DATADIR)
+        raise CliError(f"{path}: not a servicebus data directory (no store/)", EXIT_NO_DATADIR)
     return path
 
 
-def offline_counts(store: Store) -> dict:
-    pending: dict[str, int] = {}
-    for peer, stream, record in store.deliveries():
-        n = store.count_stream(stream, after=record.get("floor")) - len(record.get("acked") or [])
-        pending[peer] = pending.get(peer, 0) + max(0, n)
-    return {
-        "subscriptions": store.count("subscriptions"),
-        "intents": store.count("intents"),
-        "outgoing": store.count("outgoing"),
-        "pending": sum(pending.values()),
-        "pending_by_subscriber": pending,
-        "incoming": store.count("incoming"),
-        "deadletters": store.count("deadletters"),
-        "handled": store.count("handled"),
-    }
+
+@contextmanager
+def _offline_store(path: Path, *, writing: bool) -> Iterator[Store]:
+    owner, alive = probe(path)
+    if alive:
+        who = f"pid {owner.pid} ({owner.address})" if owner else "a live process"
+        what = "it must be stopped first" if writing else "and did not serve this"
+        raise CliError(f"{path} is locked by {who}; {what}", EXIT_LOCKED)
+    try:
+        store = Store.open(path / "store", create=False)
+    except StoreError as exc:
+        raise CliError(f"{exc} (try: servicebus check --repair {path})", EXIT_CORRUPT) from None
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _view(path: Path, name: str, args: dict) -> list[dict]:
+    """Rows of a read-only view: from the live bus if one holds the data directory."""
+    path = _datadir(path)
+    _owner, alive = probe(path)
+    if alive:
+        try:
+            return A.query_live(path.resolve(), name, args)
+        except A.AdminUnavailable as exc:
+            raise CliError(str(exc), EXIT_LOCKED) from None
+    with _offline_store(path, writing=False) as store:
+        return A.run_view(store, path, name, args)
+
+
+@contextmanager
+def _progress(label: str, total: int | None) -> Iterator[Any]:
+    """A progress bar on a terminal; nothing when piped."""
+    progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, disable=not err.is_terminal, transient=True)
+    with progress:
+        task = progress.add_task(label, total=total)
+        yield lambda n: progress.update(task, completed=n)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _when(ts: float | None) -> str:
+    return "-" if not ts else datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _short(value: Any, full: bool, width: int = 30) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if full or len(text) <= width else text[: width - 1] + "…"
+
+
+def _emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title: str) -> None:
+    """Print rows as JSON lines or as a table; ``columns`` are (header, row -> str)."""
+    if as_json:
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False))
+        return
+    if not rows:
+        out.print(f"{title}: none")
+        return
+    table = Table(title=f"{title} ({len(rows)})", title_justify="left", expand=False)
+    for header, _ in columns:
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*(str(fn(row)) for _, fn in columns))
+    out.print(table)
+
+
+# --- read-only commands ----------------------------------------------------------------------
 
 
 @app.command()
-def status(datadir: Path = typer.Argument(Path("."), help="the bus's data directory"),
-           as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
-    """Lock owner (alive or stale) and counts of every store of a stopped bus."""
+def status(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
+    """Lock owner (alive or stale), counts of every store, oldest pending message, size."""
+    row = _view(datadir, "status", {})[0]
+    row["datadir"] = str(datadir)
+    if as_json:
+        print(json.dumps(row))
+        return
+    lock = row["lock"]
+    if lock is None:
+        lock_text = "none (stopped cleanly)"
+    else:
+        state = "ALIVE" if lock["alive"] else "STALE (owner is gone; `servicebus unlock` removes it)"
+        lock_text = f"{state}: pid {lock['pid']} on {lock['host']}, {lock['address']}, started {_when(lock['started'])}"
+    table = Table(title=f"servicebus {datadir} (node {row['node_id']})", title_justify="left",
+                  show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    table.add_row("lock", lock_text)
+    for key, label in (("subscriptions", "subscriptions"), ("intents", "subscribe intents"),
+                       ("intents_unconfirmed", "  unconfirmed"), ("outgoing", "outgoing messages"),
+                       ("pending", "pending deliveries")):
+        table.add_row(label, str(row[key]))
+    for peer, n in sorted(row["pending_by_peer"].items()):
+        table.add_row(f"  to {peer}", str(n))
+    table.add_row("oldest pending", _age(row["oldest_pending_age_s"]))
+    for key, label in (("incoming", "incoming (not handled)"), ("deadletters", "dead letters"),
+                       ("handled", "handled ids (dedupe)"), ("replies_waiting", "replies to queue")):
+        table.add_row(label, str(row[key]))
+    table.add_row("store size", f"{row['store_bytes'] / 1024:.1f} KiB")
+    out.print(table)
+
+
+@app.command()
+def keys(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
+    """Topics that have subscribers."""
+    rows = _view(datadir, "keys", {})
+    _emit(rows, as_json, [("topic", lambda r: r["topic"]), ("subscribers", lambda r: r["subscribers"])],
+          "subscribed topics")
+
+
+@app.command()
+def subscribers(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
+    """Each subscriber (and command receiver) with its topics, pending count, last ack."""
+    rows = _view(datadir, "subscribers", {})
+    _emit(rows, as_json, [
+        ("address", lambda r: r["address"]),
+        ("topics", lambda r: ", ".join(r["topics"] + (["(commands)"] if r["commands"] else []))),
+        ("pending", lambda r: r["pending"]),
+        ("last ack", lambda r: _when(r["last_ack"])),
+    ], "subscribers")
+
+
+@app.command()
+def outgoing(datadir: Path = DATADIR,
+             subscriber: Optional[str] = typer.Option(None, "--subscriber", help="only owed to this address"),
+             topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
+             limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+    """Messages not yet acknowledged by everyone they are owed to."""
+    rows = _view(datadir, "outgoing", {"subscriber": subscriber, "topic": topic, "limit": limit or None})
+    _emit(rows, as_json, [
+        ("id", lambda r: r["id"]), ("topic", lambda r: r["topic"]), ("age", lambda r: _age(r["age_s"])),
+        ("tries", lambda r: r["attempts"]), ("owed by", lambda r: "\n".join(r["owed_by"])),
+        ("payload", lambda r: _short(r["payload"], full)),
+    ], "pending outgoing messages")
+
+
+@app.command()
+def incoming(datadir: Path = DATADIR,
+             topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
+             limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+    """Received messages not handled yet, with attempts and last error."""
+    rows = _view(datadir, "incoming", {"topic": topic, "limit": limit or None})
+    _emit(rows, as_json, [
+        ("id", lambda r: r["id"]), ("kind", lambda r: r["kind"]), ("topic", lambda r: r["topic"]),
+        ("age", lambda r: _age(r["age_s"])), ("tries", lambda r: r["attempts"]),
+        ("last error", lambda r: _short(r["last_error"] or "-", full, 24)),
+        ("payload", lambda r: _short(r["payload"], full, 24)),
+    ], "incoming messages not handled")
+
+
+@app.command()
+def deadletters(datadir: Path = DATADIR,
+                topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
+                limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+    """Dead letters and why: handler error, expired, subscriber removed."""
+    rows = _view(datadir, "deadletters", {"topic": topic, "limit": limit or None})
+    _emit(rows, as_json, [
+        ("id", lambda r: r["id"]), ("topic", lambda r: r["topic"]),
+        ("reason", lambda r: r["reason"] + (f" ({r['peer']})" if r.get("peer") else "")),
+        ("error", lambda r: _short(r["error"] or "-", full, 28)),
+        ("payload", lambda r: _short(r["payload"], full, 20)),
+    ], "dead letters")
+
+
+@app.command()
+def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar="OUT.jsonl")) -> None:
+    """Every stored message and delivery state as JSON lines (payloads decoded, and the
+    exact bytes in base64)."""
+    datadir = _datadir(datadir)
+    _owner, alive = probe(datadir)
+    if alive:
+        rows = _view(datadir, "export", {"out": str(out_file.resolve())})
+        err.print(f"exported {rows[0]['rows']} records to {out_file} (served by the live bus)")
+        return
+    with _offline_store(datadir, writing=False) as store:
+        with _progress("exporting", None) as step:
+            n = A.export(store, out_file, step)
+    err.print(f"exported {n} records to {out_file}")
+
+
+# --- commands that write ----------------------------------------------------------------------
+
+
+@app.command()
+def unlock(datadir: Path = DATADIR,
+           force: bool = typer.Option(False, "--force", help="remove even a live owner's lock")) -> None:
+    """Remove a stale lock left by a process that died."""
+    if not datadir.is_dir():
+        raise CliError(f"{datadir}: no such data directory", EXIT_NO_DATADIR)
+    owner, alive = probe(datadir)
+    if owner is None and not (datadir / LOCK_NAME).exists():
+        out.print(f"{datadir} is not locked")
+        return
+    if alive and not force:
+        who = f"pid {owner.pid}" if owner else "a live process"
+        raise CliError(f"{datadir} is locked by live {who}; stop it first (or --force)", EXIT_LOCKED)
+    if alive:
+        err.print("warning: removing the lock of a LIVE process; two buses on one data "
+                  "directory will corrupt delivery state")
+    (datadir / LOCK_NAME).unlink(missing_ok=True)
+    out.print(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}")
+
+
+@app.command()
+def replay(datadir: Path = DATADIR,
+           ids: Optional[list[str]] = typer.Argument(None, help="dead letter ids"),
+           all_: bool = typer.Option(False, "--all", help="every dead letter"),
+           topic: Optional[str] = typer.Option(None, "--topic", help="dead letters of this topic"),
+           as_json: bool = JSON) -> None:
+    """Move dead letters back to incoming (or outgoing, for undeliverable ones)."""
+    if not ids and not all_ and not topic:
+        raise CliError("name dead letter ids, or pass --all or --topic", EXIT_USAGE)
+    datadir = _datadir(datadir)
+    with _offline_store(datadir, writing=True) as store:
+        with _progress("replaying", None) as step:
+            rows = M.replay(store, ids or None, topic, step)
+    _emit(rows, as_json, [("id", lambda r: r["id"]), ("result", lambda r: r["result"]),
+                          ("where / why", lambda r: r.get("to") or r.get("detail", ""))], "replay")
+
+
+@app.command()
+def purge(datadir: Path = DATADIR,
+          outgoing_: bool = typer.Option(False, "--outgoing", help="every outgoing message and delivery state"),
+          incoming_: bool = typer.Option(False, "--incoming", help="every unhandled incoming message"),
+          deadletters_: bool = typer.Option(False, "--deadletters", help="every dead letter"),
+          subscriber: Optional[str] = typer.Option(None, "--subscriber",
+                                                   help="forget this subscriber (what it is owed becomes dead letters)"),
+          yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
+          as_json: bool = JSON) -> None:
+    """Delete what is named, after a confirmation; print what was removed."""
+    if not (outgoing_ or incoming_ or deadletters_ or subscriber):
+        raise CliError("name what to purge: --outgoing, --incoming, --deadletters or --subscriber ADDR",
+                       EXIT_USAGE)
+    datadir = _datadir(datadir)
+    named = [n for n, on in (("outgoing", outgoing_), ("incoming", incoming_),
+                             ("deadletters", deadletters_)) if on]
+    if subscriber:
+        named.append(f"subscriber {subscriber}")
+    with _offline_store(datadir, writing=True) as store:
+        if not yes:
+            if not sys.stdin.isatty():
+                raise CliError("purge needs confirmation: pass --yes when not on a terminal", EXIT_USAGE)
+            if not typer.confirm(f"Delete {', '.join(named)} from {datadir}?"):
+                raise CliError("nothing purged", EXIT_USAGE)
+        with _progress("purging", None) as step:
+            removed = M.purge(store, outgoing=outgoing_, incoming=incoming_,
+                              deadletters=deadletters_, subscriber=subscriber, progress=step)
+    if as_json:
+        print(json.dumps({"removed": removed}))
+    else:
+        for what, n in removed.items():
+            out.print(f"removed {n} {what.replace('_', ' ')}")
+
+
+@app.command()
+def check(datadir: Path = DATADIR,
+          repair: bool = typer.Option(False, "--repair", help="run LevelDB repair, drop orphans"),
+          as_json: bool = JSON) -> None:
+    """Verify every record decodes and cross-references hold; exit 4 if not (--repair fixes)."""
     datadir = _datadir(datadir)
     owner, alive = probe(datadir)
     if alive:
-        raise _fail(f"{datadir} is in use by {owner.describe() if owner else 'a live process'}; "
-                    "stop it to read its store", EXIT_LOCKED)
+        raise CliError(f"{datadir} is locked by live pid {owner.pid if owner else '?'}; "
+                       "stop it to check its store", EXIT_LOCKED)
+    repaired_files = False
     try:
         store = Store.open(datadir / "store", create=False)
     except StoreError as exc:
-        raise _fail(str(exc), EXIT_CORRUPT) from None
+        if not repair:
+            raise CliError(f"store does not open: {exc} (servicebus check --repair rebuilds it)",
+                           EXIT_CORRUPT) from None
+        err.print(f"store does not open ({exc}); running LevelDB repair")
+        Store.repair(datadir / "store")
+        repaired_files = True
+        store = Store.open(datadir / "store", create=False)
     try:
-        counts = offline_counts(store)
-    finally:
+        with _progress("checking", None) as step:
+            problems = M.check(store, repair, step)
+    except StoreError as exc:
         store.close()
-    lock = None if owner is None else {**owner.__dict__, "stale": True}
+        if not repair:
+            raise CliError(f"corruption while reading: {exc} (servicebus check --repair rebuilds it)",
+                           EXIT_CORRUPT) from None
+        err.print(f"corruption while reading ({exc}); running LevelDB repair")
+        Store.repair(datadir / "store")
+        repaired_files = True
+        store = Store.open(datadir / "store", create=False)
+        problems = M.check(store, repair)
+    finally:
+        if not store.closed:
+            store.close()
+    rows = [p.__dict__ for p in problems]
+    if repaired_files:
+        rows.insert(0, {"keyspace": "*", "key": "*", "problem": "LevelDB files corrupted",
+                        "action": "LevelDB repair rebuilt the store"})
     if as_json:
-        print(json.dumps({"datadir": str(datadir), "lock": lock, **counts}))
-        return
-    table = Table(title=f"servicebus data directory {datadir}", show_header=False)
-    table.add_row("lock", "none" if owner is None else f"STALE: {owner.describe()}")
-    for key, value in counts.items():
-        if key != "pending_by_subscriber":
-            table.add_row(key, str(value))
-    for peer, n in counts["pending_by_subscriber"].items():
-        table.add_row(f"  pending for {peer}", str(n))
-    console.print(table)
+        for row in rows:
+            print(json.dumps(row))
+    elif rows:
+        _emit(rows, False, [("keyspace", lambda r: r["keyspace"]), ("key", lambda r: r["key"]),
+                            ("problem", lambda r: r["problem"]), ("repair", lambda r: r["action"] or "-")],
+              "problems")
+    else:
+        out.print(f"{datadir}: every record decodes and every reference holds")
+    if rows and not repair:
+        raise typer.Exit(EXIT_CORRUPT)
 
 
 @app.command()
-def unlock(datadir: Path = typer.Argument(Path("."), help="the bus's data directory"),
-           force: bool = typer.Option(False, "--force", help="remove even a live owner's lock")) -> None:
-    """Remove a stale lock (left by a process that died)."""
-    if not datadir.is_dir():
-        raise _fail(f"{datadir}: no such data directory", EXIT_NO_DATADIR)
-    owner, alive = probe(datadir)
-    if owner is None and not (datadir / LOCK_NAME).exists():
-        console.print(f"{datadir} is not locked")
-        return
-    if alive and not force:
-        raise _fail(f"{datadir} is locked by live pid {owner.pid if owner else '?'}; "
-                    "stop it first (or --force)", EXIT_LOCKED)
-    if alive:
-        Console(stderr=True).print("warning: removing the lock of a live process", highlight=False)
-    (datadir / LOCK_NAME).unlink(missing_ok=True)
-    console.print(f"removed lock of {owner.describe() if owner else 'unknown owner'}")
+def compact(datadir: Path = DATADIR) -> None:
+    """Compact the LevelDB store; print its size before and after."""
+    datadir = _datadir(datadir)
+    with _offline_store(datadir, writing=True) as store:
+        before = store.size_on_disk()
+        store.compact()
+        after = store.size_on_disk()
+    out.print(f"compacted {datadir}: {before / 1024:.1f} KiB -> {after / 1024:.1f} KiB")
 
 
 def main() -> None:
+    """Console entry point: named exit codes, one-line errors."""
     try:
-        app()
-    except BusError as exc:  # one clear line, never a traceback
-        Console(stderr=True).print(f"servicebus: {exc}", highlight=False)
-        sys.exit(EXIT_CORRUPT if isinstance(exc, StoreError) else EXIT_USAGE)
+        code = app(standalone_mode=False)
+    except CliError as exc:
+        err.print(f"servicebus: {exc}")
+        sys.exit(exc.code)
+    except TyperException as exc:  # usage errors: unknown option, missing argument, ...
+        show = getattr(exc, "show", None)
+        show() if show else err.print(f"servicebus: {exc.format_message()}")
+        sys.exit(EXIT_USAGE)
+    except typer.Abort:
+        err.print("servicebus: aborted")
+        sys.exit(EXIT_USAGE)
+    except StoreError as exc:
+        err.print(f"servicebus: {exc}")
+        sys.exit(EXIT_CORRUPT)
+    except BusError as exc:
+        err.print(f"servicebus: {exc}")
+        sys.exit(EXIT_USAGE)
+    except OSError as exc:
+        err.print(f"servicebus: {exc}")
+        sys.exit(EXIT_USAGE)
+    sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from . import admin as A
 from . import protocol as P
 from .config import BusConfig
 from .delivery import (
@@ -46,7 +47,7 @@ from .records import PeerStatus
 from .requests import PendingRequests
 from .store import Batch, Store
 
-__all__ = ["Engine", "open_router"]
+__all__ = ["Engine", "open_router", "open_admin"]
 
 log = logging.getLogger("servicebus")
 
@@ -87,6 +88,24 @@ def open_router(ctx: zmq.Context, bind: str, config: BusConfig) -> tuple[zmq.Soc
             raise TransportError(f"cannot bind {bind}: the address is already in use") from exc
         raise TransportError(f"cannot bind {bind}: {exc}") from exc
     return router, router.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def open_admin(ctx: zmq.Context, datadir: Path) -> tuple[zmq.Socket, str]:
+    """Bind the admin endpoint: a Unix socket in the data directory, or loopback TCP when
+    that path would exceed the OS limit for socket paths (~107 bytes)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    path = (datadir / "admin.sock").resolve()
+    if len(str(path).encode()) < 100:
+        path.unlink(missing_ok=True)  # left by a killed bus; the data directory lock is ours
+        try:
+            sock.bind(f"ipc://{path}")
+            return sock, f"ipc://{path}"
+        except zmq.ZMQError:
+            pass
+    sock.bind("tcp://127.0.0.1:0")
+    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
 @dataclass(eq=False)
@@ -151,6 +170,13 @@ class QueueReply:
 
 
 @dataclass
+class AdminReply:
+    ident: bytes
+    data: bytes
+    future: Future | None = None
+
+
+@dataclass
 class SubscribeCmd:
     publisher: str
     topic: str
@@ -180,7 +206,8 @@ class Call:
 class Engine(threading.Thread):
     def __init__(self, *, config: BusConfig, store: Store, context: zmq.Context,
                  router: zmq.Socket, address: str, node_id: str,
-                 dispatcher: Dispatcher, requests: PendingRequests) -> None:
+                 dispatcher: Dispatcher, requests: PendingRequests,
+                 admin: zmq.Socket | None = None, datadir: Path | None = None) -> None:
         super().__init__(name="servicebus-engine", daemon=True)
         self.config = config
         self.store = store
@@ -201,6 +228,13 @@ class Engine(threading.Thread):
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self._wake_fd, zmq.POLLIN)
+        self.admin = admin
+        self.datadir = datadir
+        self._admin_pool: ThreadPoolExecutor | None = None
+        if admin is not None:
+            self.poller.register(admin, zmq.POLLIN)
+            # Views can take a while on a big store: they run beside the loop, not in it.
+            self._admin_pool = ThreadPoolExecutor(1, thread_name_prefix="servicebus-admin")
 
         self.peers: dict[str, Peer] = {}
         self._sock_peer: dict[zmq.Socket, Peer] = {}
@@ -269,6 +303,11 @@ class Engine(threading.Thread):
             if is_command_stream(stream):
                 self._add_consumer(Consumer.from_record(peer, stream, state))
                 del states[(peer, stream)]
+        for stream in self.store.stream_names():
+            # Commands whose delivery state is missing (an edited or repaired store) are
+            # still owed to their address: deliver them rather than leave them stranded.
+            if is_command_stream(stream) and (stream[2:], stream) not in self.consumers:
+                self._add_consumer(Consumer(stream[2:], stream, ""))
         for peer, stream in states:
             log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
             self._batch.delete_delivery(peer, stream)
@@ -338,6 +377,8 @@ class Engine(threading.Thread):
                 pass
         if self.router in events:
             self._read_router(now)
+        if self.admin is not None and self.admin in events:
+            self._read_admin()
         for sock in events:
             peer = self._sock_peer.get(sock)
             if peer is not None:
@@ -409,6 +450,36 @@ class Engine(threading.Thread):
                 self._on_unsubscribe(ident, frame)
             else:
                 self.malformed["unexpected_kind"] += 1
+
+    def _read_admin(self) -> None:
+        for _ in range(100):
+            try:
+                frames = self.admin.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident = frames[0]
+            try:
+                view, args = A.decode_request(frames[-1])
+            except Exception as exc:  # noqa: BLE001 - junk on the admin socket
+                self._queue.append(AdminReply(ident, A.encode_reply(error=f"bad request: {exc}")))
+                continue
+            self._admin_pool.submit(self._run_view, ident, view, args)
+
+    def _run_view(self, ident: bytes, view: str, args: dict) -> None:
+        try:
+            data = A.encode_reply(A.run_view(self.store, self.datadir, view, args, {"pid": os.getpid()}))
+        except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
+            data = A.encode_reply(error=f"{type(exc).__name__}: {exc}")
+        try:
+            self.submit(AdminReply(ident, data))
+        except BusClosedError:
+            pass
+
+    def _send_admin(self, cmd: AdminReply) -> None:
+        try:
+            self.admin.send_multipart([cmd.ident, b"", cmd.data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("admin reply not sent: %s", exc)
 
     def _malformed(self, exc: BusError) -> None:
         reason = getattr(exc, "reason", "malformed")
@@ -536,6 +607,8 @@ class Engine(threading.Thread):
                     self._cmd_send(cmd)
                 elif isinstance(cmd, QueueReply):
                     self._queue_reply(cmd)
+                elif isinstance(cmd, AdminReply):
+                    self._send_admin(cmd)
                 elif isinstance(cmd, SubscribeCmd):
                     self._cmd_subscribe(cmd)
                 elif isinstance(cmd, Drain):
@@ -882,6 +955,9 @@ class Engine(threading.Thread):
                 if not fut.done():
                     fut.set_exception(err)
         self.requests.close(err)
+        if self._admin_pool is not None:
+            self._admin_pool.shutdown(wait=True, cancel_futures=True)
+            self.admin.close(linger=0)
         for peer in self.peers.values():
             peer.sock.close(linger=0)
         self.router.close(linger=0)

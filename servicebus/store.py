@@ -159,6 +159,10 @@ class Batch:
     def delete_deadletter(self, message_id: str) -> None:
         self._delete(_X + message_id.encode())
 
+    def delete_raw(self, key: bytes) -> None:
+        """Delete any key (repair of records that no longer decode)."""
+        self._delete(key)
+
 
 class Store:
     """A LevelDB database in ``DATADIR/store``.
@@ -415,6 +419,14 @@ class Store:
     def replies(self) -> Iterator[tuple[str, list]]:
         for key, value in self._iter(_Y):
             yield key[len(_Y):].decode(), _unpack(value)
+
+    def scan_raw(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every key and value, undecoded (for consistency checks)."""
+        yield from self._iter(b"")
+
+    def compact(self) -> None:
+        with self._op():
+            self._db.compact_range()
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())

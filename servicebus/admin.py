@@ -1,0 +1,391 @@
+"""Read-only views of a data directory, for operators.
+
+The same functions serve the ``servicebus`` CLI reading a stopped bus's store directly and a
+live bus answering the CLI over its admin endpoint (``admin.endpoint`` in the data
+directory names it: ``ipc://DATADIR/admin.sock``, or loopback TCP where a Unix socket path
+would be too long). Every view returns plain JSON-able rows, so both paths print the same.
+
+Admin protocol (msgpack over ZeroMQ DEALER -> the bus's admin ROUTER): request
+``{"view": name, "args": {...}}``, reply ``{"ok": true, "rows": [...]}`` or
+``{"ok": false, "error": text}``. Only read-only views are served.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from .delivery import is_command_stream, unpack_outgoing
+from .errors import BusError
+from .ids import id_millis
+from .lockfile import probe
+from .protocol import Kind
+from .store import Store
+
+__all__ = [
+    "ConsumerView", "consumers", "VIEWS", "run_view", "jsonable", "payload_of",
+    "ENDPOINT_FILE", "query_live", "AdminUnavailable",
+]
+
+ENDPOINT_FILE = "admin.endpoint"
+KIND_NAMES = {int(k): k.name.lower() for k in Kind}
+
+
+class AdminUnavailable(BusError):
+    """A live bus holds the data directory but did not answer on its admin endpoint."""
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def jsonable(value: Any) -> Any:
+    """A msgpack value as JSON: bytes become {"base64": ...} unless they are UTF-8 text."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, str) else k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def payload_of(body: bytes) -> Any:
+    try:
+        return jsonable(msgpack.unpackb(body, raw=False, strict_map_key=False))
+    except Exception:  # an undecodable body is shown raw rather than hiding the record
+        return {"undecodable": base64.b64encode(body).decode()}
+
+
+def _age(ms: int | None, now: int) -> float | None:
+    return None if not ms else max(0.0, (now - ms) / 1000)
+
+
+# --- delivery state as stored --------------------------------------------------------------
+
+
+@dataclass
+class ConsumerView:
+    peer: str
+    stream: str
+    floor: str | None
+    acked: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)
+    last_ack: float | None = None
+
+    @property
+    def topic(self) -> str:
+        return self.stream[2:]
+
+    def owes(self, message_id: str) -> bool:
+        return (self.floor is None or message_id > self.floor) and message_id not in self.acked
+
+    def pending_ids(self, store: Store, limit: int | None = None) -> Iterator[str]:
+        after, batch = self.floor, 2000
+        while True:
+            ids = store.stream_ids(self.stream, after=after, limit=batch)
+            for mid in ids:
+                if mid not in self.acked:
+                    yield mid
+            if len(ids) < batch:
+                return
+            after = ids[-1]
+
+
+def consumers(store: Store) -> list[ConsumerView]:
+    """Every (peer, stream) delivery state, including subscriptions not yet written one."""
+    views: dict[tuple[str, str], ConsumerView] = {}
+    for peer, stream, rec in store.deliveries():
+        views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
+                                             dict(rec.get("attempts") or {}), rec.get("last_ack"))
+    for sub, topic, rec in store.subscriptions():
+        key = (sub, "e:" + topic)
+        if key not in views:
+            views[key] = ConsumerView(sub, key[1], rec.get("since"))
+    return sorted(views.values(), key=lambda c: (c.peer, c.stream))
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now = _now_ms()
+    pending_by: dict[str, int] = {}
+    oldest: int | None = None
+    for c in consumers(store):
+        n = 0
+        for mid in c.pending_ids(store):
+            if n == 0:
+                first = id_millis(mid)
+                oldest = first if oldest is None else min(oldest, first)
+            n += 1
+        pending_by[c.peer] = pending_by.get(c.peer, 0) + n
+    owner, alive = probe(datadir)
+    node = store.get_meta("node")
+    return [{
+        "datadir": str(datadir),
+        "node_id": node.decode() if node else None,
+        "lock": None if owner is None else {**owner.__dict__, "alive": alive},
+        "subscriptions": store.count("subscriptions"),
+        "intents": store.count("intents"),
+        "intents_unconfirmed": sum(1 for _, _, r in store.intents() if not r.get("confirmed")),
+        "outgoing": store.count("outgoing"),
+        "pending": sum(pending_by.values()),
+        "pending_by_peer": pending_by,
+        "oldest_pending_age_s": _age(oldest, now),
+        "incoming": store.count("incoming"),
+        "deadletters": store.count("deadletters"),
+        "handled": store.count("handled"),
+        "replies_waiting": store.count("replies"),
+        "store_bytes": store.size_on_disk(),
+    }]
+
+
+def view_keys(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    topics: dict[str, list[str]] = {}
+    for sub, topic, _ in store.subscriptions():
+        topics.setdefault(topic, []).append(sub)
+    return [{"topic": t, "subscribers": len(s), "addresses": sorted(s)} for t, s in sorted(topics.items())]
+
+
+def view_subscribers(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    rows: dict[str, dict] = {}
+    for c in consumers(store):
+        row = rows.setdefault(c.peer, {"address": c.peer, "topics": [], "commands": False,
+                                       "pending": 0, "last_ack": None})
+        if is_command_stream(c.stream):
+            row["commands"] = True
+        else:
+            row["topics"].append(c.topic)
+        row["pending"] += sum(1 for _ in c.pending_ids(store))
+        if c.last_ack and (row["last_ack"] is None or c.last_ack > row["last_ack"]):
+            row["last_ack"] = c.last_ack
+    return list(rows.values())
+
+
+def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now, limit = _now_ms(), args.get("limit")
+    subscriber, topic = args.get("subscriber"), args.get("topic")
+    by_stream: dict[str, list[ConsumerView]] = {}
+    for c in consumers(store):
+        by_stream.setdefault(c.stream, []).append(c)
+    rows = []
+    for stream, cs in sorted(by_stream.items()):
+        if subscriber and subscriber not in (c.peer for c in cs):
+            continue
+        floors = [c.floor for c in cs]
+        after = None if None in floors else min(floors)
+        while True:
+            chunk = store.iter_stream(stream, after=after, limit=1000)
+            for mid, data in chunk:
+                owed = [c for c in cs if c.owes(mid)]
+                if subscriber:
+                    owed = [c for c in owed if c.peer == subscriber]
+                if not owed:
+                    continue
+                rec = unpack_outgoing(data)
+                if topic and rec.topic != topic:
+                    continue
+                rows.append({
+                    "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic,
+                    "age_s": _age(rec.sent, now),
+                    "attempts": max(c.attempts.get(mid, 1) for c in owed),
+                    "owed_by": [c.peer for c in owed],
+                    "expires": rec.expires, "correlation_id": rec.correlation_id,
+                    "headers": jsonable(rec.headers), "payload": payload_of(rec.body),
+                })
+                if limit and len(rows) >= limit:
+                    return rows
+            if len(chunk) < 1000:
+                break
+            after = chunk[-1][0]
+    return rows
+
+
+def _incoming_row(mid: str, rec: list, runstate: list | None, now: int) -> dict:
+    attempts, _done, last_error, next_ms = (runstate or [0, [], None, 0])[:4]
+    return {
+        "id": mid, "kind": KIND_NAMES.get(rec[0], "?"), "topic": rec[1], "sender": rec[2],
+        "reply_to": rec[3], "age_s": _age(rec[4], now), "attempts": attempts,
+        "last_error": last_error, "next_attempt_ms": next_ms or None, "expires": rec[6],
+        "correlation_id": rec[7], "headers": jsonable(rec[8]), "payload": payload_of(rec[9]),
+    }
+
+
+def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now, limit, topic = _now_ms(), args.get("limit"), args.get("topic")
+    rows = []
+    for mid, rec in store.incoming():
+        if topic and rec[1] != topic:
+            continue
+        rows.append(_incoming_row(mid, rec, store.get_runstate(mid), now))
+        if limit and len(rows) >= limit:
+            break
+    return rows
+
+
+def _deadletter_row(mid: str, rec: dict, now: int) -> dict:
+    inner = rec.get("record") or []
+    body = inner[-1] if inner and isinstance(inner[-1], bytes) else None
+    return {
+        "id": mid, "origin": rec.get("origin"), "reason": rec.get("reason"), "error": rec.get("error"),
+        "kind": rec.get("kind"), "topic": rec.get("topic"), "attempts": rec.get("attempts"),
+        "peer": rec.get("peer"), "age_s": _age(rec.get("at"), now),
+        "payload": None if body is None else payload_of(body),
+    }
+
+
+def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now, limit, topic = _now_ms(), args.get("limit"), args.get("topic")
+    rows = []
+    for mid, rec in store.deadletters():
+        if topic and rec.get("topic") != topic:
+            continue
+        rows.append(_deadletter_row(mid, rec, now))
+        if limit and len(rows) >= limit:
+            break
+    return rows
+
+
+def export_rows(store: Store) -> Iterator[dict]:
+    """Every stored message and delivery state, one JSON-able object each. Message rows
+    carry ``payload`` (decoded) and ``body`` (the exact msgpack bytes, base64)."""
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    node = store.get_meta("node")
+    yield {"type": "meta", "node_id": node.decode() if node else None}
+    for sub, topic, rec in store.subscriptions():
+        yield {"type": "subscription", "subscriber": sub, "topic": topic, "record": jsonable(rec)}
+    for pub, topic, rec in store.intents():
+        yield {"type": "intent", "publisher": pub, "topic": topic, "record": jsonable(rec)}
+    for c in consumers(store):
+        yield {"type": "delivery", "peer": c.peer, "stream": c.stream, "floor": c.floor,
+               "acked": sorted(c.acked), "attempts": c.attempts, "last_ack": c.last_ack}
+    for stream in store.stream_names():
+        after = None
+        while True:
+            chunk = store.iter_stream(stream, after=after, limit=1000)
+            for mid, data in chunk:
+                rec = unpack_outgoing(data)
+                yield {"type": "outgoing", "stream": stream, "id": mid, "kind": KIND_NAMES.get(rec.kind),
+                       "topic": rec.topic, "sent": rec.sent, "expires": rec.expires,
+                       "correlation_id": rec.correlation_id, "headers": jsonable(rec.headers),
+                       "payload": payload_of(rec.body), "body": b64(rec.body)}
+            if len(chunk) < 1000:
+                break
+            after = chunk[-1][0]
+    now = _now_ms()
+    for mid, rec in store.incoming():
+        row = _incoming_row(mid, rec, store.get_runstate(mid), now)
+        yield {"type": "incoming", **row, "sent": rec[4], "body": b64(rec[9])}
+    for mid, rec in store.replies():
+        yield {"type": "reply", "request_id": mid, "reply_to": rec[0], "command": rec[1],
+               "correlation_id": rec[2], "payload": payload_of(rec[3]), "body": b64(rec[3])}
+    for mid, rec in store.deadletters():
+        inner = rec.get("record") or []
+        body = inner[-1] if inner and isinstance(inner[-1], bytes) else b""
+        yield {"type": "deadletter", **_deadletter_row(mid, rec, now), "body": b64(body)}
+
+
+def export(store: Store, out: Path, progress: Callable[[int], None] | None = None) -> int:
+    """Write ``export_rows`` as JSON lines to ``out`` (atomically: temp file, fsync, rename)."""
+    tmp = out.with_name(out.name + ".tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for row in export_rows(store):
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+            if progress and n % 1000 == 0:
+                progress(n)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    return n
+
+
+def view_export(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    out = Path(args["out"])
+    if not out.is_absolute():
+        raise ValueError("export over the admin endpoint needs an absolute output path")
+    return [{"rows": export(store, out), "out": str(out)}]
+
+
+VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
+    "status": view_status,
+    "keys": view_keys,
+    "subscribers": view_subscribers,
+    "outgoing": view_outgoing,
+    "incoming": view_incoming,
+    "deadletters": view_deadletters,
+    "export": view_export,
+}
+
+
+def run_view(store: Store, datadir: Path, name: str, args: dict, live: dict | None = None) -> list[dict]:
+    try:
+        view = VIEWS[name]
+    except KeyError:
+        raise ValueError(f"no such view: {name!r}") from None
+    return view(store, datadir, args, live)
+
+
+# --- the admin endpoint: request encoding and the CLI's client --------------------------------
+
+
+def encode_request(view: str, args: dict) -> bytes:
+    return msgpack.packb({"view": view, "args": args}, use_bin_type=True)
+
+
+def decode_request(data: bytes) -> tuple[str, dict]:
+    req = msgpack.unpackb(data, raw=False)
+    if not isinstance(req, dict) or not isinstance(req.get("view"), str) or not isinstance(req.get("args"), dict):
+        raise ValueError("bad admin request")
+    return req["view"], req["args"]
+
+
+def encode_reply(rows: list[dict] | None = None, error: str | None = None) -> bytes:
+    body = {"ok": True, "rows": rows} if error is None else {"ok": False, "error": error}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def admin_endpoint(datadir: Path) -> str | None:
+    try:
+        return (datadir / ENDPOINT_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def query_live(datadir: Path, view: str, args: dict, timeout: float = 30.0) -> list[dict]:
+    """Ask the live bus holding ``datadir`` for a view over its admin endpoint."""
+    import zmq
+
+    endpoint = admin_endpoint(datadir)
+    if endpoint is None:
+        raise AdminUnavailable(f"the live bus on {datadir} has no admin endpoint")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", encode_request(view, args)])
+        if not sock.poll(int(timeout * 1000)):
+            raise AdminUnavailable(f"the live bus on {datadir} did not answer on {endpoint} "
+                                   f"within {timeout:.0f}s")
+        frames = sock.recv_multipart()
+        reply = msgpack.unpackb(frames[-1], raw=False)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    if not reply.get("ok"):
+        raise AdminUnavailable(f"the live bus refused: {reply.get('error')}")
+    return reply["rows"]

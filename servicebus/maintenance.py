@@ -1,0 +1,294 @@
+"""Operations that change a stopped bus's data directory: replay, purge, check/repair,
+compact. The CLI refuses to run them while a live bus holds the lock.
+
+Every change is written in batches that keep the keyspaces consistent (a dead letter is
+deleted in the same write that puts its message back), and reported row by row so an
+operator sees exactly what happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from .admin import consumers
+from .delivery import command_stream, is_command_stream, pack_outgoing, unpack_outgoing
+from .errors import StoreError
+from .ids import IdGenerator
+from .protocol import Kind
+from .store import KEYSPACES, SEP, Store
+
+__all__ = ["replay", "purge", "check", "Problem", "REPLAYABLE"]
+
+Progress = Callable[[int], None] | None
+CHUNK = 5000
+REPLAYABLE = ("incoming", "outgoing")
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# --- replay --------------------------------------------------------------------------------
+
+
+def replay(store: Store, ids: list[str] | None, topic: str | None,
+           progress: Progress = None) -> list[dict]:
+    """Put dead letters back where they can be tried again; one report row per letter.
+
+    Letters of received messages go back to the incoming store (handled at the next start,
+    attempts reset). Letters of messages this bus could not deliver go back to their
+    outgoing stream under a new id (so no delivery cursor has passed it) and without TTL.
+    """
+    wanted = set(ids) if ids else None
+    letters = [(mid, rec) for mid, rec in store.deadletters()
+               if (wanted is None or mid in wanted) and (topic is None or rec.get("topic") == topic)]
+    report: list[dict] = []
+    if wanted:
+        for missing in sorted(wanted - {mid for mid, _ in letters}):
+            report.append({"id": missing, "result": "skipped", "detail": "no such dead letter"})
+    views = {(c.peer, c.stream): c for c in consumers(store)}
+    subscribers_of: dict[str, set[str]] = {}
+    for c in views.values():
+        subscribers_of.setdefault(c.stream, set()).add(c.peer)
+    gen = IdGenerator()
+    batch = store.batch()
+    for n, (mid, rec) in enumerate(letters, 1):
+        row = {"id": mid, "topic": rec.get("topic"), "reason": rec.get("reason")}
+        origin = rec.get("origin")
+        if origin == "incoming":
+            batch.put_incoming(mid, rec["record"])
+            batch.delete_deadletter(mid)
+            row.update(result="replayed", to="incoming")
+        elif origin == "outgoing":
+            stream, peer = rec.get("stream"), rec.get("peer")
+            if is_command_stream(stream or ""):
+                if (peer, stream) not in views:
+                    batch.put_delivery(peer, stream, {"floor": "", "acked": [], "attempts": {}})
+                    views[(peer, stream)] = None  # type: ignore[assignment]
+            elif subscribers_of.get(stream) != {peer}:
+                reason = ("is no longer subscribed" if peer not in subscribers_of.get(stream, ())
+                          else "shares the topic with other subscribers, who would get it again")
+                row.update(result="skipped", detail=f"subscriber {peer} {reason}")
+                report.append(row)
+                continue
+            kind, topic_, _sent, _expires, corr, headers, body = rec["record"]
+            new_id = gen.next()
+            last = store.stream_ids(stream, after=new_id, limit=1)
+            if last:
+                raise StoreError(f"clock is behind the stream {stream}: cannot give {mid} a new id")
+            batch.put_outgoing(stream, new_id, pack_outgoing(Kind(kind), topic_, _now_ms(), body,
+                                                             None, corr, headers))
+            batch.delete_deadletter(mid)
+            row.update(result="replayed", to=f"outgoing to {peer}", new_id=new_id)
+        else:
+            row.update(result="skipped", detail=f"unknown origin {origin!r}")
+        report.append(row)
+        if n % CHUNK == 0:
+            store.write(batch, sync=False)
+            batch = store.batch()
+        if progress:
+            progress(n)
+    store.write(batch, sync=True)
+    return report
+
+
+# --- purge ---------------------------------------------------------------------------------
+
+
+def _delete_keyspaces(store: Store, names: tuple[str, ...], progress: Progress) -> dict[str, int]:
+    counts = {name: 0 for name in names}
+    prefixes = {KEYSPACES[name]: name for name in names}
+    batch, n = store.batch(), 0
+    for key, _value in store.scan_raw():
+        name = prefixes.get(key[:2])
+        if name is None:
+            continue
+        batch.delete_raw(key)
+        counts[name] += 1
+        n += 1
+        if n % CHUNK == 0:
+            store.write(batch, sync=False)
+            batch = store.batch()
+            if progress:
+                progress(n)
+    store.write(batch, sync=True)
+    return counts
+
+
+def purge(store: Store, *, outgoing: bool = False, incoming: bool = False,
+          deadletters: bool = False, subscriber: str | None = None,
+          progress: Progress = None) -> dict[str, int]:
+    """Delete what is named; return counts per kind of record removed."""
+    removed: dict[str, int] = {}
+    names: tuple[str, ...] = ()
+    if outgoing:
+        names += ("outgoing", "deliveries", "replies")
+    if incoming:
+        names += ("incoming", "runstate")
+    if deadletters:
+        names += ("deadletters",)
+    if names:
+        removed.update(_delete_keyspaces(store, names, progress))
+    if subscriber:
+        removed.update(_remove_subscriber(store, subscriber, progress))
+    return removed
+
+
+def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[str, int]:
+    """Forget a subscriber. What it was still owed becomes dead letters (reason
+    ``subscriber_removed``) rather than vanishing: they can be exported or inspected."""
+    mine = [c for c in consumers(store) if c.peer == address]
+    batch, moved = store.batch(), 0
+    for c in mine:
+        for mid in c.pending_ids(store):
+            data = store.get_outgoing(c.stream, mid)
+            if data is None:
+                continue
+            rec = unpack_outgoing(data)
+            batch.put_deadletter(mid, {
+                "origin": "outgoing", "reason": "subscriber_removed", "error": None, "at": _now_ms(),
+                "peer": address, "stream": c.stream, "kind": Kind(rec.kind).name.lower(),
+                "topic": rec.topic, "record": list(rec),
+            })
+            moved += 1
+            if moved % CHUNK == 0:
+                store.write(batch, sync=False)
+                batch = store.batch()
+                if progress:
+                    progress(moved)
+        batch.delete_delivery(c.peer, c.stream)
+    subs = [(s, t) for s, t, _ in store.subscriptions() if s == address]
+    for s, t in subs:
+        batch.delete_subscription(s, t)
+    store.write(batch, sync=True)
+    return {"subscriptions": len(subs), "deliveries": len(mine), "moved_to_deadletters": moved}
+
+
+# --- check ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    keyspace: str
+    key: str
+    problem: str
+    action: str = ""  # what --repair did about it
+
+
+def _unpack(value: bytes):
+    return msgpack.unpackb(value, raw=False, strict_map_key=False)
+
+
+def _check_value(name: str, key: bytes, value: bytes) -> str | None:
+    """Why this record does not decode as its keyspace's record, or None if it does."""
+    try:
+        rest = key[2:]
+        if name in ("subscriptions", "intents", "outgoing", "deliveries"):
+            if SEP not in rest:
+                return "key has no separator"
+            rest.decode("utf-8")
+        if name == "outgoing":
+            rec = unpack_outgoing(value)
+            if rec.kind not in (1, 2, 3) or not isinstance(rec.body, bytes):
+                return "not an outgoing record"
+        elif name == "incoming":
+            rec = _unpack(value)
+            if not isinstance(rec, list) or len(rec) != 10 or not isinstance(rec[9], bytes):
+                return "not an incoming record"
+        elif name == "runstate":
+            rec = _unpack(value)
+            if not isinstance(rec, list) or len(rec) != 4:
+                return "not a run state"
+        elif name == "replies":
+            rec = _unpack(value)
+            if not isinstance(rec, list) or len(rec) != 4:
+                return "not a reply record"
+        elif name == "handled":
+            if len(value) != 8:
+                return "not a timestamp"
+        elif name in ("subscriptions", "intents", "deliveries", "deadletters"):
+            if not isinstance(_unpack(value), dict):
+                return f"not a {name} record"
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is the finding
+        return f"does not decode ({type(exc).__name__})"
+    return None
+
+
+def check(store: Store, repair: bool, progress: Progress = None) -> list[Problem]:
+    """Verify every record decodes and the keyspaces agree; with ``repair``, drop what does
+    not decode and what nothing refers to, and restore missing delivery states."""
+    names = {prefix: name for name, prefix in KEYSPACES.items()}
+    problems: list[Problem] = []
+    batch = store.batch()
+    incoming_ids: set[str] = set()
+    runstate_ids: set[str] = set()
+    streams: set[str] = set()
+    for n, (key, value) in enumerate(store.scan_raw(), 1):
+        name = names.get(key[:2])
+        shown = key.decode("utf-8", "backslashreplace")
+        if name is None:
+            problems.append(Problem("?", shown, "key of no known keyspace", "dropped" if repair else ""))
+            if repair:
+                batch.delete_raw(key)
+            continue
+        if name == "meta":
+            continue
+        why = _check_value(name, key, value)
+        if why:
+            problems.append(Problem(name, shown[2:], why, "dropped" if repair else ""))
+            if repair:
+                batch.delete_raw(key)
+            continue
+        if name == "incoming":
+            incoming_ids.add(key[2:].decode())
+        elif name == "runstate":
+            runstate_ids.add(key[2:].decode())
+        elif name == "outgoing":
+            streams.add(key[2:].partition(SEP)[0].decode())
+        if progress and n % 1000 == 0:
+            progress(n)
+
+    for mid in sorted(runstate_ids - incoming_ids):
+        problems.append(Problem("runstate", mid, "run state of a message that is not stored",
+                                "dropped" if repair else ""))
+        if repair:
+            batch.delete_raw(KEYSPACES["runstate"] + mid.encode())
+    subscribed = {(s, "e:" + t) for s, t, _ in store.subscriptions()}
+    delivery_keys = set()
+    for peer, stream, _ in store.deliveries():
+        delivery_keys.add((peer, stream))
+        if not is_command_stream(stream) and (peer, stream) not in subscribed:
+            problems.append(Problem("deliveries", f"{peer} {stream}", "delivery state without a subscription",
+                                    "dropped" if repair else ""))
+            if repair:
+                batch.delete_delivery(peer, stream)
+    consumed = {s for _, s in subscribed} | {s for _, s in delivery_keys}
+    for stream in sorted(streams):
+        if stream in consumed:
+            continue
+        if is_command_stream(stream):
+            peer = stream[2:]
+            problems.append(Problem("outgoing", stream, "commands with no delivery state",
+                                    "delivery state restored" if repair else ""))
+            if repair:
+                batch.put_delivery(peer, command_stream(peer), {"floor": "", "acked": [], "attempts": {}})
+        else:
+            count = store.count_stream(stream)
+            problems.append(Problem("outgoing", stream, f"{count} message(s) no subscriber is owed",
+                                    "dropped" if repair else ""))
+            if repair:
+                for mid in store.stream_ids(stream):
+                    batch.delete_outgoing(stream, mid)
+    if repair:
+        store.write(batch, sync=True)
+    return problems
+
+
+def repair_files(path: Path) -> None:
+    """LevelDB's own repair: rebuilds the store from whatever table and log files survive."""
+    Store.repair(path)
