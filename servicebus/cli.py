@@ -129,7 +129,10 @@ def _emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title
         return
     table = Table(title=f"{title} ({len(rows)})", title_justify="left", expand=False)
     for header, _ in columns:
-        table.add_column(header, overflow="fold")
+        if header == "id":  # whole, always: operators copy ids into `replay`
+            table.add_column(header, no_wrap=True, min_width=24)
+        else:
+            table.add_column(header, overflow="fold")
     for row in rows:
         table.add_row(*(str(fn(row)) for _, fn in columns))
     out.print(table)

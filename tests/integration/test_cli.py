@@ -1,0 +1,260 @@
+"""The real `servicebus` console script, run in subprocesses against data directories left
+by real buses (most of them killed with SIGKILL)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import plyvel
+import pytest
+
+from servicebus import Bus
+from servicebus.testing import free_address, wait_until
+
+TOPIC = "user.signup"
+CLI = str(Path(sys.executable).parent / "servicebus")
+
+
+def cli(*args, input=None):
+    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=60,
+                          input=input)
+
+
+def cli_json(*args):
+    result = cli(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.fixture
+def crashed_publisher(make_bus, bus_process):
+    """A publisher killed with SIGKILL while 50 messages were owed to a subscriber that is
+    down, and nothing to one that is up."""
+    pub = bus_process("pub")
+    pub.start()
+    live = make_bus("live")
+    got = set()
+    live.every(TOPIC, lambda p, m: got.add(p["n"]))
+    live.subscribe(pub.address, TOPIC, wait=10)
+    down = bus_process("down", "--handle", TOPIC, "--subscribe", pub.address, TOPIC)
+    down.start()
+    down.kill()
+    pub.kill()
+    with Bus(pub.address, pub.datadir) as bus:  # the same bus, restarted here to publish
+        ids = bus.publish_many(TOPIC, [{"n": n} for n in range(50)])
+        wait_until(lambda: len(got) == 50, 20)
+        wait_until(lambda: bus.status().pending == 50, 10)
+    pub.start()
+    pub.kill()  # left locked by a dead process, as after a crash
+    return pub, live, down, ids
+
+
+def test_status_after_a_crash_shows_the_stale_lock_and_exact_pending_counts(crashed_publisher):
+    pub, live, down, ids = crashed_publisher
+    status = cli_json("status", pub.datadir)[0]
+    assert status["lock"]["alive"] is False and status["lock"]["pid"] == pub.proc.pid
+    assert status["pending_by_peer"] == {down.address: 50, live.address: 0}
+    assert status["pending"] == 50 and status["subscriptions"] == 2
+    assert status["oldest_pending_age_s"] >= 0
+    text = cli("status", pub.datadir)
+    assert text.returncode == 0 and "STALE" in text.stdout
+
+
+def test_listings_show_exactly_the_undelivered_messages_and_parse_as_json(crashed_publisher):
+    pub, live, down, ids = crashed_publisher
+    rows = cli_json("outgoing", pub.datadir, "--limit", "0")
+    assert [r["id"] for r in rows] == ids
+    assert all(r["owed_by"] == [down.address] for r in rows)
+    assert rows[7]["payload"] == {"n": 7}
+    assert cli_json("outgoing", pub.datadir, "--subscriber", live.address) == []
+    assert len(cli_json("outgoing", pub.datadir, "--limit", "5")) == 5
+    assert cli_json("keys", pub.datadir) == [{"topic": TOPIC, "subscribers": 2,
+                                               "addresses": sorted([live.address, down.address])}]
+    subs = {r["address"]: r for r in cli_json("subscribers", pub.datadir)}
+    assert subs[down.address]["pending"] == 50 and subs[live.address]["pending"] == 0
+    assert subs[live.address]["last_ack"] is not None
+    for listing in ("incoming", "deadletters"):
+        assert cli_json(listing, pub.datadir) == []
+    table = cli("outgoing", pub.datadir, "--limit", "3")
+    assert table.returncode == 0 and ids[0] in table.stdout
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+
+
+def test_unlock_then_restart_delivers_the_backlog(crashed_publisher):
+    pub, live, down, ids = crashed_publisher
+    result = cli("unlock", pub.datadir)
+    assert result.returncode == 0 and f"pid {pub.proc.pid}" in result.stdout
+    assert not (pub.datadir / "LOCK").exists()
+    down.start(wait_ready=False)  # it confirms its subscription once the publisher is up
+    pub.start()
+    down.wait_ready()
+    wait_until(lambda: len(down.done_counts()) == 50, 20)
+    pub.stop()
+    assert cli_json("status", pub.datadir)[0]["pending"] == 0
+
+
+def test_commands_that_write_refuse_while_a_live_bus_holds_the_lock(bus_process):
+    node = bus_process("node")
+    node.start()
+    for args in (("unlock",), ("purge", "--deadletters", "--yes"), ("replay", "--all"),
+                 ("compact",), ("check",)):
+        result = cli(*args, node.datadir)
+        assert result.returncode == 3, (args, result.stderr)
+        assert str(node.proc.pid) in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_live_status_over_the_admin_endpoint_matches_offline_status_after_stop(make_bus, bus_process):
+    node = bus_process("node", "--handle", TOPIC)
+    node.start()
+    client = make_bus("client")
+    for n in range(5):
+        client.send(node.address, "no.handler.yet", {"n": n})
+    wait_until(lambda: cli_json("status", node.datadir)[0]["incoming"] == 5, 20)
+    live = cli_json("status", node.datadir)[0]
+    assert live["lock"]["alive"] is True
+    live_incoming = cli_json("incoming", node.datadir)
+    node.stop()
+    offline = cli_json("status", node.datadir)[0]
+    assert offline["lock"] is None
+    ignore = {"lock", "store_bytes", "oldest_pending_age_s"}
+    assert {k: v for k, v in live.items() if k not in ignore} == \
+        {k: v for k, v in offline.items() if k not in ignore}
+    assert [r["id"] for r in cli_json("incoming", node.datadir)] == [r["id"] for r in live_incoming]
+
+
+def test_a_replayed_dead_letter_is_handled(make_bus, tmp_path):
+    pub = make_bus("pub")
+    sub = make_bus("sub", max_attempts=1)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.every(TOPIC, lambda p, m: 1 / 0)
+    mid = pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    sub.close()
+    rows = cli_json("deadletters", tmp_path / "sub")
+    assert rows[0]["id"] == mid and rows[0]["reason"] == "handler_failed"
+    assert rows[0]["error"] == "ZeroDivisionError: division by zero"
+    assert rows[0]["payload"] == {"n": 1}
+    replayed = cli_json("replay", tmp_path / "sub", mid)
+    assert replayed[0]["result"] == "replayed" and replayed[0]["to"] == "incoming"
+    assert cli_json("deadletters", tmp_path / "sub") == []
+    got = []
+    with Bus(free_address(), tmp_path / "sub") as again:
+        again.every(TOPIC, lambda p, m: got.append((p, m.id)))
+        wait_until(lambda: got, 10)
+        assert again.drain(5)
+    assert got == [({"n": 1}, mid)]
+
+
+def test_an_expired_command_is_replayed_to_outgoing_and_delivered(make_bus, tmp_path):
+    address = free_address()
+    client = make_bus("client")
+    client.send(address, "audit.record", {"n": 1}, ttl=0.1)
+    server = make_bus("server", address)
+    wait_until(lambda: client.status().deadletters == 1, 10)
+    client.close()
+    rows = cli_json("replay", tmp_path / "client", "--all")
+    assert rows[0]["result"] == "replayed" and rows[0]["to"] == f"outgoing to {address}"
+    got = []
+    server.handle("audit.record", lambda p, m: got.append(p))
+    with Bus(free_address(), tmp_path / "client"):
+        wait_until(lambda: got == [{"n": 1}], 15)
+
+
+def test_purge_removes_only_what_it_names(crashed_publisher):
+    pub, live, down, ids = crashed_publisher
+    refused = cli("purge", pub.datadir, "--deadletters")  # not a terminal and no --yes
+    assert refused.returncode == 1 and "--yes" in refused.stderr
+    before = cli_json("status", pub.datadir)[0]
+    removed = cli_json("purge", pub.datadir, "--subscriber", down.address, "--yes")[0]["removed"]
+    assert removed == {"subscriptions": 1, "deliveries": 1, "moved_to_deadletters": 50}
+    after = cli_json("status", pub.datadir)[0]
+    assert after["pending"] == 0 and after["deadletters"] == 50
+    assert after["subscriptions"] == before["subscriptions"] - 1
+    letters = cli_json("deadletters", pub.datadir, "--limit", "0")
+    assert {r["id"] for r in letters} == set(ids)
+    assert {r["reason"] for r in letters} == {"subscriber_removed"}
+    removed = cli_json("purge", pub.datadir, "--deadletters", "--yes")[0]["removed"]
+    assert removed == {"deadletters": 50}
+    final = cli_json("status", pub.datadir)[0]
+    assert final["deadletters"] == 0 and final["subscriptions"] == 1
+    assert cli_json("keys", pub.datadir)[0]["addresses"] == [live.address]
+
+
+def test_export_round_trips_every_message(crashed_publisher, tmp_path):
+    pub, live, down, ids = crashed_publisher
+    out = tmp_path / "export.jsonl"
+    result = cli("export", pub.datadir, out)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    messages = {r["id"]: r for r in rows if r["type"] == "outgoing"}
+    assert sorted(messages) == ids
+    import base64, msgpack
+    for n, mid in enumerate(ids):
+        assert messages[mid]["payload"] == {"n": n}
+        assert msgpack.unpackb(base64.b64decode(messages[mid]["body"])) == {"n": n}
+    kinds = {r["type"] for r in rows}
+    assert {"meta", "subscription", "delivery", "outgoing"} <= kinds
+
+
+def test_check_finds_a_corrupted_record_and_repair_keeps_the_rest(make_bus, tmp_path):
+    server, client = make_bus("server"), make_bus("client")
+    for n in range(20):
+        client.send(server.address, "no.handler", {"n": n})
+    wait_until(lambda: server.status().incoming == 20, 10)
+    server.close()
+    clean = cli("check", tmp_path / "server")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    db = plyvel.DB(str(tmp_path / "server" / "store"))
+    victim = next(db.iterator(prefix=b"n/", include_value=False))
+    db.put(victim, b"\xc1 not msgpack")
+    db.put(b"r/" + b"0" * 24, b"\x94\x01\x90\xc0\x00")  # run state of no message
+    db.close()
+    found = cli("check", tmp_path / "server", "--json")
+    assert found.returncode == 4
+    problems = [json.loads(line) for line in found.stdout.splitlines()]
+    assert {(p["keyspace"], p["key"]) for p in problems} == {
+        ("incoming", victim[2:].decode()), ("runstate", "0" * 24)}
+    fixed = cli("check", tmp_path / "server", "--repair", "--json")
+    assert fixed.returncode == 0
+    assert all(json.loads(line)["action"] == "dropped" for line in fixed.stdout.splitlines())
+    assert cli("check", tmp_path / "server").returncode == 0
+    assert cli_json("status", tmp_path / "server")[0]["incoming"] == 19
+
+
+def test_check_repairs_a_store_whose_files_are_damaged(make_bus, tmp_path):
+    server, client = make_bus("server"), make_bus("client")
+    for n in range(300):
+        client.send(server.address, "no.handler", {"n": n, "pad": "x" * 500})
+    wait_until(lambda: server.status().incoming == 300, 20)
+    server.close()
+    assert cli("compact", tmp_path / "server").returncode == 0
+    tables = sorted((tmp_path / "server" / "store").glob("*.ldb"), key=lambda p: p.stat().st_size)
+    assert tables, "compaction wrote no table file"
+    data = bytearray(tables[-1].read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = b"\xff" * 64
+    tables[-1].write_bytes(bytes(data))
+    broken = cli("check", tmp_path / "server")
+    assert broken.returncode == 4, broken.stdout + broken.stderr
+    fixed = cli("check", tmp_path / "server", "--repair")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "LevelDB repair" in fixed.stdout + fixed.stderr
+    left = cli_json("status", tmp_path / "server")[0]["incoming"]
+    assert 0 < left < 300  # the damaged block is gone, the rest recovered
+    assert cli("check", tmp_path / "server").returncode == 0
+
+
+def test_exit_codes_and_one_line_errors(tmp_path):
+    missing = cli("status", tmp_path / "nope")
+    assert missing.returncode == 2 and "no such data directory" in missing.stderr
+    (tmp_path / "plain").mkdir()
+    plain = cli("outgoing", tmp_path / "plain")
+    assert plain.returncode == 2 and "not a servicebus data directory" in plain.stderr
+    usage = cli("status", "--no-such-option")
+    assert usage.returncode == 1
+    nothing = cli("purge", tmp_path / "plain")
+    assert nothing.returncode == 1
+    for result in (missing, plain, usage, nothing):
+        assert "Traceback" not in result.stderr
