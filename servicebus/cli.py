@@ -131,6 +131,8 @@ def _emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title
     for header, _ in columns:
         if header == "id":  # whole, always: operators copy ids into `replay`
             table.add_column(header, no_wrap=True, min_width=24)
+        elif header in ("topic", "reason", "age", "tries", "kind", "result"):
+            table.add_column(header, no_wrap=True, overflow="ellipsis", max_width=20)
         else:
             table.add_column(header, overflow="fold")
     for row in rows:
