@@ -27,6 +27,7 @@ from .delivery import event_stream
 from .dispatch import Dispatcher
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .admin import ENDPOINT_FILE
+from .journal import Journal
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address
 from .records import BusStatus, Message
@@ -75,6 +76,7 @@ class Bus:
         self._closed = False
         self._close_lock = threading.Lock()
         self._lock: DataDirLock | None = None
+        self._journal: Journal | None = None
         self._store: Store | None = None
         self._ctx: zmq.Context | None = None
         self._engine: E.Engine | None = None
@@ -112,16 +114,23 @@ class Bus:
         self.address = self.config.advertise or endpoint
         self._lock.update(self.address)
 
+        batch = store.batch()
+        batch.put_meta("address", self.address.encode())  # for offline journal flushes
+        store.write(batch, sync=False)
+        self._journal = Journal(store, self.datadir, self.node_id, self.address,
+                                enabled=self.config.journal, retention=self.config.journal_retention)
         self._requests = PendingRequests()
         self._dispatcher = Dispatcher(store, self.config, on_idle=self._wake,
-                                      requests=self._requests, on_reply=self._reply_ready)
+                                      requests=self._requests, on_reply=self._reply_ready,
+                                      journal=self._journal)
         self._engine = E.Engine(config=self.config, store=store, context=self._ctx, router=router,
                                 address=self.address, node_id=self.node_id,
                                 dispatcher=self._dispatcher, requests=self._requests,
-                                admin=admin, datadir=self.datadir)
+                                journal=self._journal, admin=admin, datadir=self.datadir)
         (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
         self._dispatcher.start()
         self._engine.start()
+        self._journal.start()  # its first flush moves what a crash left behind
         log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
 
     def _wake(self) -> None:
@@ -397,6 +406,13 @@ class Bus:
                     self._engine.admin.close(linger=0)
             (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
             (self.datadir / "admin.sock").unlink(missing_ok=True)
+        if self._journal is not None and self._store is not None and not self._store.closed:
+            self._journal.stop()
+            if self._journal.enabled:
+                try:
+                    self._journal.flush()  # every remaining record goes to segment files
+                except Exception as exc:  # noqa: BLE001 - they stay in LevelDB for next start
+                    log.error("journal flush at close failed: %s", exc)
         if self._store is not None:
             try:
                 self._store.sync()

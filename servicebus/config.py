@@ -40,11 +40,19 @@ class BusConfig:
     peer_timeout: float = 3.0
     #: incoming messages held in memory for dispatch; the rest wait in the store
     dispatch_queue: int = 10_000
+    #: record delivery events in DATADIR/journal/ for the audit pipeline
+    journal: bool = True
+    #: journal segment files older than this are deleted by the bus
+    journal_retention: float = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "journal":
+                if not isinstance(value, bool):
+                    raise TypeError(f"option journal must be a bool, not {type(value).__name__}")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"option {field.name} must be a number, not {type(value).__name__}")

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 from .config import BusConfig
 from .delivery import backoff
 from .errors import StoreError
+from .journal import Journal
 from .protocol import Kind, decode_payload, encode_payload
 from .records import EMPTY, Message
 from .requests import PendingRequests
@@ -61,18 +62,26 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _event(name: str, item: "Incoming", attempts: int, error: str | None = None) -> tuple:
+    record = item.record
+    return (name, _now_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],
+            attempts, error)
+
+
 def _to_datetime(ms: int | None) -> datetime | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
 
 
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
-                 requests: PendingRequests, on_reply: Callable[[str, list], None]) -> None:
+                 requests: PendingRequests, on_reply: Callable[[str, list], None],
+                 journal: Journal) -> None:
         self._store = store
         self._config = config
         self._on_idle = on_idle
         self._requests = requests
         self._on_reply = on_reply  # hands a stored reply to the engine for sending
+        self._journal = journal
         self._handlers: dict[tuple[int, str], list[tuple[str, Handler]]] = {}
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Incoming]] = []
@@ -354,27 +363,32 @@ class Dispatcher:
         if error is None:
             batch = store.batch()
             batch.complete_incoming(item.id, _now_ms())
+            self._journal.record(batch, [_event("handled", item, attempts)])
             store.write(batch, sync=False)
             self.handled += 1
             return None
         self.failed += 1
+        failed = _event("handler_failed", item, attempts, error)
         if attempts >= config.max_attempts:
-            self._deadletter(item, "handler_failed", error, attempts)
+            self._deadletter(item, "handler_failed", error, attempts, [failed])
             return None
         delay = backoff(attempts, config.retry_initial, config.retry_max)
         batch = store.batch()
         batch.put_runstate(item.id, [attempts, done, error, _now_ms() + int(delay * 1000)])
+        self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
         store.write(batch, sync=False)
         return time.monotonic() + delay
 
     def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message) -> None:
         """A request: the handler's return value, or its exception, is the reply. It is not
         retried here: the caller is waiting, and decides whether to ask again."""
+        events = []
         try:
             reply: dict = {"ok": True, "value": handler(payload, message)}
         except Exception as exc:
             log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
             reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            events.append(_event("handler_failed", item, message.attempt, f"{type(exc).__name__}: {exc}"))
         try:
             body = encode_payload(reply)
         except TypeError as exc:
@@ -385,6 +399,8 @@ class Dispatcher:
         reply_record = [message.reply_to, message.topic, message.correlation_id, body]
         batch = self._store.batch()
         batch.complete_with_reply(item.id, _now_ms(), reply_record)
+        events.append(_event("handled", item, message.attempt))
+        self._journal.record(batch, events)
         self._store.write(batch, sync=False)
         self.handled += 1
         self._on_reply(item.id, reply_record)
@@ -409,12 +425,16 @@ class Dispatcher:
             log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
         batch = self._store.batch()
         batch.complete_incoming(item.id, _now_ms())
+        self._journal.record(batch, [_event("handled", item, 1)])
         self._store.write(batch, sync=False)
         return None
 
-    def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int) -> None:
+    def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
+                    events: list | None = None) -> None:
         record = item.record
         batch = self._store.batch()
+        name = "expired" if reason == "expired" else "deadlettered"
+        self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
         batch.deadletter_incoming(item.id, {
             "origin": "incoming",
             "reason": reason,

@@ -41,7 +41,8 @@ from .delivery import (
 )
 from .dispatch import Dispatcher, Incoming, incoming_record
 from .errors import BusClosedError, BusError, TransportError
-from .ids import IdGenerator, id_millis
+from .ids import IdGenerator
+from .journal import Journal
 from .protocol import Kind
 from .records import PeerStatus
 from .requests import PendingRequests
@@ -61,6 +62,14 @@ DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming 
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+KIND_NAMES = {int(k): k.name.lower() for k in Kind}
+
+
+def _stream_topic(stream: str) -> tuple[str | None, str]:
+    """(topic, kind name) an ack on ``stream`` refers to, as far as the stream tells."""
+    return (stream[2:], "event") if stream.startswith("e:") else (None, "command")
 
 
 def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
@@ -207,7 +216,8 @@ class Engine(threading.Thread):
     def __init__(self, *, config: BusConfig, store: Store, context: zmq.Context,
                  router: zmq.Socket, address: str, node_id: str,
                  dispatcher: Dispatcher, requests: PendingRequests,
-                 admin: zmq.Socket | None = None, datadir: Path | None = None) -> None:
+                 journal: Journal, admin: zmq.Socket | None = None,
+                 datadir: Path | None = None) -> None:
         super().__init__(name="servicebus-engine", daemon=True)
         self.config = config
         self.store = store
@@ -218,6 +228,9 @@ class Engine(threading.Thread):
         self.boot = os.urandom(6).hex()
         self.dispatcher = dispatcher
         self.requests = requests
+        self.journal = journal
+        self._jon = journal.enabled
+        self._jevents: list[tuple] = []  # journal events that ride in the current batch
         self.ids = IdGenerator()
 
         self._queue: deque[Any] = deque()
@@ -356,6 +369,9 @@ class Engine(threading.Thread):
                 self._turn(events)
             self._next_gc = 0.0  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
+            if self._jevents:
+                self.journal.record(self._batch, self._jevents)
+                self._jevents = []
             if self._batch.ops:
                 self.store.write(self._batch, sync=True)
         except BaseException as exc:  # noqa: BLE001
@@ -393,6 +409,9 @@ class Engine(threading.Thread):
                 batch.put_delivery(consumer.peer, consumer.stream, consumer.record())
 
         # commit: one fsync for everything this turn that someone waits on
+        if self._jevents:
+            self.journal.record(batch, self._jevents)
+            self._jevents = []
         if batch.ops or batch.sync:
             self.store.write(batch, sync=batch.sync)
             if batch.sync:
@@ -514,6 +533,7 @@ class Engine(threading.Thread):
         acks = self._acks.setdefault(ident, [])
         kind = int(frame.kind)
         stored = False
+        jon, jev, ts, kname = self._jon, self._jevents, _now_ms(), KIND_NAMES[kind]
         for env in frame.messages:
             mid = env.id
             acks.append(mid)
@@ -526,6 +546,8 @@ class Engine(threading.Thread):
             batch.put_incoming(mid, record)
             self._handoff.append(Incoming(mid, record, None))
             stored = True
+            if jon:
+                jev.append(("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt, None))
         self.counters["received"] += len(frame.messages)
         if stored:
             batch.sync = True  # the acks leave only after the fsync
@@ -570,6 +592,10 @@ class Engine(threading.Thread):
             for consumer in consumers:
                 if consumer.ack(mid):
                     consumer.last_ack = wall
+                    if self._jon:
+                        topic, kname = _stream_topic(consumer.stream)
+                        self._jevents.append(("acked", int(wall * 1000), mid, topic, kname,
+                                              peer.address, 0, None))
                     break
         self.counters["acked"] += len(ids)
 
@@ -635,6 +661,11 @@ class Engine(threading.Thread):
                 put(stream, mid, record)
                 new.append((mid, record))
             self._batch.sync = True
+            if self._jon:  # one event per (message, receiver): what the audit reconciles
+                jev, topic = self._jevents, cmd.topic
+                for consumer in self.by_stream[stream]:
+                    peer = consumer.peer
+                    jev.extend(("published", sent, mid, topic, "event", peer, 0, None) for mid in ids)
         self.counters["published"] += len(ids)
         self._after.append(lambda: cmd.future.set_result(ids))
 
@@ -656,6 +687,8 @@ class Engine(threading.Thread):
         self._new.setdefault(stream, []).append((mid, record))
         self._batch.sync = True
         self.counters["commands_sent"] += 1
+        if self._jon:
+            self._jevents.append(("published", _now_ms(), mid, cmd.command, "command", cmd.address, 0, None))
         self._after.append(lambda: cmd.future.set_result(mid))
 
     def _queue_reply(self, cmd: QueueReply) -> None:
@@ -670,6 +703,8 @@ class Engine(threading.Thread):
         self._batch.delete_reply(cmd.command_id)
         self._new.setdefault(stream, []).append((mid, record))
         self.counters["replies_sent"] += 1
+        if self._jon:
+            self._jevents.append(("published", _now_ms(), mid, command, "reply", reply_to, 0, None))
 
     def _cmd_subscribe(self, cmd: SubscribeCmd) -> None:
         key = (cmd.publisher, cmd.topic)
@@ -714,11 +749,14 @@ class Engine(threading.Thread):
             return  # acknowledged before a restart
         record = unpack_outgoing(data)
         if record.expires is not None and record.expires < _now_ms():
-            self._expire(consumer, mid, record)
+            self._expire(consumer, mid, record, flight.attempt)
             return
         out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
+        if self._jon:
+            self._jevents.append(("sent", _now_ms(), mid, record.topic, KIND_NAMES[record.kind],
+                                  consumer.peer, flight.attempt, None))
 
-    def _expire(self, consumer: Consumer, mid: str, record: Any) -> None:
+    def _expire(self, consumer: Consumer, mid: str, record: Any, attempt: int) -> None:
         """A message whose TTL passed before its receiver acked it: a dead letter here."""
         consumer.ack(mid)
         self._batch.put_deadletter(mid, {
@@ -727,6 +765,9 @@ class Engine(threading.Thread):
             "topic": record.topic, "record": list(record),
         })
         self.counters["expired"] += 1
+        if self._jon:
+            self._jevents.append(("expired", _now_ms(), mid, record.topic, KIND_NAMES[record.kind],
+                                  consumer.peer, attempt, None))
         log.warning("%s %s to %s expired before it was acknowledged: dead letter",
                     Kind(record.kind).name.lower(), mid, consumer.peer)
 
@@ -787,7 +828,7 @@ class Engine(threading.Thread):
                     continue
                 record = unpack_outgoing(data)
                 if record.expires is not None and record.expires < now_ms:
-                    self._expire(consumer, mid, record)
+                    self._expire(consumer, mid, record, flight.attempt)
                     continue
                 flight.attempt += 1
                 flight.deadline = now + backoff(flight.attempt - 1, cfg.ack_timeout, cfg.resend_max)
@@ -796,6 +837,9 @@ class Engine(threading.Thread):
                     out = self._outbox.setdefault(peer, [])
                 out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
                 self.counters["resent"] += 1
+                if self._jon:
+                    self._jevents.append(("sent", _now_ms(), mid, record.topic, KIND_NAMES[record.kind],
+                                          consumer.peer, flight.attempt, None))
 
     def _flush_outbox(self) -> None:
         if not self._outbox:

@@ -14,6 +14,7 @@ atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
     h/<id>                         handled ids, kept for the dedupe window
     x/<id>                         dead letters
     y/<command id>                 replies of handled requests, not yet queued for sending
+    j/<seq, 8 bytes>               delivery journal records not yet moved to segment files
 
 Outgoing messages are stored once per stream, however many subscribers there are; each
 subscriber's delivery state is a cursor into the stream (see ``delivery.py``). That keeps a
@@ -50,10 +51,11 @@ KEYSPACES = {
     "handled": b"h/",
     "deadletters": b"x/",
     "replies": b"y/",
+    "journal": b"j/",
 }
-_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y = (KEYSPACES[k] for k in (
+_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J = (KEYSPACES[k] for k in (
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
-    "handled", "deadletters", "replies"))
+    "handled", "deadletters", "replies", "journal"))
 
 
 def _pack(obj: Any) -> bytes:
@@ -158,6 +160,12 @@ class Batch:
 
     def delete_deadletter(self, message_id: str) -> None:
         self._delete(_X + message_id.encode())
+
+    def put_journal(self, seq: int, record: bytes) -> None:
+        self._put(_J + seq.to_bytes(8, "big"), record)
+
+    def delete_journal(self, seq: int) -> None:
+        self._delete(_J + seq.to_bytes(8, "big"))
 
     def delete_raw(self, key: bytes) -> None:
         """Delete any key (repair of records that no longer decode)."""
@@ -419,6 +427,23 @@ class Store:
     def replies(self) -> Iterator[tuple[str, list]]:
         for key, value in self._iter(_Y):
             yield key[len(_Y):].decode(), _unpack(value)
+
+    def journal_records(self, limit: int) -> list[tuple[int, bytes]]:
+        """The oldest ``limit`` journal records (seq, packed events)."""
+        out = []
+        with self._op():
+            with self._db.iterator(prefix=_J) as it:
+                for key, value in it:
+                    out.append((int.from_bytes(key[2:], "big"), value))
+                    if len(out) >= limit:
+                        break
+        return out
+
+    def last_journal_seq(self) -> int:
+        with self._op():
+            with self._db.iterator(prefix=_J, reverse=True, include_value=False) as it:
+                key = next(it, None)
+        return 0 if key is None else int.from_bytes(key[2:], "big")
 
     def scan_raw(self) -> Iterator[tuple[bytes, bytes]]:
         """Every key and value, undecoded (for consistency checks)."""

@@ -1,0 +1,173 @@
+"""The delivery journal: what happened to every message, as durable as the change itself.
+
+Each event is a tuple ``(event, ts_ms, message_id, topic, kind, peer, attempt, error)``.
+Events are written into the same atomic LevelDB batch as the state change they describe
+(one ``j/<seq>`` record holds all the events of one batch, so the cost is one key per
+engine turn, not one per event), and never fsynced on their own: they are exactly as
+durable as that change. A background thread moves closed ranges out to segment files
+``DATADIR/journal/<node>-<first seq>.jsonl`` (written to a temporary file, fsynced,
+renamed, then deleted from LevelDB), deletes segments older than the retention, and
+``close()`` flushes whatever is left. After a crash the next start (or
+``servicebus journal flush``) moves what the crash left in LevelDB.
+
+Segment lines are JSON objects with ``event, ts, node, address, id, topic, kind, peer,
+attempt`` and ``error`` (absent when there is none): the audit job's input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+
+from .store import Store
+
+__all__ = ["Journal", "EVENTS", "flush_datadir"]
+
+log = logging.getLogger("servicebus")
+
+EVENTS = ("published", "sent", "acked", "received", "handled", "handler_failed", "retried",
+          "deadlettered", "expired", "replayed")
+FLUSH_INTERVAL = 1.0
+RETENTION_CHECK = 60.0
+FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment file at most
+
+Event = tuple  # (event, ts, id, topic, kind, peer, attempt, error)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Journal:
+    """Records events into batches and moves them out to segment files."""
+
+    def __init__(self, store: Store, datadir: Path, node_id: str, address: str, *,
+                 enabled: bool = True, retention: float = 7 * 86400.0) -> None:
+        self.store = store
+        self.dir = Path(datadir) / "journal"
+        self.node_id = node_id
+        self.address = address
+        self.enabled = enabled
+        self.retention = retention
+        # next() on itertools.count is atomic: the engine and the workers share it.
+        self._seq = itertools.count(store.last_journal_seq() + 1)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._flush_lock = threading.Lock()
+        self._quoted: dict[str, str] = {}
+
+    # --- recording ---------------------------------------------------------------------
+
+    def record(self, batch, events: list[Event]) -> None:
+        """Add ``events`` to ``batch``: they become durable exactly when it does."""
+        if self.enabled and events:
+            batch.put_journal(next(self._seq), msgpack.packb(events, use_bin_type=True))
+
+    # --- moving out to segment files -----------------------------------------------------
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self._thread = threading.Thread(target=self._run, name="servicebus-journal", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (the caller flushes once more after its last write)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        next_retention = 0.0
+        while True:
+            try:
+                self.flush()
+                if time.monotonic() >= next_retention:
+                    next_retention = time.monotonic() + RETENTION_CHECK
+                    self.apply_retention()
+            except Exception:  # noqa: BLE001 - keep journaling; the records stay in LevelDB
+                log.exception("journal flush failed; will retry")
+            if self._stop.wait(FLUSH_INTERVAL):
+                return
+
+    def flush(self) -> int:
+        """Move every journal record now in LevelDB to segment files; return events moved."""
+        moved = 0
+        with self._flush_lock:
+            while True:
+                records = self.store.journal_records(FLUSH_CHUNK)
+                if not records:
+                    return moved
+                moved += self._write_segment(records)
+                batch = self.store.batch()
+                for seq, _ in records:
+                    batch.delete_journal(seq)
+                # Not fsynced: if this delete is lost, the next flush rewrites the same
+                # segment (same first seq, same name) rather than duplicating it.
+                self.store.write(batch, sync=False)
+                if len(records) < FLUSH_CHUNK:
+                    return moved
+
+    def _q(self, text: str | None) -> str:
+        if text is None:
+            return "null"
+        quoted = self._quoted.get(text)
+        if quoted is None:
+            quoted = json.dumps(text, ensure_ascii=False)
+            if len(self._quoted) < 10_000:
+                self._quoted[text] = quoted
+        return quoted
+
+    def _write_segment(self, records: list[tuple[int, bytes]]) -> int:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl"
+        tmp = path.with_name(path.name + ".tmp")
+        head = f'"node":{self._q(self.node_id)},"address":{self._q(self.address)}'
+        q = self._q
+        lines = []
+        for _seq, packed in records:
+            for event, ts, mid, topic, kind, peer, attempt, error in msgpack.unpackb(packed, raw=False):
+                err = "" if error is None else f',"error":{json.dumps(error, ensure_ascii=False)}'
+                lines.append(f'{{"event":"{event}","ts":{ts},{head},"id":"{mid}","topic":{q(topic)},'
+                             f'"kind":"{kind}","peer":{q(peer)},"attempt":{attempt}{err}}}\n')
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself must survive a crash before we delete
+        finally:
+            os.close(dir_fd)
+        return len(lines)
+
+    def apply_retention(self) -> int:
+        if not self.dir.is_dir():
+            return 0
+        cutoff = time.time() - self.retention
+        removed = 0
+        for path in self.dir.glob("*.jsonl"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+
+def flush_datadir(store: Store, datadir: Path) -> int:
+    """Move a stopped bus's leftover journal records to segment files."""
+    node = store.get_meta("node")
+    address = store.get_meta("address")
+    journal = Journal(store, datadir, node.decode() if node else "unknown",
+                      address.decode() if address else "")
+    return journal.flush()
