@@ -24,6 +24,7 @@ from rich.table import Table
 
 from . import admin as A
 from . import maintenance as M
+from .journal import flush_datadir
 from .errors import BusError, StoreError
 from .lockfile import LOCK_NAME, probe
 from .store import Store
@@ -391,6 +392,20 @@ def compact(datadir: Path = DATADIR) -> None:
         store.compact()
         after = store.size_on_disk()
     out.print(f"compacted {datadir}: {before / 1024:.1f} KiB -> {after / 1024:.1f} KiB")
+
+
+journal_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                          help="The delivery journal (input of `servicebus audit`).")
+app.add_typer(journal_app, name="journal")
+
+
+@journal_app.command("flush")
+def journal_flush(datadir: Path = DATADIR) -> None:
+    """Move a stopped bus's journal records still in its store to segment files."""
+    datadir = _datadir(datadir)
+    with _offline_store(datadir, writing=True) as store:
+        moved = flush_datadir(store, datadir)
+    out.print(f"moved {moved} journal events to {datadir / 'journal'}")
 
 
 def main() -> None:

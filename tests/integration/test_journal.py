@@ -1,0 +1,106 @@
+"""The delivery journal: complete, as durable as the state it describes, flushed, pruned."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from servicebus import Bus
+from servicebus.testing import free_address, wait_until
+
+TOPIC = "user.signup"
+CLI = str(Path(sys.executable).parent / "servicebus")
+
+
+def journal_lines(datadir: Path) -> list[dict]:
+    lines = []
+    for path in sorted((datadir / "journal").glob("*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def test_a_delivery_is_journaled_end_to_end_on_both_buses(make_bus, tmp_path):
+    pub = make_bus("pub")
+    sub = make_bus("sub", max_attempts=2, retry_initial=0.01)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.every(TOPIC, lambda p, m: 1 / 0 if p == "bad" else None)
+    ids = pub.publish_many(TOPIC, ["good", "bad"])
+    wait_until(lambda: sub.status().deadletters == 1 and sub.drain(0.05), 10)
+    assert pub.drain(5)
+    pub.close()
+    sub.close()
+    pub_events = journal_lines(tmp_path / "pub")
+    sub_events = journal_lines(tmp_path / "sub")
+    assert Counter(e["event"] for e in pub_events) == {"published": 2, "sent": 2, "acked": 2}
+    assert Counter(e["event"] for e in sub_events) == {
+        "received": 2, "handled": 1, "handler_failed": 2, "retried": 1, "deadlettered": 1}
+    published = {e["id"]: e for e in pub_events if e["event"] == "published"}
+    assert sorted(published) == ids
+    first = published[ids[0]]
+    assert (first["node"], first["address"], first["peer"], first["topic"], first["kind"]) == (
+        pub.node_id, pub.address, sub.address, TOPIC, "event")
+    failed = [e for e in sub_events if e["event"] == "handler_failed"]
+    assert [e["attempt"] for e in failed] == [1, 2]
+    assert failed[0]["error"] == "ZeroDivisionError: division by zero"
+    assert all(e["peer"] == pub.address and e["address"] == sub.address for e in sub_events)
+    assert not any("error" in e for e in pub_events)
+
+
+def test_commands_and_replies_are_journaled(make_bus, tmp_path):
+    server, client = make_bus("server"), make_bus("client")
+    server.handle("q", lambda p, m: p + 1)
+    assert client.request(server.address, "q", 1, timeout=10) == 2
+    assert client.drain(5) and server.drain(5)
+    server.close()
+    client.close()
+    c = Counter((e["event"], e["kind"]) for e in journal_lines(tmp_path / "client"))
+    s = Counter((e["event"], e["kind"]) for e in journal_lines(tmp_path / "server"))
+    assert c[("published", "command")] == 1 and c[("received", "reply")] == 1 and c[("handled", "reply")] == 1
+    assert s[("received", "command")] == 1 and s[("handled", "command")] == 1 and s[("published", "reply")] == 1
+
+
+def test_journal_off_records_nothing(make_bus, tmp_path):
+    pub = make_bus("pub", journal=False)
+    sub = make_bus("sub", journal=False)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p))
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: got, 10)
+    pub.close()
+    sub.close()
+    assert not (tmp_path / "pub" / "journal").exists() and not (tmp_path / "sub" / "journal").exists()
+
+
+def test_records_left_by_a_kill_are_flushed_by_the_cli_or_the_next_start(make_bus, bus_process):
+    sub = make_bus("sub")
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p))
+    pub = bus_process("pub")
+    sub.subscribe(pub.address, TOPIC)
+    pub.start("--publish", TOPIC, "--count", "500", "--batch", "100", "--kill-after-publish",
+              wait_ready=False)
+    assert pub.wait_exit(60) == -9
+    ids = pub.published_ids()
+    assert len(ids) == 500
+    flushed = subprocess.run([CLI, "journal", "flush", pub.datadir], capture_output=True, text=True)
+    assert flushed.returncode == 0, flushed.stderr
+    published = {e["id"] for e in journal_lines(pub.datadir) if e["event"] == "published"}
+    assert published == set(ids)  # every publish that returned is in the journal
+    again = subprocess.run([CLI, "journal", "flush", pub.datadir], capture_output=True, text=True)
+    assert "moved 0 journal events" in again.stdout
+
+
+def test_old_segments_are_deleted_after_the_retention(tmp_path):
+    journal = tmp_path / "node" / "journal"
+    journal.mkdir(parents=True)
+    old, fresh = journal / "x-000000000001.jsonl", journal / "x-000000000009.jsonl"
+    for path in (old, fresh):
+        path.write_text("{}\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    with Bus(free_address(), tmp_path / "node", journal_retention=600):
+        wait_until(lambda: not old.exists(), 10)
+        assert fresh.exists()
