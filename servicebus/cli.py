@@ -394,6 +394,18 @@ def compact(datadir: Path = DATADIR) -> None:
     out.print(f"compacted {datadir}: {before / 1024:.1f} KiB -> {after / 1024:.1f} KiB")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []})
+def audit(ctx: typer.Context) -> None:
+    """Reconcile the delivery journals of many buses on Spark (see `servicebus audit --help`).
+
+    servicebus audit PATH [PATH ...] --out DIR [--master local[*]] [--since T] [--grace 60s]
+    """
+    from .audit import job  # pyspark is imported only when the audit runs
+
+    raise typer.Exit(job.main(list(ctx.args)))
+
+
 journal_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                           help="The delivery journal (input of `servicebus audit`).")
 app.add_typer(journal_app, name="journal")

@@ -766,8 +766,8 @@ class Engine(threading.Thread):
         })
         self.counters["expired"] += 1
         if self._jon:
-            self._jevents.append(("expired", _now_ms(), mid, record.topic, KIND_NAMES[record.kind],
-                                  consumer.peer, attempt, None))
+            self._jevents.append(("expired_at_sender", _now_ms(), mid, record.topic,
+                                  KIND_NAMES[record.kind], consumer.peer, attempt, "expired"))
         log.warning("%s %s to %s expired before it was acknowledged: dead letter",
                     Kind(record.kind).name.lower(), mid, consumer.peer)
 

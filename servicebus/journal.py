@@ -11,7 +11,10 @@ renamed, then deleted from LevelDB), deletes segments older than the retention, 
 ``servicebus journal flush``) moves what the crash left in LevelDB.
 
 Segment lines are JSON objects with ``event, ts, node, address, id, topic, kind, peer,
-attempt`` and ``error`` (absent when there is none): the audit job's input.
+attempt, role`` and ``error`` (absent when there is none): the audit job's input. ``role``
+says on which side of the delivery the event happened: ``sender`` (``peer`` is the
+receiver) or ``receiver`` (``peer`` is the sender); ``expired`` and ``replayed`` occur on
+either side.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ log = logging.getLogger("servicebus")
 
 EVENTS = ("published", "sent", "acked", "received", "handled", "handler_failed", "retried",
           "deadlettered", "expired", "replayed")
+# Internal event names -> (event, role) in the segment files.
+ROLES = {
+    "published": ("published", "sender"), "sent": ("sent", "sender"), "acked": ("acked", "sender"),
+    "expired_at_sender": ("expired", "sender"), "replayed_at_sender": ("replayed", "sender"),
+    "received": ("received", "receiver"), "handled": ("handled", "receiver"),
+    "handler_failed": ("handler_failed", "receiver"), "retried": ("retried", "receiver"),
+    "deadlettered": ("deadlettered", "receiver"), "expired": ("expired", "receiver"),
+    "replayed": ("replayed", "receiver"),
+}
 FLUSH_INTERVAL = 1.0
 RETENTION_CHECK = 60.0
 FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment file at most
@@ -56,8 +68,11 @@ class Journal:
         self.address = address
         self.enabled = enabled
         self.retention = retention
+        # Continue after everything ever recorded here, flushed or not: segment files are
+        # named by their first sequence number, so reusing one would overwrite a segment.
+        flushed = int(store.get_meta("journal_flushed") or b"0")
         # next() on itertools.count is atomic: the engine and the workers share it.
-        self._seq = itertools.count(store.last_journal_seq() + 1)
+        self._seq = itertools.count(max(store.last_journal_seq(), flushed) + 1)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
@@ -109,6 +124,8 @@ class Journal:
                 batch = self.store.batch()
                 for seq, _ in records:
                     batch.delete_journal(seq)
+                batch.put_meta("journal_flushed", str(max(
+                    records[-1][0], int(self.store.get_meta("journal_flushed") or b"0"))).encode())
                 # Not fsynced: if this delete is lost, the next flush rewrites the same
                 # segment (same first seq, same name) rather than duplicating it.
                 self.store.write(batch, sync=False)
@@ -130,13 +147,15 @@ class Journal:
         path = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl"
         tmp = path.with_name(path.name + ".tmp")
         head = f'"node":{self._q(self.node_id)},"address":{self._q(self.address)}'
-        q = self._q
+        q, roles = self._q, ROLES
         lines = []
         for _seq, packed in records:
             for event, ts, mid, topic, kind, peer, attempt, error in msgpack.unpackb(packed, raw=False):
+                name, role = roles[event]
                 err = "" if error is None else f',"error":{json.dumps(error, ensure_ascii=False)}'
-                lines.append(f'{{"event":"{event}","ts":{ts},{head},"id":"{mid}","topic":{q(topic)},'
-                             f'"kind":"{kind}","peer":{q(peer)},"attempt":{attempt}{err}}}\n')
+                lines.append(f'{{"event":"{name}","ts":{ts},{head},"id":"{mid}","topic":{q(topic)},'
+                             f'"kind":"{kind}","peer":{q(peer)},"attempt":{attempt},'
+                             f'"role":"{role}"{err}}}\n')
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(lines)
             fh.flush()

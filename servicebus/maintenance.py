@@ -19,6 +19,7 @@ from .admin import consumers
 from .delivery import command_stream, is_command_stream, pack_outgoing, unpack_outgoing
 from .errors import StoreError
 from .ids import IdGenerator
+from .journal import Journal
 from .protocol import Kind
 from .store import KEYSPACES, SEP, Store
 
@@ -56,6 +57,8 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
     for c in views.values():
         subscribers_of.setdefault(c.stream, set()).add(c.peer)
     gen = IdGenerator()
+    node, address = store.get_meta("node"), store.get_meta("address")
+    journal = Journal(store, Path("."), (node or b"").decode(), (address or b"").decode())
     batch = store.batch()
     for n, (mid, rec) in enumerate(letters, 1):
         row = {"id": mid, "topic": rec.get("topic"), "reason": rec.get("reason")}
@@ -63,6 +66,8 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
         if origin == "incoming":
             batch.put_incoming(mid, rec["record"])
             batch.delete_deadletter(mid)
+            inner = rec["record"]
+            journal.record(batch, [("replayed", _now_ms(), mid, inner[1], rec.get("kind"), inner[3], 0, None)])
             row.update(result="replayed", to="incoming")
         elif origin == "outgoing":
             stream, peer = rec.get("stream"), rec.get("peer")
@@ -84,6 +89,9 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
             batch.put_outgoing(stream, new_id, pack_outgoing(Kind(kind), topic_, _now_ms(), body,
                                                              None, corr, headers))
             batch.delete_deadletter(mid)
+            journal.record(batch, [
+                ("replayed_at_sender", _now_ms(), mid, topic_, rec.get("kind"), peer, 0, f"as {new_id}"),
+                ("published", _now_ms(), new_id, topic_, rec.get("kind"), peer, 0, None)])
             row.update(result="replayed", to=f"outgoing to {peer}", new_id=new_id)
         else:
             row.update(result="skipped", detail=f"unknown origin {origin!r}")

@@ -104,3 +104,13 @@ def test_old_segments_are_deleted_after_the_retention(tmp_path):
     with Bus(free_address(), tmp_path / "node", journal_retention=600):
         wait_until(lambda: not old.exists(), 10)
         assert fresh.exists()
+
+
+def test_a_restarted_bus_never_overwrites_an_earlier_segment(tmp_path):
+    for run in range(3):
+        with Bus(free_address(), tmp_path / "node") as bus:
+            bus.publish("t", run)  # no subscriber: nothing journaled ...
+            bus.send(free_address(), "c", run)  # ... but a command is
+    events = journal_lines(tmp_path / "node")
+    assert [e["event"] for e in events].count("published") == 3
+    assert len(list((tmp_path / "node" / "journal").glob("*.jsonl"))) == 3

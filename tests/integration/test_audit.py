@@ -1,0 +1,114 @@
+"""The PySpark delivery audit over synthetic journals with known faults and over journals
+written by real buses (one of them killed with SIGKILL mid-run)."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from servicebus.audit import job
+from servicebus.audit.synthetic import write_journals
+from servicebus.testing import wait_until
+
+pytestmark = pytest.mark.spark
+pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'servicebus[audit]')")
+if job.java_problem():
+    pytest.skip(job.java_problem(), allow_module_level=True)
+
+CLI = str(Path(sys.executable).parent / "servicebus")
+TOPIC = "user.signup"
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = job.spark_session("local[2]")
+    yield session
+    session.stop()
+
+
+def classes_of(spark, out: Path) -> dict[str, set]:
+    rows = spark.read.parquet(str(out / "messages")).select("id", "receiver", "class").collect()
+    found: dict[str, set] = {}
+    for row in rows:
+        found.setdefault(row["class"], set()).add((row["id"], row["receiver"]))
+    return found
+
+
+def test_injected_faults_are_reported_exactly(spark, tmp_path):
+    injected = write_journals(tmp_path / "fleet", messages=3000, receivers=2, rate=10,  # 5 minutes
+                              faults={"lost": 3, "duplicate": 2, "deadletter": 2, "in_flight": 2})
+    out = tmp_path / "audit"
+    summary = job.run(spark, [str(tmp_path / "fleet")], str(out), grace_ms=60_000)
+    found = classes_of(spark, out)
+    assert found["lost"] == set(injected["lost"])
+    assert found["handled_more_than_once"] == set(injected["duplicate"])
+    assert found["deadlettered"] == set(injected["deadletter"])
+    assert found["in_flight"] == set(injected["in_flight"])
+    assert len(found["handled"]) == 6000 - 3 - 2 - 2 - 2
+    assert summary["ok"] is False
+    assert {(p["id"], p["receiver"]) for p in summary["problems"]["lost"]} == set(injected["lost"])
+    assert summary["deadletter_reasons"] == {"ValueError: bad order": 2}
+    assert summary["retries"] == 4
+    written = json.loads((out / "summary.json").read_text())
+    assert written["classes"] == summary["classes"]
+    report = (out / "report.html").read_text()
+    assert "Problems found" in report and report.count("data:image/png;base64,") == 2
+    for table in ("by_topic", "by_receiver", "timeline"):
+        assert spark.read.parquet(str(out / table)).count() > 0
+    by_topic = {r["topic"]: r for r in spark.read.parquet(str(out / "by_topic")).collect()}
+    assert sum(r["lost"] for r in by_topic.values()) == 3
+    assert all(r["latency_p50_ms"] is not None for r in by_topic.values())
+
+
+def test_a_grace_longer_than_the_run_makes_unreceived_messages_in_flight(spark, tmp_path):
+    injected = write_journals(tmp_path / "fleet", messages=500, rate=10, faults={"lost": 2})
+    summary = job.run(spark, [str(tmp_path / "fleet")], str(tmp_path / "audit"),
+                      grace_ms=10 * 86_400_000, write=False)
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["in_flight"] == 2 and summary["ok"]
+    assert injected["lost"]
+
+
+def test_real_buses_with_a_subscriber_killed_mid_run_lose_and_duplicate_nothing(
+        spark, make_bus, bus_process, tmp_path):
+    pub = make_bus("pub")
+    sub = bus_process("sub", "--handle", TOPIC, "--subscribe", pub.address, TOPIC, "--workers", "2")
+    sub.start("--die-at", "1200")
+    for start in range(0, 3000, 100):
+        pub.publish_many(TOPIC, [{"n": n} for n in range(start, start + 100)])
+    assert sub.wait_exit(60) == -9
+    sub.start()
+    wait_until(lambda: len(sub.done_counts()) == 3000, 60,
+               message=lambda: f"{len(sub.done_counts())} of 3000")
+    assert pub.drain(20)
+    sub.stop()
+    pub.close()
+    summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
+    assert summary["classes"]["handled"] == 3000, summary["classes"]
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
+    assert summary["ok"]
+
+
+def test_the_cli_prints_the_table_and_exits_1_naming_the_problem_ids(tmp_path):
+    injected = write_journals(tmp_path / "fleet", messages=2000, rate=10, faults={"lost": 1, "duplicate": 1})
+    result = subprocess.run([CLI, "audit", str(tmp_path / "fleet"), "--out", str(tmp_path / "out"),
+                             "--master", "local[2]"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert injected["lost"][0][0] in result.stdout and injected["duplicate"][0][0] in result.stdout
+    assert "PROBLEMS FOUND" in result.stdout
+    assert result.stderr.strip() == ""  # Spark's console noise stays out of the output
+    bad = subprocess.run([CLI, "audit", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no such file or directory" in bad.stderr
+
+
+def test_durations_and_since_parse():
+    assert job.parse_duration("60s") == 60_000 and job.parse_duration("5m") == 300_000
+    assert job.parse_duration("250ms") == 250 and job.parse_duration("2") == 2000
+    assert job.parse_since("2026-01-01T00:00:00", 0) == 1767225600000
+    assert job.parse_since("1767225600", 0) == 1767225600000
+    assert job.parse_since("1h", 10_000_000) == 10_000_000 - 3_600_000
+    with pytest.raises(job.AuditError):
+        job.parse_duration("soon")
