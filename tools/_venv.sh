@@ -29,3 +29,9 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/setup.cfg" -nt "$STAMP" ] || [ "$ROOT/pyproject
     touch "$STAMP"
 fi
 PY="$VENV/bin/python"
+
+# PySpark (the delivery audit) needs Java 17 or newer. Say clearly when it is missing;
+# the rest of servicebus does not need it.
+java_status() {
+    "$PY" -c 'from servicebus.audit.job import java_problem; import sys; p = java_problem(); print(p or ""); sys.exit(1 if p else 0)'
+}
