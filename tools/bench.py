@@ -31,6 +31,7 @@ TOPIC = "bench.event"
 SCENARIOS = {
     # name: (description, publish mode, messages (full), messages (quick))
     "e2e-batch": ("publish_many (100/batch) -> handler, 1 -> 1 process", "batch", 200_000, 40_000),
+    "e2e-batch-nojournal": ("e2e-batch with journal=False on both buses (journal cost)", "batch", 200_000, 40_000),
     "e2e-threads": ("8 threads calling publish -> handler, 1 -> 1 process", "threads", 40_000, 10_000),
     "publish-serial": ("1 thread, one publish at a time (fsync each)", "serial", 5_000, 1_500),
     "request-serial": ("request -> handler -> reply, one at a time, 2 processes", "req1", 2_000, 500),
@@ -48,7 +49,7 @@ def role_sub(args: argparse.Namespace) -> None:
     lock = threading.Lock()
     done = threading.Event()
     first_last = [0.0, 0.0]
-    with Bus(args.bind, args.datadir, workers=args.workers) as bus:
+    with Bus(args.bind, args.datadir, workers=args.workers, journal=not args.no_journal) as bus:
         @bus.every(TOPIC)
         def handler(payload, message):
             nonlocal dupes
@@ -143,7 +144,7 @@ def role_pub(args: argparse.Namespace) -> None:
     from servicebus import Bus
     from servicebus.testing import wait_until
 
-    with Bus(args.bind, args.datadir) as bus:
+    with Bus(args.bind, args.datadir, journal=not args.no_journal) as bus:
         wait_until(lambda: bus.status().subscriptions > 0, 60, 0.01)
         before = bus.counters().get("fsyncs", 0)
         start = time.time()
@@ -196,11 +197,12 @@ def run_scenario(name: str, count: int, tmp: Path) -> dict:
         return run_request_scenario(mode, count, run_dir)
     pub_addr, sub_addr = free_address(), free_address()
     me = [sys.executable, str(Path(__file__).resolve())]
+    extra = ["--no-journal"] if name.endswith("-nojournal") else []
     sub = subprocess.Popen(me + ["--role", "sub", "--bind", sub_addr, "--peer", pub_addr,
-                                 "--datadir", str(run_dir / "sub"), "--count", str(count)],
+                                 "--datadir", str(run_dir / "sub"), "--count", str(count), *extra],
                            stdout=subprocess.PIPE, text=True)
     pub = subprocess.Popen(me + ["--role", "pub", "--bind", pub_addr, "--mode", mode,
-                                 "--datadir", str(run_dir / "pub"), "--count", str(count)],
+                                 "--datadir", str(run_dir / "pub"), "--count", str(count), *extra],
                            stdout=subprocess.PIPE, text=True)
     try:
         assert sub.stdout.readline().strip() == "ready"
@@ -235,6 +237,7 @@ def main() -> int:
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer messages per run")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="run only this scenario")
@@ -272,6 +275,13 @@ def main() -> int:
                           "ratio_to_fsync_ceiling": statistics.median(x["msgs_per_s"] for x in r) / ceiling}
                       for n, r in results.items()},
     }
+    journal_note = None
+    if "e2e-batch" in results and "e2e-batch-nojournal" in results:
+        on = statistics.median(r["msgs_per_s"] for r in results["e2e-batch"])
+        off = statistics.median(r["msgs_per_s"] for r in results["e2e-batch-nojournal"])
+        summary["journal_cost"] = 1 - on / off
+        journal_note = (f"\njournal cost: e2e-batch with the journal on runs at {on / off:.1%} of journal "
+                        f"off ({1 - on / off:+.1%}; target: within 15 %)")
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -285,6 +295,8 @@ def main() -> int:
             rates = [r["msgs_per_s"] for r in runs]
             print(f"{name:<15} {fmt_rate(rates):>28} {statistics.median(r['fsyncs_per_msg'] for r in runs):>11.3f} "
                   f"{statistics.median(rates) / ceiling:>15.1f}x {'yes' if all(r['exactly_once'] for r in runs) else 'NO'}")
+        if journal_note:
+            print(journal_note)
     shutil_rmtree(tmp)
     return 0 if all(r["exactly_once"] for runs in results.values() for r in runs) else 1
 
