@@ -161,8 +161,8 @@ def test_reply_for_a_caller_that_restarted_is_kept_in_its_incoming_store(make_bu
     server = make_bus("server")
     release = threading.Event()
     server.handle("slow.job", lambda p, m: release.wait(30) and {"done": True})
-    client = bus_process("client", "--request", server.address, "slow.job")
-    client.start()
+    client = bus_process("client")
+    client.start("--request", server.address, "slow.job")
     wait_until(lambda: server.status().incoming == 1, 10)  # the request is being handled
     client.kill()
     release.set()
