@@ -41,6 +41,7 @@ __all__ = ["Dispatcher", "Incoming", "incoming_record"]
 log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
+RUN = 16  # ready messages a worker takes at once, at most
 
 # Incoming record layout in the store (a list, for compactness):
 # [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
@@ -244,35 +245,47 @@ class Dispatcher:
 
     # --- workers -----------------------------------------------------------------------
 
-    def _next(self) -> Incoming | None:
+    def _next_run(self) -> list[Incoming] | None:
+        """The next ready messages for one worker: a fair share of what is ready (so slow,
+        I/O-bound handlers still spread over all workers), at most RUN."""
         with self._cv:
             while True:
                 if self._closing:
                     return None
                 if self._heap:
-                    due = self._heap[0][0]
                     now = time.monotonic()
+                    due = self._heap[0][0]
                     if due <= now:
-                        return heapq.heappop(self._heap)[2]
+                        ready = sum(1 for d, _, _ in self._heap[:RUN * 8] if d <= now)
+                        take = max(1, min(RUN, ready // self._config.workers))
+                        run = [heapq.heappop(self._heap)[2]]
+                        while len(run) < take and self._heap and self._heap[0][0] <= now:
+                            run.append(heapq.heappop(self._heap)[2])
+                        return run
                     self._cv.wait(due - now)
                 else:
                     self._cv.wait()
 
     def _work(self) -> None:
         while True:
-            item = self._next()
-            if item is None:
+            run = self._next_run()
+            if run is None:
                 return
-            retry_at: float | None = None
-            try:
-                retry_at = self._run(item)
-            except StoreError as exc:
-                if not self._closing:
-                    log.error("handling %s: %s", item.id, exc)
-            except BaseException:  # noqa: BLE001 - a worker must never die silently
-                log.exception("unexpected error dispatching %s", item.id)
-            finally:
-                self._finish(item, retry_at)
+            marked = False  # whether run[i]'s "started" marker was written with run[i-1]
+            for i, item in enumerate(run):
+                nxt = run[i + 1] if i + 1 < len(run) else None
+                retry_at: float | None = None
+                try:
+                    retry_at, marked = self._run(item, marked, nxt)
+                except StoreError as exc:
+                    marked = False
+                    if not self._closing:
+                        log.error("handling %s: %s", item.id, exc)
+                except BaseException:  # noqa: BLE001 - a worker must never die silently
+                    marked = False
+                    log.exception("unexpected error dispatching %s", item.id)
+                finally:
+                    self._finish(item, retry_at)
 
     def _finish(self, item: Incoming, retry_at: float | None) -> None:
         refill = False
@@ -292,12 +305,36 @@ class Dispatcher:
         if idle:
             self._on_idle()
 
-    def _run(self, item: Incoming) -> float | None:
-        """Run the handlers for one message. Returns when to retry, or None if finished."""
+    def _marker(self, item: Incoming | None) -> list | None:
+        """The run state that says "this message's handlers have started" (attempt + 1), or
+        None if the message will not run a handler (reply, no handler yet, expired)."""
+        if item is None:
+            return None
+        record = item.record
+        kind = record[0]
+        if kind == Kind.REPLY or (kind, record[1]) not in self._handlers:
+            return None
+        if record[6] is not None and _now_ms() > record[6]:
+            return None
+        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        return [attempts + 1, list(done), last_error, 0]
+
+    def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
+        """Put the next message's start marker in ``batch``: the write that finishes one
+        message also records that the next one started, saving a write per message."""
+        marker = self._marker(nxt)
+        if marker is not None:
+            batch.put_runstate(nxt.id, marker)
+        return marker is not None
+
+    def _run(self, item: Incoming, marked: bool = False,
+             nxt: Incoming | None = None) -> tuple[float | None, bool]:
+        """Run the handlers for one message. Returns (when to retry or None if finished,
+        whether ``nxt``'s start marker was written)."""
         record = item.record
         kind, topic = record[0], record[1]
         if kind == Kind.REPLY:
-            return self._run_reply(item)
+            return self._run_reply(item), False
         attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
         done = list(done)
         store, config = self._store, self._config
@@ -305,20 +342,21 @@ class Dispatcher:
         now_ms = _now_ms()
         if expires is not None and now_ms > expires:
             self._deadletter(item, "expired", last_error, attempts)
-            return None
+            return None, False
         handlers = self._handlers.get((kind, topic))
         if not handlers:
             if expires is not None:
                 # Kept until a handler registers or the TTL passes, whichever is first.
-                return time.monotonic() + (expires - now_ms) / 1000 + 0.001
+                return time.monotonic() + (expires - now_ms) / 1000 + 0.001, False
             with self._cv:
                 self._parked.add((kind, topic))
-            return None
+            return None, False
 
         attempts += 1
-        batch = store.batch()
-        batch.put_runstate(item.id, [attempts, done, last_error, 0])
-        store.write(batch, sync=False)  # a crash from here on counts as an attempt
+        if not marked:
+            batch = store.batch()
+            batch.put_runstate(item.id, [attempts, done, last_error, 0])
+            store.write(batch, sync=False)  # a crash from here on counts as an attempt
 
         message = Message(
             id=item.id,
@@ -336,11 +374,10 @@ class Dispatcher:
             payload = decode_payload(record[9])
         except Exception as exc:  # validated on receipt; only a corrupted store gets here
             self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
-            return None
+            return None, False
 
         if kind == Kind.COMMAND and record[7] is not None:
-            self._run_request(item, handlers[0][1], payload, message)
-            return None
+            return None, self._run_request(item, handlers[0][1], payload, message, nxt)
 
         error: str | None = None
         for name, handler in handlers:
@@ -364,22 +401,25 @@ class Dispatcher:
             batch = store.batch()
             batch.complete_incoming(item.id, _now_ms())
             self._journal.record(batch, [_event("handled", item, attempts)])
+            premarked = self._with_marker(batch, nxt)
             store.write(batch, sync=False)
             self.handled += 1
-            return None
+            return None, premarked
         self.failed += 1
         failed = _event("handler_failed", item, attempts, error)
         if attempts >= config.max_attempts:
             self._deadletter(item, "handler_failed", error, attempts, [failed])
-            return None
+            return None, False
         delay = backoff(attempts, config.retry_initial, config.retry_max)
         batch = store.batch()
         batch.put_runstate(item.id, [attempts, done, error, _now_ms() + int(delay * 1000)])
         self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
+        premarked = self._with_marker(batch, nxt)
         store.write(batch, sync=False)
-        return time.monotonic() + delay
+        return time.monotonic() + delay, premarked
 
-    def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message) -> None:
+    def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
+                     nxt: Incoming | None = None) -> bool:
         """A request: the handler's return value, or its exception, is the reply. It is not
         retried here: the caller is waiting, and decides whether to ask again."""
         events = []
@@ -401,9 +441,11 @@ class Dispatcher:
         batch.complete_with_reply(item.id, _now_ms(), reply_record)
         events.append(_event("handled", item, message.attempt))
         self._journal.record(batch, events)
+        premarked = self._with_marker(batch, nxt)
         self._store.write(batch, sync=False)
         self.handled += 1
         self._on_reply(item.id, reply_record)
+        return premarked
 
     def _run_reply(self, item: Incoming) -> None:
         record = item.record

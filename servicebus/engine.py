@@ -422,6 +422,10 @@ class Engine(threading.Thread):
         after, self._after = self._after, []
         for fn in after:
             fn()
+        if len(after) > 1:
+            # Several callers were waiting on this commit: let them run and queue their next
+            # call before the next turn, so that it commits them together (group commit).
+            time.sleep(0)
         acks, self._acks = self._acks, {}
         for ident, ids in acks.items():
             self._send_router(ident, P.encode_ack(ids))
@@ -534,10 +538,11 @@ class Engine(threading.Thread):
         kind = int(frame.kind)
         stored = False
         jon, jev, ts, kname = self._jon, self._jevents, _now_ms(), KIND_NAMES[kind]
-        for env in frame.messages:
+        known = store.seen_many([env.id for env in frame.messages])
+        for env, was_seen in zip(frame.messages, known):
             mid = env.id
             acks.append(mid)
-            if mid in seen or store.seen(mid):
+            if was_seen or mid in seen:
                 # Stored (and fsynced) or handled already: ack again, do not handle again.
                 self.counters["duplicates"] += 1
                 continue

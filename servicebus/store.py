@@ -23,7 +23,6 @@ fan-out to ten subscribers at one write per message.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -172,6 +171,32 @@ class Batch:
         self._delete(key)
 
 
+class _Guard:
+    """Counts calls in progress so that ``close()`` can wait for them; translates errors."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: "Store") -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        store = self._store
+        with store._cv:
+            if store._closed:
+                raise StoreError("the store is closed")
+            store._active += 1
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        store = self._store
+        with store._cv:
+            store._active -= 1
+            if store._active == 0 and store._closed:
+                store._cv.notify_all()
+        if exc_type is not None and issubclass(exc_type, plyvel.Error):
+            raise StoreError(f"store error: {exc}") from exc
+        return False
+
+
 class Store:
     """A LevelDB database in ``DATADIR/store``.
 
@@ -185,6 +210,7 @@ class Store:
         self._cv = threading.Condition()
         self._active = 0
         self._closed = False
+        self._guard = _Guard(self)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -234,21 +260,10 @@ class Store:
     def closed(self) -> bool:
         return self._closed
 
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        with self._cv:
-            if self._closed:
-                raise StoreError("the store is closed")
-            self._active += 1
-        try:
-            yield
-        except plyvel.Error as exc:
-            raise StoreError(f"store error: {exc}") from exc
-        finally:
-            with self._cv:
-                self._active -= 1
-                if self._active == 0 and self._closed:
-                    self._cv.notify_all()
+    def _op(self) -> "_Guard":
+        """``with self._op():`` around every plyvel call (a small class, not a generator
+        context manager: this runs several times per message)."""
+        return self._guard
 
     # --- writes ------------------------------------------------------------------------
 
@@ -383,6 +398,17 @@ class Store:
         key = message_id.encode()
         with self._op():
             return self._db.get(_N + key) is not None
+
+    def seen_many(self, message_ids: list[str]) -> list[bool]:
+        """``seen`` for many ids in one guarded call (the engine checks whole frames)."""
+        out = []
+        with self._op():
+            get = self._db.get
+            for mid in message_ids:
+                key = mid.encode()
+                out.append(get(_H + key) is not None or get(_N + key) is not None
+                           or get(_X + key) is not None)
+        return out
 
     def seen(self, message_id: str) -> bool:
         """True if the id is stored as incoming, handled (dedupe window) or dead-lettered."""
