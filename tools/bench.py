@@ -1,12 +1,17 @@
-"""servicebus benchmarks: durable end-to-end throughput between two processes.
+"""servicebus benchmarks, side by side with RabbitMQ, NATS JetStream and Redis Streams.
 
-Prints one table (median and min-max of N runs) and each scenario's ratio against the
-physical baseline measured in the same invocation: the fsync ceiling of the disk under the
-data directory (1 / latency of a small write + fsync).
+    tools/bench [--quick] [--runs N] [--only NAME ...] [--no-peers] [--json]
 
-    tools/bench [--quick] [--runs N] [--only NAME] [--json]
+Every scenario runs against servicebus and (where it applies) each peer, alternating runs,
+3 runs each by default; producer and consumer are separate processes; every run checks that
+each message arrived exactly once. Printed: one table with the median and min-max per
+(scenario, system), the ratio servicebus / best peer, each target, and the physical
+references measured in the same run (fsync latency on the disk under the data directory,
+raw pyzmq DEALER->ROUTER throughput and one-way latency).
 
-Roles (internal): ``--role sub`` / ``--role pub`` run one side of a scenario.
+Peers need: apt-get install rabbitmq-server nats-server redis-server, and
+pip install -e '.[bench]'. A missing one is skipped with a note naming the install command.
+Internal roles (``--role ...``) run one side of a scenario in a child process.
 """
 
 from __future__ import annotations
@@ -20,88 +25,173 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PAYLOAD = {"pad": "x" * 240}  # 256 bytes once msgpack-encoded with its id field
+import bench_peers as peers  # noqa: E402
+
+PAD = "x" * 240  # {"n": n, "pad": PAD} is 256 bytes msgpack-encoded
 TOPIC = "bench.event"
+PEERS = ("redis", "rabbit-classic", "rabbit-quorum", "nats-2.9", "nats-fsync")
+# Peers whose durability is weaker than servicebus's are shown but not counted as "best".
+WEAKER = {"nats-2.9"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    description: str
+    mode: str
+    full: int
+    quick: int
+    peers: bool
+    target: str
+
 
 SCENARIOS = {
-    # name: (description, publish mode, messages (full), messages (quick))
-    "e2e-batch": ("publish_many (100/batch) -> handler, 1 -> 1 process", "batch", 200_000, 40_000),
-    "e2e-batch-nojournal": ("e2e-batch with journal=False on both buses (journal cost)", "batch", 200_000, 40_000),
-    "e2e-threads": ("8 threads calling publish -> handler, 1 -> 1 process", "threads", 40_000, 10_000),
-    "publish-serial": ("1 thread, one publish at a time (fsync each)", "serial", 5_000, 1_500),
-    "request-serial": ("request -> handler -> reply, one at a time, 2 processes", "req1", 2_000, 500),
-    "request-100": ("request_async with 100 in flight, 2 processes", "req100", 20_000, 5_000),
+    "e2e-batch": Scenario("durable publish (100/batch) -> handler -> done, 1 -> 1 process",
+                          "batch", 200_000, 40_000, True, ">= best peer"),
+    "e2e-threads": Scenario("8 threads, one blocking durable publish each -> handler",
+                            "threads", 40_000, 8_000, True, ">= 30,000 msgs/s"),
+    "publish-serial": Scenario("1 thread, one publish at a time (fsync each), subscriber away",
+                               "serial", 5_000, 1_500, False, ">= 90 % of fsync ceiling"),
+    "latency": Scenario("1 message in flight: publish -> handler start",
+                        "latency", 1_000, 300, True, "p50 <= 1.2x floor, p99 <= 3x floor"),
+    "fanout": Scenario("1 publisher -> 10 subscriber processes (deliveries/s)",
+                       "fanout", 20_000, 5_000, False, ">= 3x e2e-batch"),
+    "e2e-batch-nojournal": Scenario("e2e-batch with journal=False on both buses",
+                                    "batch", 200_000, 40_000, False, "journal on within 15 % of off"),
+    "request-serial": Scenario("request -> handler -> reply, one at a time",
+                               "req1", 2_000, 500, False, "-"),
+    "request-100": Scenario("request_async with 100 in flight", "req100", 20_000, 5_000, False, "-"),
 }
 
 
-# --- child roles ---------------------------------------------------------------------------
+def payload(n: int) -> dict:
+    return {"n": n, "pad": PAD}
 
-def role_sub(args: argparse.Namespace) -> None:
+
+def spawn(*args: str, stdin: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], text=True,
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None)
+
+
+def read_json(proc: subprocess.Popen, timeout: float = 900) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout)
+        raise RuntimeError(f"child {proc.args[2:5]} exited with {proc.returncode} and no result")
+    return json.loads(line)
+
+
+def finish(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# --- child roles: servicebus -------------------------------------------------------------------
+
+
+def role_sub(a: argparse.Namespace) -> None:
     from servicebus import Bus
 
     seen: set[int] = set()
-    dupes = 0
-    lock = threading.Lock()
-    done = threading.Event()
-    first_last = [0.0, 0.0]
-    with Bus(args.bind, args.datadir, workers=args.workers, journal=not args.no_journal) as bus:
+    dupes, lat = 0, []
+    lock, done = threading.Lock(), threading.Event()
+    times = [0.0, 0.0]
+    with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
         @bus.every(TOPIC)
-        def handler(payload, message):
+        def handler(p, message):
             nonlocal dupes
+            now = time.time()
+            if "t" in p:
+                lat.append(time.time_ns() - p["t"])
             with lock:
-                n = payload["n"]
-                if n in seen:
+                if p["n"] in seen:
                     dupes += 1
-                seen.add(n)
-                now = time.time()
-                if not first_last[0]:
-                    first_last[0] = now
-                first_last[1] = now
-                if len(seen) >= args.count:
+                seen.add(p["n"])
+                times[0] = times[0] or now
+                times[1] = now
+                if len(seen) >= a.count:
                     done.set()
 
-        bus.subscribe(args.peer, TOPIC, wait=60)
-        print("ready", flush=True)
-        done.wait(600)
-        bus.drain(30)
-        counters = bus.counters()
-    print(json.dumps({"received": len(seen), "duplicates": dupes, "first": first_last[0],
-                      "last": first_last[1], "fsyncs": counters.get("fsyncs", 0)}), flush=True)
+        bus.subscribe(a.peer, TOPIC, wait=60)
+        print(json.dumps({"ready": True}), flush=True)
+        if a.count:
+            done.wait(900)
+            bus.drain(60)
+        fsyncs = bus.counters().get("fsyncs", 0)
+    print(json.dumps({"received": len(seen), "duplicates": dupes, "first": times[0], "last": times[1],
+                      "fsyncs": fsyncs, "latency_ns": lat}), flush=True)
 
 
-def role_server(args: argparse.Namespace) -> None:
+def role_pub(a: argparse.Namespace) -> None:
+    from servicebus import Bus
+    from servicebus.testing import wait_until
+
+    with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
+        wait_until(lambda: bus.status().subscriptions >= a.subscribers, 120, 0.01)
+        before = bus.counters().get("fsyncs", 0)
+        start = time.time()
+        if a.mode in ("batch", "fanout"):
+            for base in range(0, a.count, 100):
+                bus.publish_many(TOPIC, [payload(n) for n in range(base, min(a.count, base + 100))])
+        elif a.mode == "serial":
+            for n in range(a.count):
+                bus.publish(TOPIC, payload(n))
+        elif a.mode == "latency":
+            for n in range(a.count):
+                bus.publish(TOPIC, {"n": n, "t": time.time_ns(), "pad": PAD[:200]})
+                time.sleep(0.004)  # one in flight: far longer than a delivery takes
+        else:
+            def worker(k: int) -> None:
+                for n in range(k, a.count, 8):
+                    bus.publish(TOPIC, payload(n))
+            threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        end = time.time()
+        fsyncs = bus.counters().get("fsyncs", 0) - before
+        print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs}), flush=True)
+        if a.mode != "serial":
+            bus.drain(300)
+
+
+def role_server(a: argparse.Namespace) -> None:
     from servicebus import Bus
 
-    with Bus(args.bind, args.datadir) as bus:
-        bus.handle("bench.quote", lambda payload, message: {"n": payload["n"], "price": 10})
-        print("ready", flush=True)
+    with Bus(a.bind, a.datadir) as bus:
+        bus.handle("bench.quote", lambda p, m: {"n": p["n"], "price": 10})
+        print(json.dumps({"ready": True}), flush=True)
         sys.stdin.readline()  # the parent closes stdin when the run is over
-        counters = bus.counters()
-    print(json.dumps({"fsyncs": counters.get("fsyncs", 0)}), flush=True)
+        fsyncs = bus.counters().get("fsyncs", 0)
+    print(json.dumps({"fsyncs": fsyncs}), flush=True)
 
 
-def role_client(args: argparse.Namespace) -> None:
+def role_client(a: argparse.Namespace) -> None:
     from collections import deque
 
     from servicebus import Bus
 
-    in_flight = 1 if args.mode == "req1" else 100
-    with Bus(args.bind, args.datadir) as bus:
-        bus.request(args.peer, "bench.quote", {"n": -1, **PAYLOAD}, timeout=60)  # warm up
+    in_flight = 1 if a.mode == "req1" else 100
+    with Bus(a.bind, a.datadir) as bus:
+        bus.request(a.peer, "bench.quote", {"n": -1}, timeout=60)  # warm up
         before = bus.counters().get("fsyncs", 0)
-        start = time.time()
-        pending: deque = deque()
-        wrong = 0
-        for n in range(args.count):
+        start, wrong, pending = time.time(), 0, deque()
+        for n in range(a.count):
             if len(pending) >= in_flight:
                 k, fut = pending.popleft()
                 wrong += fut.result(60)["n"] != k
-            pending.append((n, bus.request_async(args.peer, "bench.quote", {"n": n, **PAYLOAD}, 60)))
+            pending.append((n, bus.request_async(a.peer, "bench.quote", payload(n), 60)))
         while pending:
             k, fut = pending.popleft()
             wrong += fut.result(60)["n"] != k
@@ -110,66 +200,128 @@ def role_client(args: argparse.Namespace) -> None:
     print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs, "wrong": wrong}), flush=True)
 
 
-def run_request_scenario(mode: str, count: int, run_dir: Path) -> dict:
+# --- child roles: physical references and peers -------------------------------------------------
+
+
+def role_zmq_sink(a: argparse.Namespace) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.bind(a.bind)
+    print(json.dumps({"ready": True}), flush=True)
+    first = None
+    for i in range(a.count):
+        frames = router.recv_multipart()
+        if a.mode == "echo":
+            router.send_multipart(frames)
+        elif first is None:
+            first = time.time()
+    print(json.dumps({"first": first, "last": time.time()}), flush=True)
+    router.close(linger=0)
+    ctx.term()
+
+
+def role_peer(a: argparse.Namespace) -> None:
+    if a.role == "peer-produce":
+        print(json.dumps(peers.produce(a.peer, a.port, a.name, a.mode, a.count)), flush=True)
+    else:
+        print(json.dumps({"ready": True}), flush=True)
+        print(json.dumps(peers.consume(a.peer, a.port, a.name, a.count, a.mode)), flush=True)
+
+
+# --- one run of one scenario on one system ------------------------------------------------------
+
+
+def result(count: int, start: float, last: float, consumer: dict, fsyncs: int | None = None) -> dict:
+    lat = sorted(consumer.get("latency_ns") or [])
+    out = {"value": count / max(1e-9, last - start), "received": consumer["received"],
+           "duplicates": consumer["duplicates"],
+           "exactly_once": consumer["received"] == count and consumer["duplicates"] == 0}
+    if fsyncs is not None:
+        out["fsyncs_per_msg"] = fsyncs / count
+    if lat:
+        out["p50_us"] = lat[len(lat) // 2] / 1000
+        out["p99_us"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1000
+        out["value"] = out["p50_us"]
+    return out
+
+
+def run_servicebus(name: str, count: int, tmp: Path) -> dict:
     from servicebus.testing import free_address
 
-    server_addr, client_addr = free_address(), free_address()
-    me = [sys.executable, str(Path(__file__).resolve())]
-    server = subprocess.Popen(me + ["--role", "server", "--bind", server_addr,
-                                    "--datadir", str(run_dir / "server")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "ready"
-        client = subprocess.run(me + ["--role", "client", "--bind", client_addr, "--peer", server_addr,
-                                      "--mode", mode, "--count", str(count),
-                                      "--datadir", str(run_dir / "client")],
-                                stdout=subprocess.PIPE, text=True, check=True, timeout=600)
-        c = json.loads(client.stdout)
+    sc = SCENARIOS[name]
+    run_dir = Path(tempfile.mkdtemp(dir=tmp))
+    journal = ["--no-journal"] if name.endswith("nojournal") else []
+    if sc.mode.startswith("req"):
+        server_addr, client_addr = free_address(), free_address()
+        server = spawn("--role", "server", "--bind", server_addr, "--datadir", str(run_dir / "s"), stdin=True)
+        read_json(server)
+        client = spawn("--role", "client", "--bind", client_addr, "--peer", server_addr, "--mode", sc.mode,
+                       "--count", str(count), "--datadir", str(run_dir / "c"))
+        c = read_json(client)
         server.stdin.close()
-        s = json.loads(server.stdout.readline())
-    finally:
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    return {
-        "msgs_per_s": count / (c["end"] - c["start"]),
-        "fsyncs_per_msg": (c["fsyncs"] + s["fsyncs"]) / count,
-        "exactly_once": c["wrong"] == 0,
-        "received": count, "duplicates": 0,
-    }
+        s = read_json(server)
+        finish(client, server)
+        return result(count, c["start"], c["end"], {"received": count - c["wrong"], "duplicates": 0},
+                      c["fsyncs"] + s["fsyncs"])
+    pub_addr = free_address()
+    n_subs = 10 if sc.mode == "fanout" else 1
+    subs_addrs = [free_address() for _ in range(n_subs)]
+    sub_args = lambda i, c: ["--role", "sub", "--bind", subs_addrs[i], "--peer", pub_addr,  # noqa: E731
+                             "--datadir", str(run_dir / f"sub{i}"), "--count", str(c), *journal]
+    if sc.mode == "serial":
+        away = spawn(*sub_args(0, 0))  # subscribes, then goes away: publishes queue on disk
+        pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", "serial", "--count", str(count),
+                    "--datadir", str(run_dir / "pub"), "--subscribers", "1", *journal)
+        read_json(away)
+        read_json(away)
+        finish(away)
+        p = read_json(pub)
+        sub = spawn(*sub_args(0, count))  # comes back and drains, to check exactly once
+        read_json(sub)
+        s = read_json(sub)
+        finish(pub, sub)
+        return result(count, p["start"], p["end"], s, p["fsyncs"])
+    subs = [spawn(*sub_args(i, count)) for i in range(n_subs)]
+    pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", sc.mode, "--count", str(count),
+                "--datadir", str(run_dir / "pub"), "--subscribers", str(n_subs), *journal)
+    for sub in subs:
+        read_json(sub)
+    p = read_json(pub)
+    results = [read_json(sub) for sub in subs]
+    finish(pub, *subs)
+    if sc.mode == "fanout":
+        last = max(r["last"] for r in results)
+        merged = {"received": sum(r["received"] for r in results) // n_subs,
+                  "duplicates": sum(r["duplicates"] for r in results)}
+        out = result(count, p["start"], last, merged)
+        out["value"] *= n_subs  # deliveries per second
+        out["exactly_once"] = all(r["received"] == count and not r["duplicates"] for r in results)
+        return out
+    s = results[0]
+    return result(count, p["start"], s["last"], s, p["fsyncs"] + s["fsyncs"])
 
 
-def role_pub(args: argparse.Namespace) -> None:
-    from servicebus import Bus
-    from servicebus.testing import wait_until
-
-    with Bus(args.bind, args.datadir, journal=not args.no_journal) as bus:
-        wait_until(lambda: bus.status().subscriptions > 0, 60, 0.01)
-        before = bus.counters().get("fsyncs", 0)
-        start = time.time()
-        if args.mode == "batch":
-            for base in range(0, args.count, 100):
-                bus.publish_many(TOPIC, [{"n": n, **PAYLOAD} for n in range(base, min(args.count, base + 100))])
-        elif args.mode == "serial":
-            for n in range(args.count):
-                bus.publish(TOPIC, {"n": n, **PAYLOAD})
-        else:
-            def worker(k: int) -> None:
-                for n in range(k, args.count, 8):
-                    bus.publish(TOPIC, {"n": n, **PAYLOAD})
-            threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        end = time.time()
-        fsyncs = bus.counters().get("fsyncs", 0) - before
-        bus.drain(120)
-    print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs}), flush=True)
+def run_peer(peer: str, server: "peers.Server", name: str, count: int) -> dict:
+    mode = SCENARIOS[name].mode
+    qname = "b" + uuid.uuid4().hex[:12]
+    peers.prepare(peer, server.port, qname)
+    common = ["--peer", peer, "--port", str(server.port), "--name", qname, "--mode", mode,
+              "--count", str(count)]
+    consumer = spawn("--role", "peer-consume", *common)
+    read_json(consumer)
+    producer = spawn("--role", "peer-produce", *common)
+    p = read_json(producer)
+    c = read_json(consumer)
+    finish(producer, consumer)
+    return result(count, p["start"], c["last"], c)
 
 
-# --- parent --------------------------------------------------------------------------------
+# --- physical references -------------------------------------------------------------------------
+
 
 def fsync_latency(directory: Path, count: int) -> float:
     """Median seconds for a 256-byte write + fsync on the data directory's filesystem."""
@@ -188,122 +340,181 @@ def fsync_latency(directory: Path, count: int) -> float:
     return statistics.median(samples)
 
 
-def run_scenario(name: str, count: int, tmp: Path) -> dict:
+def zmq_reference(count: int) -> dict:
+    """Raw pyzmq DEALER -> ROUTER between two processes: one-way msgs/s and latency."""
+    import zmq
+
     from servicebus.testing import free_address
 
-    _desc, mode, _full, _quick = SCENARIOS[name]
-    run_dir = Path(tempfile.mkdtemp(dir=tmp))
-    if mode.startswith("req"):
-        return run_request_scenario(mode, count, run_dir)
-    pub_addr, sub_addr = free_address(), free_address()
-    me = [sys.executable, str(Path(__file__).resolve())]
-    extra = ["--no-journal"] if name.endswith("-nojournal") else []
-    sub = subprocess.Popen(me + ["--role", "sub", "--bind", sub_addr, "--peer", pub_addr,
-                                 "--datadir", str(run_dir / "sub"), "--count", str(count), *extra],
-                           stdout=subprocess.PIPE, text=True)
-    pub = subprocess.Popen(me + ["--role", "pub", "--bind", pub_addr, "--mode", mode,
-                                 "--datadir", str(run_dir / "pub"), "--count", str(count), *extra],
-                           stdout=subprocess.PIPE, text=True)
-    try:
-        assert sub.stdout.readline().strip() == "ready"
-        p = json.loads(pub.stdout.readline())
-        s = json.loads(sub.stdout.readline())
-    finally:
-        for proc in (pub, sub):
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    elapsed = s["last"] - p["start"]
-    return {
-        "msgs_per_s": count / elapsed,
-        "publish_per_s": count / (p["end"] - p["start"]),
-        "fsyncs_per_msg": (p["fsyncs"] + s["fsyncs"]) / count,
-        "exactly_once": s["received"] == count and s["duplicates"] == 0,
-        "received": s["received"], "duplicates": s["duplicates"],
-    }
+    out = {}
+    ctx = zmq.Context()
+    for mode in ("sink", "echo"):
+        address = free_address()
+        n = count if mode == "sink" else 2000
+        child = spawn("--role", "zmq", "--bind", address, "--count", str(n), "--mode", mode)
+        read_json(child)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.connect(address)
+        body = b"x" * 256
+        if mode == "sink":
+            start = time.time()
+            for _ in range(n):
+                dealer.send(body)
+            r = read_json(child)
+            out["zmq_msgs_per_s"] = n / (r["last"] - start)
+        else:
+            rtts = []
+            for _ in range(n):
+                t = time.perf_counter()
+                dealer.send(body)
+                dealer.recv()
+                rtts.append(time.perf_counter() - t)
+            read_json(child)
+            out["zmq_one_way_us"] = statistics.median(rtts) / 2 * 1e6
+        dealer.close(linger=0)
+        finish(child)
+    ctx.term()
+    return out
 
 
-def fmt_rate(values: list[float]) -> str:
-    return f"{statistics.median(values):>9,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+# --- the table -------------------------------------------------------------------------------------
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    values = [r["value"] for r in runs]
+    out = {"median": statistics.median(values), "min": min(values), "max": max(values),
+           "exactly_once": all(r["exactly_once"] for r in runs), "runs": runs}
+    for key in ("p99_us", "fsyncs_per_msg"):
+        if all(key in r for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=["sub", "pub", "server", "client"], help=argparse.SUPPRESS)
-    ap.add_argument("--bind", help=argparse.SUPPRESS)
-    ap.add_argument("--peer", help=argparse.SUPPRESS)
-    ap.add_argument("--datadir", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    for hidden in ("--role", "--bind", "--peer", "--datadir", "--mode", "--name"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--workers", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--subscribers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer messages per run")
-    ap.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
-    ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="run only this scenario")
+    ap.add_argument("--runs", type=int, default=3, help="runs per scenario and system (default 3)")
+    ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="only this scenario")
+    ap.add_argument("--no-peers", action="store_true", help="servicebus only")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args()
-    if args.role == "sub":
-        role_sub(args)
-        return 0
-    if args.role == "pub":
-        role_pub(args)
-        return 0
-    if args.role in ("server", "client"):
-        (role_server if args.role == "server" else role_client)(args)
+    a = ap.parse_args()
+    roles = {"sub": role_sub, "pub": role_pub, "server": role_server, "client": role_client,
+             "zmq": role_zmq_sink, "peer-produce": role_peer, "peer-consume": role_peer}
+    if a.role:
+        roles[a.role](a)
         return 0
 
-    names = args.only or list(SCENARIOS)
+    log = (lambda *x: None) if a.json else (lambda *x: print(*x, file=sys.stderr, flush=True))
+    names = a.only or list(SCENARIOS)
     tmp = Path(tempfile.mkdtemp(prefix="servicebus-bench-"))
-    results: dict[str, list[dict]] = {n: [] for n in names}
-    fsync_samples = []
-    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"servicebus bench: {os.cpu_count()} cores, 256-byte payloads, data under {tmp}")
-    for run in range(args.runs):
-        fsync_samples.append(fsync_latency(tmp, 300 if args.quick else 1000))
-        for name in names:  # alternate scenarios run by run
-            count = SCENARIOS[name][3 if args.quick else 2]
-            result = run_scenario(name, count, tmp)
-            results[name].append(result)
-            log(f"  run {run + 1}/{args.runs} {name}: {result['msgs_per_s']:,.0f} msgs/s, "
-                f"{result['fsyncs_per_msg']:.3f} fsyncs/msg, exactly once: {result['exactly_once']}")
-    ceiling = 1 / statistics.median(fsync_samples)
-    summary = {
-        "fsync_latency_us": [s * 1e6 for s in fsync_samples],
-        "fsync_ceiling_per_s": ceiling,
-        "scenarios": {n: {"runs": r, "median_msgs_per_s": statistics.median(x["msgs_per_s"] for x in r),
-                          "ratio_to_fsync_ceiling": statistics.median(x["msgs_per_s"] for x in r) / ceiling}
-                      for n, r in results.items()},
-    }
-    journal_note = None
-    if "e2e-batch" in results and "e2e-batch-nojournal" in results:
-        on = statistics.median(r["msgs_per_s"] for r in results["e2e-batch"])
-        off = statistics.median(r["msgs_per_s"] for r in results["e2e-batch-nojournal"])
-        summary["journal_cost"] = 1 - on / off
-        journal_note = (f"\njournal cost: e2e-batch with the journal on runs at {on / off:.1%} of journal "
-                        f"off ({1 - on / off:+.1%}; target: within 15 %)")
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        lat = statistics.median(fsync_samples) * 1e6
-        print(f"\nbaseline: fsync of a 256-byte write {lat:.0f} us median -> ceiling {ceiling:,.0f} fsyncs/s")
-        print("every message is fsynced twice: by the publisher before publish returns and by the "
-              "subscriber before it acks\n")
-        print("request scenarios count round trips (request, handler, reply) per second\n")
-        print(f"{'scenario':<15} {'msgs/s median (min-max)':>28} {'fsyncs/msg':>11} {'x fsync ceiling':>16} exactly-once")
-        for name, runs in results.items():
-            rates = [r["msgs_per_s"] for r in runs]
-            print(f"{name:<15} {fmt_rate(rates):>28} {statistics.median(r['fsyncs_per_msg'] for r in runs):>11.3f} "
-                  f"{statistics.median(rates) / ceiling:>15.1f}x {'yes' if all(r['exactly_once'] for r in runs) else 'NO'}")
-        if journal_note:
-            print(journal_note)
-    shutil_rmtree(tmp)
-    return 0 if all(r["exactly_once"] for runs in results.values() for r in runs) else 1
+    notes: list[str] = []
+    servers: dict[str, peers.Server] = {}
+    wanted_peers = [] if a.no_peers or not any(SCENARIOS[n].peers for n in names) else list(PEERS)
+    for peer in wanted_peers:
+        why = peers.missing(peer)
+        if why:
+            notes.append(f"skipped {peer}: not installed ({why})")
+            continue
+        try:
+            servers[peer] = peers.Server(peer, tmp).start()
+            log(f"started {peer} {servers[peer].version} on port {servers[peer].port}")
+        except Exception as exc:  # noqa: BLE001 - a peer that will not start is skipped, said so
+            notes.append(f"skipped {peer}: server did not start ({exc})")
+    results: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
+    fsync_samples: list[float] = []
+    zmq_refs: list[dict] = []
+    try:
+        for run in range(a.runs):
+            fsync_samples.append(fsync_latency(tmp, 300 if a.quick else 1000))
+            zmq_refs.append(zmq_reference(20_000 if a.quick else 100_000))
+            for name in names:
+                sc = SCENARIOS[name]
+                count = sc.quick if a.quick else sc.full
+                systems = ["servicebus"] + ([p for p in servers] if sc.peers else [])
+                for system in systems:  # alternating: every system once per run
+                    try:
+                        r = (run_servicebus(name, count, tmp) if system == "servicebus"
+                             else run_peer(system, servers[system], name, count))
+                    except Exception as exc:  # noqa: BLE001
+                        notes.append(f"{name}/{system} run {run + 1} failed: {exc}")
+                        continue
+                    results[name].setdefault(system, []).append(r)
+                    log(f"  run {run + 1}/{a.runs} {name:<20} {system:<15} {r['value']:>12,.0f}"
+                        f"{' us p50' if 'p50_us' in r else ' msgs/s'}  exactly once: {r['exactly_once']}")
+    finally:
+        for server in servers.values():
+            server.stop()
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    fsync_s = statistics.median(fsync_samples)
+    zmq_tp = statistics.median(z["zmq_msgs_per_s"] for z in zmq_refs)
+    zmq_lat = statistics.median(z["zmq_one_way_us"] for z in zmq_refs)
+    floor_us = 2 * fsync_s * 1e6 + zmq_lat
+    table = {n: {s: summarize(n, r) for s, r in systems.items()} for n, systems in results.items()}
+    summary = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "quick": a.quick, "runs": a.runs,
+               "fsync_us": fsync_s * 1e6, "fsync_ceiling_per_s": 1 / fsync_s, "zmq_msgs_per_s": zmq_tp,
+               "zmq_one_way_us": zmq_lat, "latency_floor_us": floor_us,
+               "peers": {p: {"version": s.version, "durability": peers.NOTES[p]} for p, s in servers.items()},
+               "scenarios": table, "notes": notes}
+    if a.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    print_table(summary)
+    return 0 if all(s["exactly_once"] for sys_ in table.values() for s in sys_.values()) else 1
 
 
-def shutil_rmtree(path: Path) -> None:
-    import shutil
-    shutil.rmtree(path, ignore_errors=True)
+def print_table(summary: dict) -> None:
+    t = summary["scenarios"]
+    print(f"\nservicebus bench {summary['date']}: {summary['cores']} cores, 256-byte payloads, loopback; "
+          f"{summary['runs']} run(s) each, alternating; median (min-max)")
+    print(f"physical: fsync {summary['fsync_us']:.0f} us (ceiling {summary['fsync_ceiling_per_s']:,.0f}/s); "
+          f"raw pyzmq DEALER->ROUTER {summary['zmq_msgs_per_s']:,.0f} msgs/s, {summary['zmq_one_way_us']:.0f} us "
+          f"one way; latency floor (2 fsyncs + 1 hop) {summary['latency_floor_us']:.0f} us")
+    print("servicebus fsyncs every message twice (publisher before publish returns, subscriber before "
+          "it acks): stronger than any peer. Python clients are pure Python; all processes share 2 cores.\n")
+    print(f"{'scenario':<20}{'system':<16}{'median (min-max)':>30}  {'p99/fsync':>10}  once  vs best peer  target")
+    for name, systems in t.items():
+        sc = SCENARIOS[name]
+        unit = "us" if sc.mode == "latency" else "/s"
+        best = [(s, v["median"]) for s, v in systems.items() if s != "servicebus" and s not in WEAKER]
+        ours = systems.get("servicebus")
+        for system, v in systems.items():
+            extra = (f"{v['p99_us']:.0f}us" if "p99_us" in v else
+                     f"{v['fsyncs_per_msg']:.3f}" if "fsyncs_per_msg" in v else "-")
+            ratio = ""
+            if system == "servicebus" and best and ours:
+                if sc.mode == "latency":
+                    peer, val = min(best, key=lambda x: x[1])
+                    ratio = f"{val / ours['median']:.2f}x faster than {peer}"
+                else:
+                    peer, val = max(best, key=lambda x: x[1])
+                    ratio = f"{ours['median'] / val:.2f}x {peer}"
+            target = sc.target if system == "servicebus" else ""
+            if system == "servicebus" and name == "publish-serial":
+                target += f" ({ours['median'] * summary['fsync_us'] / 1e6:.0%})"
+            if system == "servicebus" and name == "latency":
+                target += (f" ({ours['median'] / summary['latency_floor_us']:.2f}x / "
+                           f"{ours['p99_us'] / summary['latency_floor_us']:.2f}x)")
+            print(f"{name:<20}{system:<16}{v['median']:>14,.0f} ({v['min']:,.0f}-{v['max']:,.0f}) {unit:<3}"
+                  f"{extra:>10}  {'yes' if v['exactly_once'] else 'NO':<4}  {ratio:<13} {target}")
+    if "fanout" in t and "e2e-batch" in t and "servicebus" in t["fanout"] and "servicebus" in t["e2e-batch"]:
+        print(f"\nfanout / e2e-batch: {t['fanout']['servicebus']['median'] / t['e2e-batch']['servicebus']['median']:.2f}x")
+    if "e2e-batch" in t and "e2e-batch-nojournal" in t:
+        on, off = t["e2e-batch"]["servicebus"]["median"], t["e2e-batch-nojournal"]["servicebus"]["median"]
+        print(f"journal cost: e2e-batch with the journal runs at {on / off:.1%} of journal=False")
+    for peer, info in summary["peers"].items():
+        print(f"{peer}: {info['version']}; {info['durability']}")
+    for note in summary["notes"]:
+        print(f"note: {note}")
 
 
 if __name__ == "__main__":
