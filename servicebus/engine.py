@@ -58,6 +58,7 @@ GC_INTERVAL = 0.5
 DEDUPE_PRUNE_INTERVAL = 60.0
 INTENT_RETRY = 1.0
 DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
+WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts)
 
 
 def _now_ms() -> int:
@@ -265,6 +266,8 @@ class Engine(threading.Thread):
 
         self._next_gc = 0.0
         self._next_prune = 0.0
+        self._waiting_peers = False  # some down peer has messages waiting
+        self._new_peer_work = True
         self._next_tick = 0.0
 
         # per-turn scratch. The batch always exists: a write made after a commit (a sender-
@@ -381,7 +384,21 @@ class Engine(threading.Thread):
             self._shutdown()
 
     def _poll_timeout(self) -> float:
-        return max(0.0, min(TICK, self._next_tick - time.monotonic()))
+        tick = WAITING_PING if self._waiting_peers else TICK
+        return max(0.0, min(tick, self._next_tick - time.monotonic()))
+
+    def _ping_waiting(self, now: float) -> None:
+        """Ping down peers that have messages waiting often, so that the first messages to
+        a new subscriber, or to one that restarted, are not held for a whole ping period."""
+        waiting = False
+        for peer in self.peers.values():
+            if peer.up or not any(not c.exhausted or c.inflight for c in peer.consumers):
+                continue
+            waiting = True
+            if now - peer.last_ping >= WAITING_PING:
+                peer.last_ping = now
+                self._send_peer(peer, P.encode_ping(self.node_id, self.boot))
+        self._waiting_peers = waiting
 
     def _turn(self, events: dict) -> None:
         now = time.monotonic()
@@ -441,6 +458,9 @@ class Engine(threading.Thread):
         if now >= self._next_tick:
             self._next_tick = now + TICK
             self._timers(now)
+        if self._waiting_peers or self._new_peer_work:
+            self._new_peer_work = False
+            self._ping_waiting(now)
         self._flush_outbox()
         if self._drains:
             self._check_drains()
@@ -785,6 +805,7 @@ class Engine(threading.Thread):
                 peer = self.peers[consumer.peer]
                 if not consumer.exhausted or not peer.up:
                     consumer.exhausted = False
+                    self._new_peer_work = self._new_peer_work or not peer.up
                     continue
                 out = self._outbox.setdefault(peer, [])
                 for mid, record in items:
