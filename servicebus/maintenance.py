@@ -236,7 +236,7 @@ def check(store: Store, repair: bool, progress: Progress = None) -> list[Problem
     incoming_ids: set[str] = set()
     runstate_ids: set[str] = set()
     streams: set[str] = set()
-    for n, (key, value) in enumerate(store.scan_raw(), 1):
+    for n, (key, value) in enumerate(store.scan_raw(verify=True), 1):
         name = names.get(key[:2])
         shown = key.decode("utf-8", "backslashreplace")
         if name is None:

@@ -244,7 +244,9 @@ class Store:
     @staticmethod
     def repair(path: str | os.PathLike) -> None:
         try:
-            plyvel.repair_db(str(path))
+            # Without paranoid_checks, repair does not verify block checksums and keeps a
+            # damaged table as it is.
+            plyvel.repair_db(str(path), paranoid_checks=True)
         except plyvel.Error as exc:
             raise StoreError(f"repair of {path} failed: {exc}") from exc
 
@@ -471,9 +473,13 @@ class Store:
                 key = next(it, None)
         return 0 if key is None else int.from_bytes(key[2:], "big")
 
-    def scan_raw(self) -> Iterator[tuple[bytes, bytes]]:
-        """Every key and value, undecoded (for consistency checks)."""
-        yield from self._iter(b"")
+    def scan_raw(self, *, verify: bool = False) -> Iterator[tuple[bytes, bytes]]:
+        """Every key and value, undecoded. With ``verify``, LevelDB checks every block's
+        checksum as it reads (damaged files raise StoreError instead of yielding junk)."""
+        if verify:
+            yield from self._iter(b"", verify_checksums=True, fill_cache=False)
+        else:
+            yield from self._iter(b"")
 
     def compact(self) -> None:
         with self._op():
