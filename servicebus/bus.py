@@ -233,15 +233,7 @@ class Bus:
         decorator. For a plain ``send`` a raising handler is retried, then dead-lettered;
         for a ``request`` the exception goes back to the caller as ``RemoteError``."""
         validate_topic(command, "command")
-
-        def register(fn: Handler) -> Handler:
-            if not callable(fn):
-                raise TypeError(f"handler must be callable, not {type(fn).__name__}")
-            self._check_open()
-            self._dispatcher.register(Kind.COMMAND, command, fn)
-            return fn
-
-        return register if handler is None else register(handler)
+        return self._register(Kind.COMMAND, command, handler)
 
     def request_async(self, address: str, command: str, payload: Any,
                       timeout: float = 30.0) -> Future:
@@ -316,12 +308,16 @@ class Bus:
         to the dead letters. Several handlers on one topic: done when all returned.
         """
         validate_topic(topic)
+        return self._register(Kind.EVENT, topic, handler)
+
+    def _register(self, kind: Kind, topic: str, handler: Handler | None) -> Any:
+        """Register now, or return a decorator that does (``every`` and ``handle``)."""
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._dispatcher.register(Kind.EVENT, topic, fn)
+            self._dispatcher.register(kind, topic, fn)
             return fn
 
         return register if handler is None else register(handler)

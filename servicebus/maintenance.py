@@ -34,6 +34,25 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class _Writer:
+    """Writes a long operation in bounded batches (memory), fsyncing once at the end."""
+
+    def __init__(self, store: Store, progress: Progress) -> None:
+        self.store, self.progress = store, progress
+        self.batch, self.done = store.batch(), 0
+
+    def step(self) -> None:
+        self.done += 1
+        if self.done % CHUNK == 0:
+            self.store.write(self.batch, sync=False)
+            self.batch = self.store.batch()
+            if self.progress:
+                self.progress(self.done)
+
+    def close(self) -> None:
+        self.store.write(self.batch, sync=True)
+
+
 # --- replay --------------------------------------------------------------------------------
 
 
@@ -59,8 +78,9 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
     gen = IdGenerator()
     node, address = store.get_meta("node"), store.get_meta("address")
     journal = Journal(store, Path("."), (node or b"").decode(), (address or b"").decode())
-    batch = store.batch()
-    for n, (mid, rec) in enumerate(letters, 1):
+    writer = _Writer(store, progress)
+    for mid, rec in letters:
+        batch = writer.batch
         row = {"id": mid, "topic": rec.get("topic"), "reason": rec.get("reason")}
         origin = rec.get("origin")
         if origin == "incoming":
@@ -96,12 +116,8 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
         else:
             row.update(result="skipped", detail=f"unknown origin {origin!r}")
         report.append(row)
-        if n % CHUNK == 0:
-            store.write(batch, sync=False)
-            batch = store.batch()
-        if progress:
-            progress(n)
-    store.write(batch, sync=True)
+        writer.step()
+    writer.close()
     return report
 
 
@@ -111,20 +127,15 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
 def _delete_keyspaces(store: Store, names: tuple[str, ...], progress: Progress) -> dict[str, int]:
     counts = {name: 0 for name in names}
     prefixes = {KEYSPACES[name]: name for name in names}
-    batch, n = store.batch(), 0
+    writer = _Writer(store, progress)
     for key, _value in store.scan_raw():
         name = prefixes.get(key[:2])
         if name is None:
             continue
-        batch.delete_raw(key)
+        writer.batch.delete_raw(key)
         counts[name] += 1
-        n += 1
-        if n % CHUNK == 0:
-            store.write(batch, sync=False)
-            batch = store.batch()
-            if progress:
-                progress(n)
-    store.write(batch, sync=True)
+        writer.step()
+    writer.close()
     return counts
 
 
@@ -151,30 +162,25 @@ def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[s
     """Forget a subscriber. What it was still owed becomes dead letters (reason
     ``subscriber_removed``) rather than vanishing: they can be exported or inspected."""
     mine = [c for c in consumers(store) if c.peer == address]
-    batch, moved = store.batch(), 0
+    writer = _Writer(store, progress)
     for c in mine:
         for mid in c.pending_ids(store):
             data = store.get_outgoing(c.stream, mid)
             if data is None:
                 continue
             rec = unpack_outgoing(data)
-            batch.put_deadletter(mid, {
+            writer.batch.put_deadletter(mid, {
                 "origin": "outgoing", "reason": "subscriber_removed", "error": None, "at": _now_ms(),
                 "peer": address, "stream": c.stream, "kind": Kind(rec.kind).name.lower(),
                 "topic": rec.topic, "record": list(rec),
             })
-            moved += 1
-            if moved % CHUNK == 0:
-                store.write(batch, sync=False)
-                batch = store.batch()
-                if progress:
-                    progress(moved)
-        batch.delete_delivery(c.peer, c.stream)
+            writer.step()
+        writer.batch.delete_delivery(c.peer, c.stream)
     subs = [(s, t) for s, t, _ in store.subscriptions() if s == address]
     for s, t in subs:
-        batch.delete_subscription(s, t)
-    store.write(batch, sync=True)
-    return {"subscriptions": len(subs), "deliveries": len(mine), "moved_to_deadletters": moved}
+        writer.batch.delete_subscription(s, t)
+    writer.close()
+    return {"subscriptions": len(subs), "deliveries": len(mine), "moved_to_deadletters": writer.done}
 
 
 # --- check ---------------------------------------------------------------------------------
