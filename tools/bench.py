@@ -63,6 +63,10 @@ SCENARIOS = {
                         "latency", 1_000, 300, True, "p50 <= 1.2x floor, p99 <= 3x floor"),
     "fanout": Scenario("1 publisher -> 10 subscriber processes (deliveries/s)",
                        "fanout", 20_000, 5_000, False, ">= 3x e2e-batch"),
+    "backlog": Scenario("1M queued while the subscriber is down, then it starts (drain msgs/s)",
+                        "backlog", 1_000_000, 100_000, False, "publisher RSS < 150 MB; drain >= 80 % of e2e-batch"),
+    "restart": Scenario("a bus with 1M pending restarts: seconds to the first delivery",
+                        "restart", 1_000_000, 100_000, False, "<= 2 s after Bus() returns"),
     "e2e-batch-nojournal": Scenario("e2e-batch with journal=False on both buses",
                                     "batch", 200_000, 40_000, False, "journal on within 15 % of off"),
     "request-serial": Scenario("request -> handler -> reply, one at a time",
@@ -122,7 +126,8 @@ def role_sub(a: argparse.Namespace) -> None:
                 if len(seen) >= a.count:
                     done.set()
 
-        bus.subscribe(a.peer, TOPIC, wait=60)
+        if not a.subscribed:
+            bus.subscribe(a.peer, TOPIC, wait=60)
         print(json.dumps({"ready": True}), flush=True)
         if a.count:
             done.wait(900)
@@ -136,13 +141,22 @@ def role_pub(a: argparse.Namespace) -> None:
     from servicebus import Bus
     from servicebus.testing import wait_until
 
+    if a.mode == "restart":
+        with Bus(a.bind, a.datadir) as bus:
+            opened = time.time()
+            print(json.dumps({"start": opened, "end": opened, "fsyncs": 0}), flush=True)
+            bus.drain(900)
+        return
     with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
         wait_until(lambda: bus.status().subscriptions >= a.subscribers, 120, 0.01)
         before = bus.counters().get("fsyncs", 0)
         start = time.time()
-        if a.mode in ("batch", "fanout"):
+        if a.mode in ("batch", "fanout", "backlog"):
             for base in range(0, a.count, 100):
                 bus.publish_many(TOPIC, [payload(n) for n in range(base, min(a.count, base + 100))])
+        elif a.mode == "restart-fill":
+            for base in range(0, a.count, 1000):
+                bus.publish_many(TOPIC, [payload(n) for n in range(base, min(a.count, base + 1000))])
         elif a.mode == "serial":
             for n in range(a.count):
                 bus.publish(TOPIC, payload(n))
@@ -162,7 +176,8 @@ def role_pub(a: argparse.Namespace) -> None:
         end = time.time()
         fsyncs = bus.counters().get("fsyncs", 0) - before
         print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs}), flush=True)
-        bus.drain(300)  # stay until every subscriber (in "serial", the returning one) has it all
+        if a.mode != "restart-fill":
+            bus.drain(900)  # stay until every subscriber (the returning one, too) has it all
 
 
 def role_server(a: argparse.Namespace) -> None:
@@ -284,6 +299,8 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
         s = read_json(sub)
         finish(pub, sub)
         return result(count, p["start"], p["end"], s, p["fsyncs"])
+    if sc.mode in ("backlog", "restart"):
+        return run_backlog(sc.mode, count, run_dir, pub_addr, sub_args)
     subs = [spawn(*sub_args(i, count)) for i in range(n_subs)]
     pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", sc.mode, "--count", str(count),
                 "--datadir", str(run_dir / "pub"), "--subscribers", str(n_subs), *journal)
@@ -302,6 +319,58 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
         return out
     s = results[0]
     return result(count, p["start"], s["last"], s, p["fsyncs"] + s["fsyncs"])
+
+
+def run_backlog(mode: str, count: int, run_dir: Path, pub_addr: str, sub_args) -> dict:
+    """The subscriber subscribes and goes away; ``count`` messages queue on the publisher's
+    disk (its RSS sampled all along). backlog: the subscriber returns and drains it.
+    restart: the publisher stops, the subscriber returns, the publisher restarts; the time
+    from its ``Bus()`` returning to the first delivery is measured."""
+    import psutil
+
+    away = spawn(*sub_args(0, 0))
+    fill = "backlog" if mode == "backlog" else "restart-fill"
+    pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", fill, "--count", str(count),
+                "--datadir", str(run_dir / "pub"), "--subscribers", "1")
+    read_json(away)
+    read_json(away)
+    finish(away)
+    rss, stop = [0], threading.Event()
+
+    def sample() -> None:
+        proc = psutil.Process(pub.pid)
+        while not stop.is_set():
+            try:
+                rss[0] = max(rss[0], proc.memory_info().rss)
+            except psutil.Error:
+                return
+            stop.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    p = read_json(pub)
+    if mode == "restart":
+        stop.set()
+        finish(pub)  # restart-fill closes the bus once everything is queued
+        sub = spawn(*sub_args(0, count), "--subscribed")
+        read_json(sub)
+        pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", "restart", "--count", "0",
+                    "--datadir", str(run_dir / "pub"))
+        p = read_json(pub)
+        s = read_json(sub)
+        finish(pub, sub)
+        out = result(count, 0, 1, s)
+        out["value"] = s["first"] - p["start"]  # seconds to the first delivery
+        return out
+    sub = spawn(*sub_args(0, count))
+    read_json(sub)
+    drain_start = time.time()
+    s = read_json(sub)
+    stop.set()
+    finish(pub, sub)
+    out = result(count, drain_start, s["last"], s)
+    out["max_rss_mb"] = rss[0] / 2**20
+    return out
 
 
 def run_peer(peer: str, server: "peers.Server", name: str, count: int) -> dict:
@@ -385,7 +454,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
     values = [r["value"] for r in runs]
     out = {"median": statistics.median(values), "min": min(values), "max": max(values),
            "exactly_once": all(r["exactly_once"] for r in runs), "runs": runs}
-    for key in ("p99_us", "fsyncs_per_msg"):
+    for key in ("p99_us", "fsyncs_per_msg", "max_rss_mb"):
         if all(key in r for r in runs):
             out[key] = statistics.median(r[key] for r in runs)
     return out
@@ -399,6 +468,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--subscribers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--subscribed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer messages per run")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario and system (default 3)")
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="only this scenario")
@@ -485,11 +555,12 @@ def print_table(summary: dict) -> None:
     print(f"{'scenario':<20}{'system':<16}{'median (min-max)':>30}  {'p99/fsync':>10}  once  vs best peer  target")
     for name, systems in t.items():
         sc = SCENARIOS[name]
-        unit = "us" if sc.mode == "latency" else "/s"
+        unit = {"latency": "us", "restart": "s"}.get(sc.mode, "/s")
         best = [(s, v["median"]) for s, v in systems.items() if s != "servicebus" and s not in WEAKER]
         ours = systems.get("servicebus")
         for system, v in systems.items():
             extra = (f"{v['p99_us']:.0f}us" if "p99_us" in v else
+                     f"{v['max_rss_mb']:.0f}MB" if "max_rss_mb" in v else
                      f"{v['fsyncs_per_msg']:.3f}" if "fsyncs_per_msg" in v else "-")
             ratio = ""
             if system == "servicebus" and best and ours:
@@ -506,7 +577,9 @@ def print_table(summary: dict) -> None:
             if system == "servicebus" and name == "latency":
                 target += (f" ({ours['median'] / summary['latency_floor_us']:.2f}x / "
                            f"{ours['p99_us'] / summary['latency_floor_us']:.2f}x)")
-            print(f"{name:<20}{system:<16}{v['median']:>14,.0f} ({v['min']:,.0f}-{v['max']:,.0f}) {unit:<3}"
+            fmt = "{:,.2f}" if sc.mode == "restart" else "{:,.0f}"
+            med, lo, hi = (fmt.format(x) for x in (v["median"], v["min"], v["max"]))
+            print(f"{name:<20}{system:<16}{med:>14} ({lo}-{hi}) {unit:<3}"
                   f"{extra:>10}  {'yes' if v['exactly_once'] else 'NO':<4}  {ratio:<13} {target}")
     if "fanout" in t and "e2e-batch" in t and "servicebus" in t["fanout"] and "servicebus" in t["e2e-batch"]:
         print(f"\nfanout / e2e-batch: {t['fanout']['servicebus']['median'] / t['e2e-batch']['servicebus']['median']:.2f}x")
