@@ -27,7 +27,7 @@ from .delivery import is_command_stream, unpack_outgoing
 from .errors import BusError
 from .ids import id_millis
 from .lockfile import probe
-from .protocol import Kind
+from .protocol import KIND_NAMES
 from .store import Store
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 ENDPOINT_FILE = "admin.endpoint"
-KIND_NAMES = {int(k): k.name.lower() for k in Kind}
 
 
 class AdminUnavailable(BusError):

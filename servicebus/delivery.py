@@ -136,13 +136,6 @@ class Consumer:
         # Even without moving the floor, an out-of-order ack changes the durable record.
         self.dirty = True
 
-    def reset_window(self) -> None:
-        """Forget the window so it is rebuilt from the floor (used when state is reloaded)."""
-        self.order.clear()
-        self.inflight.clear()
-        self.pos = self.floor
-        self.exhausted = False
-
     @property
     def idle(self) -> bool:
         return not self.inflight and self.exhausted

@@ -31,7 +31,7 @@ from .config import BusConfig
 from .delivery import backoff
 from .errors import StoreError
 from .journal import Journal
-from .protocol import Kind, decode_payload, encode_payload
+from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
 from .records import EMPTY, Message
 from .requests import PendingRequests
 from .store import Store
@@ -45,7 +45,6 @@ RUN = 16  # ready messages a worker takes at once, at most
 
 # Incoming record layout in the store (a list, for compactness):
 # [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
-KIND_NAMES = {int(Kind.EVENT): "event", int(Kind.COMMAND): "command", int(Kind.REPLY): "reply"}
 
 
 def incoming_record(kind: int, sender: str, reply_to: str, env: Any) -> list:
@@ -164,9 +163,6 @@ class Dispatcher:
                 self._cv.notify_all()
         if was_parked:
             self._refill(only=key)
-
-    def has_handler(self, kind: Kind, topic: str) -> bool:
-        return (int(kind), topic) in self._handlers
 
     # --- intake ------------------------------------------------------------------------
 

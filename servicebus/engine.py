@@ -43,7 +43,7 @@ from .dispatch import Dispatcher, Incoming, incoming_record
 from .errors import BusClosedError, BusError, TransportError
 from .ids import IdGenerator
 from .journal import Journal
-from .protocol import Kind
+from .protocol import KIND_NAMES, Kind
 from .records import PeerStatus
 from .requests import PendingRequests
 from .store import Batch, Store
@@ -63,9 +63,6 @@ WAITING_PING = 0.01  # ... and this often while messages wait for it (first cont
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-KIND_NAMES = {int(k): k.name.lower() for k in Kind}
 
 
 def _stream_topic(stream: str) -> tuple[str | None, str]:

@@ -301,8 +301,3 @@ def check(store: Store, repair: bool, progress: Progress = None) -> list[Problem
     if repair:
         store.write(batch, sync=True)
     return problems
-
-
-def repair_files(path: Path) -> None:
-    """LevelDB's own repair: rebuilds the store from whatever table and log files survive."""
-    Store.repair(path)

@@ -38,6 +38,7 @@ __all__ = [
     "Pong",
     "Frame",
     "MESSAGE_KINDS",
+    "KIND_NAMES",
     "encode_batch",
     "encode_ack",
     "encode_nack",
@@ -73,6 +74,7 @@ class Kind(IntEnum):
 
 
 MESSAGE_KINDS = frozenset({Kind.EVENT, Kind.COMMAND, Kind.REPLY})
+KIND_NAMES = {int(k): k.name.lower() for k in Kind}  # as shown in journals, CLI, Message.kind
 _KIND_BYTES = {kind: bytes([kind]) for kind in Kind}
 
 

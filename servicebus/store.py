@@ -414,10 +414,7 @@ class Store:
 
     def seen(self, message_id: str) -> bool:
         """True if the id is stored as incoming, handled (dedupe window) or dead-lettered."""
-        key = message_id.encode()
-        with self._op():
-            get = self._db.get
-            return get(_H + key) is not None or get(_N + key) is not None or get(_X + key) is not None
+        return self.seen_many([message_id])[0]
 
     def get_incoming(self, message_id: str) -> list | None:
         with self._op():
