@@ -23,7 +23,6 @@ import zmq
 
 from . import engine as E
 from .config import BusConfig
-from .delivery import event_stream
 from .dispatch import Dispatcher
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .admin import ENDPOINT_FILE

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from servicebus import Bus
 from servicebus.testing import wait_until

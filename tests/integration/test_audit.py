@@ -4,7 +4,6 @@ written by real buses (one of them killed with SIGKILL mid-run)."""
 import json
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest

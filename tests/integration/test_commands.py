@@ -9,8 +9,6 @@ import pytest
 from servicebus import Bus, RemoteError, RequestTimeout
 from servicebus.testing import free_address, wait_until
 
-from tests.busproc import main as _busproc_main  # noqa: F401  (the process driver must import)
-
 
 def test_request_round_trip_between_two_processes(make_bus, bus_process):
     server = bus_process("server", "--command", "pricing.quote")
