@@ -175,7 +175,8 @@ class Bus:
         """Store ``payload`` for every subscriber of ``topic``; return its message id.
 
         Returns only after the message is fsynced. Subscriptions are those this bus has
-        confirmed when the call reaches the engine; with none, nothing is stored.
+        confirmed when the call is made; with none, nothing is stored. The calling thread
+        does the write itself; concurrent callers share one fsync (group commit).
         """
         return self.publish_many(topic, [payload])[0]
 
@@ -187,10 +188,15 @@ class Bus:
         for body in bodies:
             if len(body) > limit:
                 raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {limit}")
+        engine = self._check_open()
         if not bodies:
-            self._check_open()
             return []
-        return self._call(lambda f: E.Publish(topic, bodies, f))
+        try:
+            return engine.publish(topic, bodies)
+        except StoreError:
+            if self._closed or self._store.closed:
+                raise BusClosedError("the bus closed before this call completed") from None
+            raise
 
     # --- commands and requests ----------------------------------------------------------
 

@@ -39,6 +39,7 @@ from .delivery import (
     pack_outgoing,
     unpack_outgoing,
 )
+from .commit import GroupCommit
 from .dispatch import Dispatcher, Incoming, incoming_record
 from .errors import BusClosedError, BusError, TransportError
 from .ids import IdGenerator
@@ -148,10 +149,12 @@ class Intent:
 
 
 @dataclass
-class Publish:
-    topic: str
-    bodies: list[bytes]
-    future: Future
+class Published:
+    """Messages a user thread has just made durable in ``stream`` (in id order)."""
+
+    stream: str
+    items: list[tuple[str, bytes]]  # (id, packed outgoing record)
+    future: Future | None = None  # nobody waits: the publish returned already
 
 
 @dataclass
@@ -257,6 +260,12 @@ class Engine(threading.Thread):
         self._drains: list[Future] = []
         self._gc_floor: dict[str, str | None] = {}
         self._orphans_due = True
+        # Event streams with consumers -> their peers. Replaced, never mutated, so that
+        # publishing threads can read it without a lock.
+        self._stream_peers: dict[str, tuple[str, ...]] = {}
+        self.committer = GroupCommit(store, self._on_published)
+        self._count_lock = threading.Lock()
+        self.published = 0  # ids handed out by publish(), on user threads
 
         self.malformed: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
@@ -292,6 +301,44 @@ class Engine(threading.Thread):
             os.eventfd_write(self._wake_fd, 1)
         except (BlockingIOError, OSError):
             pass  # already signalled (counter full) or closing: the engine will look anyway
+
+    def publish(self, topic: str, bodies: list[bytes]) -> list[str]:
+        """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
+        return their ids once fsynced (see ``commit.py``). Thread-safe."""
+        stream = event_stream(topic)
+        if not self._stream_peers.get(stream):  # nobody subscribed: nothing to store
+            ids = self.ids.many(len(bodies))
+            with self._count_lock:
+                self.published += len(ids)
+            return ids
+
+        def build(batch: Batch) -> tuple[str, list[str], list[tuple[str, bytes]]]:
+            # Under the commit lock: ids are made in the order the batches will commit.
+            ids = self.ids.many(len(bodies))
+            peers = self._stream_peers.get(stream, ())
+            items: list[tuple[str, bytes]] = []
+            if peers:
+                sent = _now_ms()
+                put = batch.put_outgoing
+                for mid, body in zip(ids, bodies):
+                    record = pack_outgoing(Kind.EVENT, topic, sent, body)
+                    put(stream, mid, record)
+                    items.append((mid, record))
+                if self._jon:  # one event per (message, receiver): what the audit reconciles
+                    self.journal.record(batch, [("published", sent, mid, topic, "event", peer, 0, None)
+                                                for peer in peers for mid in ids])
+            return stream, ids, items
+
+        return self.committer.commit(build)[1]
+
+    def _on_published(self, results: list[tuple[str, list[str], list[tuple[str, bytes]]]]) -> None:
+        # Under the commit lock, in commit order: the engine sees new ids in stream order.
+        with self._count_lock:
+            for stream, ids, items in results:
+                self.published += len(ids)
+                if items:
+                    self._queue.append(Published(stream, items))
+        self.wake()
 
     def stop(self, timeout: float | None = None) -> None:
         self._stopping = True
@@ -336,6 +383,7 @@ class Engine(threading.Thread):
         self.consumers[(consumer.peer, consumer.stream)] = consumer
         self.by_stream[consumer.stream].append(consumer)
         self._peer(consumer.peer).consumers.append(consumer)
+        self._update_stream_peers(consumer.stream)
 
     def _remove_consumer(self, consumer: Consumer) -> None:
         self.consumers.pop((consumer.peer, consumer.stream), None)
@@ -343,6 +391,18 @@ class Engine(threading.Thread):
         if not self.by_stream[consumer.stream]:
             del self.by_stream[consumer.stream]
         self.peers[consumer.peer].consumers.remove(consumer)
+        self._update_stream_peers(consumer.stream)
+
+    def _update_stream_peers(self, stream: str) -> None:
+        if is_command_stream(stream):
+            return
+        peers = dict(self._stream_peers)
+        consumers = self.by_stream.get(stream)
+        if consumers:
+            peers[stream] = tuple(c.peer for c in consumers)
+        else:
+            peers.pop(stream, None)
+        self._stream_peers = peers
 
     def _peer(self, address: str) -> Peer:
         peer = self.peers.get(address)
@@ -440,12 +500,13 @@ class Engine(threading.Thread):
             # Several callers were waiting on this commit: let them run and queue their next
             # call before the next turn, so that it commits them together (group commit).
             time.sleep(0)
+        if self._handoff:
+            # Before the acks: a worker takes a while to wake up, the acks go meanwhile.
+            handoff, self._handoff = self._handoff, []
+            self.dispatcher.submit(handoff)
         acks, self._acks = self._acks, {}
         for ident, ids in acks.items():
             self._send_router(ident, P.encode_ack(ids))
-        if self._handoff:
-            handoff, self._handoff = self._handoff, []
-            self.dispatcher.submit(handoff)
         self._turn_ids.clear()
 
         # send
@@ -649,8 +710,11 @@ class Engine(threading.Thread):
         while queue:
             cmd = queue.popleft()
             try:
-                if isinstance(cmd, Publish):
-                    self._cmd_publish(cmd)
+                if isinstance(cmd, Published):
+                    if cmd.stream in self.by_stream:
+                        self._new.setdefault(cmd.stream, []).extend(cmd.items)
+                    else:
+                        self._orphans_due = True  # unsubscribed while they were written
                 elif isinstance(cmd, SendCmd):
                     self._cmd_send(cmd)
                 elif isinstance(cmd, QueueReply):
@@ -668,28 +732,10 @@ class Engine(threading.Thread):
                 else:
                     raise TypeError(f"unknown engine command {cmd!r}")
             except Exception as exc:  # a bad command fails its caller, not the engine
+                if cmd.future is None:
+                    raise
                 if not cmd.future.done():
                     cmd.future.set_exception(exc)
-
-    def _cmd_publish(self, cmd: Publish) -> None:
-        ids = [self.ids.next() for _ in cmd.bodies]
-        stream = event_stream(cmd.topic)
-        if stream in self.by_stream:
-            sent = _now_ms()
-            put = self._batch.put_outgoing
-            new = self._new.setdefault(stream, [])
-            for mid, body in zip(ids, cmd.bodies):
-                record = pack_outgoing(Kind.EVENT, cmd.topic, sent, body)
-                put(stream, mid, record)
-                new.append((mid, record))
-            self._batch.sync = True
-            if self._jon:  # one event per (message, receiver): what the audit reconciles
-                jev, topic = self._jevents, cmd.topic
-                for consumer in self.by_stream[stream]:
-                    peer = consumer.peer
-                    jev.extend(("published", sent, mid, topic, "event", peer, 0, None) for mid in ids)
-        self.counters["published"] += len(ids)
-        self._after.append(lambda: cmd.future.set_result(ids))
 
     def _command_consumer(self, address: str) -> str:
         stream = command_stream(address)
@@ -805,7 +851,10 @@ class Engine(threading.Thread):
                     self._new_peer_work = self._new_peer_work or not peer.up
                     continue
                 out = self._outbox.setdefault(peer, [])
+                pos = consumer.pos or ""
                 for mid, record in items:
+                    if mid <= pos:
+                        continue  # read from the store before this notice arrived
                     if consumer.room(window) <= 0:
                         consumer.exhausted = False  # the rest is read from the store later
                         break
@@ -980,6 +1029,12 @@ class Engine(threading.Thread):
             return False
         return self.dispatcher.idle
 
+    def _counters(self) -> dict[str, int]:
+        counters = Counter(self.counters)
+        counters["fsyncs"] += self.committer.fsyncs
+        counters["published"] += self.published
+        return dict(counters)
+
     def _check_drains(self) -> None:
         self._drains = [f for f in self._drains if not f.done()]
         if self._drains and self.idle():
@@ -999,7 +1054,7 @@ class Engine(threading.Thread):
             "peers": peers,
             "consumers": consumers,
             "malformed": dict(self.malformed),
-            "counters": dict(self.counters),
+            "counters": self._counters(),
             "intents_unconfirmed": sum(1 for i in self.intents.values() if not i.confirmed),
         }
 
@@ -1012,7 +1067,7 @@ class Engine(threading.Thread):
             err = BusClosedError(f"the bus engine failed: {self.failure!r}")
         while self._queue:
             cmd = self._queue.popleft()
-            if not cmd.future.done():
+            if cmd.future is not None and not cmd.future.done():
                 cmd.future.set_exception(err)
         for fut in self._drains:
             if not fut.done():

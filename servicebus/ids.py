@@ -1,8 +1,9 @@
 """Message ids: unique, and sortable by creation time within one bus.
 
 An id is 24 lowercase hex digits: 12 for the wall-clock milliseconds, 6 for a per-process
-counter, 6 random per process start. The engine thread is the only caller of ``next()``,
-so ids reach a stream in the order they were made, which the delivery cursors rely on.
+counter, 6 random per process start. Ids reach a stream in the order they were made (the
+engine makes command ids and writes them itself; ``publish`` makes event ids under the
+group-commit lock, in commit order), which the delivery cursors rely on.
 """
 
 from __future__ import annotations

@@ -287,6 +287,17 @@ class Store:
             else:
                 batch._wb.write()
 
+    def write_many(self, batches: list[Batch], *, sync: bool) -> None:
+        """Apply several batches as one atomic write (one fsync with ``sync``)."""
+        if len(batches) == 1:
+            self.write(batches[0], sync=sync)
+            return
+        with self._op():
+            merged = self._db.write_batch(sync=sync)
+            for batch in batches:
+                merged.append(batch._wb)
+            merged.write()
+
     def sync(self) -> None:
         """Make every earlier unsynced write durable (one fsync of the log)."""
         with self._op():
