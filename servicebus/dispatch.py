@@ -168,7 +168,7 @@ class Dispatcher:
 
     def submit(self, items: Iterable[Incoming]) -> None:
         with self._cv:
-            added = False
+            added = 0
             for item in items:
                 if item.id in self._known:
                     continue
@@ -177,9 +177,11 @@ class Dispatcher:
                     self._overflow_gen += 1
                     continue
                 self._push(item, 0.0)
-                added = True
+                added += 1
             if added:
-                self._cv.notify_all()
+                # Wake as many workers as there are runs to take, not all of them: every
+                # needless wake-up is a context switch and a turn at the GIL.
+                self._cv.notify(min(self._config.workers, -(-added // RUN)))
 
     def _push(self, item: Incoming, due: float) -> None:
         self._known.add(item.id)
