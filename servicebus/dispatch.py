@@ -23,8 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from .config import BusConfig
@@ -32,7 +30,7 @@ from .delivery import backoff
 from .errors import StoreError
 from .journal import Journal
 from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
-from .records import EMPTY, Message
+from .records import Message
 from .requests import PendingRequests
 from .store import Store
 
@@ -68,10 +66,6 @@ def _event(name: str, item: "Incoming", attempts: int, error: str | None = None)
             attempts, error)
 
 
-def _to_datetime(ms: int | None) -> datetime | None:
-    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
-
-
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
                  requests: PendingRequests, on_reply: Callable[[str, list], None],
@@ -93,6 +87,7 @@ class Dispatcher:
         self._refilling = False
         self._closing = False
         self._threads: list[threading.Thread] = []
+        self._tls = threading.local()
         self.handled = 0
         self.failed = 0
         self.deadlettered = 0
@@ -133,6 +128,15 @@ class Dispatcher:
     def counts(self) -> dict[str, int]:
         with self._cv:
             return {"queued": len(self._known), "parked_topics": len(self._parked)}
+
+    def _scratch(self) -> Any:
+        """This thread's write batch, emptied: one per message was measurable."""
+        batch = getattr(self._tls, "batch", None)
+        if batch is None:
+            batch = self._tls.batch = self._store.batch()
+        else:
+            batch.clear()
+        return batch
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -352,22 +356,12 @@ class Dispatcher:
 
         attempts += 1
         if not marked:
-            batch = store.batch()
+            batch = self._scratch()
             batch.put_runstate(item.id, [attempts, done, last_error, 0])
             store.write(batch, sync=False)  # a crash from here on counts as an attempt
 
-        message = Message(
-            id=item.id,
-            topic=topic,
-            sender=record[2],
-            reply_to=record[3],
-            sent=_to_datetime(record[4]),
-            attempt=attempts,
-            headers=MappingProxyType(record[8]) if record[8] else EMPTY,
-            kind=KIND_NAMES.get(kind, "event"),
-            correlation_id=record[7],
-            expires=_to_datetime(expires),
-        )
+        message = Message(item.id, topic, record[2], record[3], record[4], attempts, record[8],
+                          KIND_NAMES.get(kind, "event"), record[7], expires)
         try:
             payload = decode_payload(record[9])
         except Exception as exc:  # validated on receipt; only a corrupted store gets here
@@ -391,12 +385,12 @@ class Dispatcher:
             done.append(name)
             if len(handlers) > 1 and len(done) < len(handlers):
                 # Remember which handlers finished, so a crash reruns only the others.
-                batch = store.batch()
+                batch = self._scratch()
                 batch.put_runstate(item.id, [attempts, done, last_error, 0])
                 store.write(batch, sync=False)
 
         if error is None:
-            batch = store.batch()
+            batch = self._scratch()
             batch.complete_incoming(item.id, _now_ms())
             self._journal.record(batch, [_event("handled", item, attempts)])
             premarked = self._with_marker(batch, nxt)
@@ -409,7 +403,7 @@ class Dispatcher:
             self._deadletter(item, "handler_failed", error, attempts, [failed])
             return None, False
         delay = backoff(attempts, config.retry_initial, config.retry_max)
-        batch = store.batch()
+        batch = self._scratch()
         batch.put_runstate(item.id, [attempts, done, error, _now_ms() + int(delay * 1000)])
         self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
         premarked = self._with_marker(batch, nxt)
@@ -435,7 +429,7 @@ class Dispatcher:
             body = encode_payload({"ok": False, "type": "ValueError",
                                    "message": f"reply of {len(body)} bytes exceeds max_payload"})
         reply_record = [message.reply_to, message.topic, message.correlation_id, body]
-        batch = self._store.batch()
+        batch = self._scratch()
         batch.complete_with_reply(item.id, _now_ms(), reply_record)
         events.append(_event("handled", item, message.attempt))
         self._journal.record(batch, events)
@@ -463,7 +457,7 @@ class Dispatcher:
                             "the incoming store", item.id, corr)
                 return None
             log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
-        batch = self._store.batch()
+        batch = self._scratch()
         batch.complete_incoming(item.id, _now_ms())
         self._journal.record(batch, [_event("handled", item, 1)])
         self._store.write(batch, sync=False)
@@ -472,7 +466,7 @@ class Dispatcher:
     def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
                     events: list | None = None) -> None:
         record = item.record
-        batch = self._store.batch()
+        batch = self._scratch()
         name = "expired" if reason == "expired" else "deadlettered"
         self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
         batch.deadletter_incoming(item.id, {

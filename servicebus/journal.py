@@ -77,6 +77,7 @@ class Journal:
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
         self._quoted: dict[str, str] = {}
+        self._prefixes: dict[tuple, str] = {}
 
     # --- recording ---------------------------------------------------------------------
 
@@ -148,14 +149,25 @@ class Journal:
         tmp = path.with_name(path.name + ".tmp")
         head = f'"node":{self._q(self.node_id)},"address":{self._q(self.address)}'
         q, roles = self._q, ROLES
+        # Everything but ts, id, attempt and error repeats from line to line: format it
+        # once per (event, topic, kind, peer). This thread shares the GIL with the handlers.
+        prefixes = self._prefixes
         lines = []
         for _seq, packed in records:
             for event, ts, mid, topic, kind, peer, attempt, error in msgpack.unpackb(packed, raw=False):
-                name, role = roles[event]
-                err = "" if error is None else f',"error":{json.dumps(error, ensure_ascii=False)}'
-                lines.append(f'{{"event":"{name}","ts":{ts},{head},"id":"{mid}","topic":{q(topic)},'
-                             f'"kind":"{kind}","peer":{q(peer)},"attempt":{attempt},'
-                             f'"role":"{role}"{err}}}\n')
+                key = (event, topic, kind, peer)
+                prefix = prefixes.get(key)
+                if prefix is None:
+                    name, role = roles[event]
+                    prefix = (f'{{"event":"{name}",{head},"topic":{q(topic)},"kind":"{kind}",'
+                              f'"peer":{q(peer)},"role":"{role}"')
+                    if len(prefixes) < 10_000:
+                        prefixes[key] = prefix
+                if error is None:
+                    lines.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt}}}\n')
+                else:
+                    lines.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt},'
+                                 f'"error":{json.dumps(error, ensure_ascii=False)}}}\n')
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(lines)
             fh.flush()

@@ -256,11 +256,19 @@ def _int(value: Any, field: str, minimum: int = 0) -> int:
     return value
 
 
+_BAD_TOPIC_CHAR = re.compile(r"[\x00-\x20\x7f]")
+_valid_topics: set[str] = set()  # a bus sees few distinct topics, each thousands of times
+
+
 def _topic(value: Any) -> str:
+    if type(value) is str and value in _valid_topics:  # junk may be unhashable
+        return value
     if not isinstance(value, str) or not value or len(value.encode("utf-8", "surrogatepass")) > MAX_TOPIC_BYTES:
         raise ProtocolError("bad_field", "topic must be a non-empty str of at most 255 bytes")
-    if any(ord(ch) <= 32 or ord(ch) == 127 for ch in value):
+    if _BAD_TOPIC_CHAR.search(value):
         raise ProtocolError("bad_field", "topic contains whitespace or control characters")
+    if len(_valid_topics) < 10_000:
+        _valid_topics.add(value)
     return value
 
 

@@ -88,6 +88,12 @@ class Batch:
         self.ops = 0
         self.sync = False  # set when something visible waits on this batch being durable
 
+    def clear(self) -> None:
+        """Empty the batch for reuse (cheaper than a new one per message)."""
+        self._wb.clear()
+        self.ops = 0
+        self.sync = False
+
     def _put(self, key: bytes, value: bytes) -> None:
         self._wb.put(key, value)
         self.ops += 1
@@ -181,14 +187,14 @@ class _Guard:
 
     def __enter__(self) -> None:
         store = self._store
-        with store._cv:
+        with store._lock:  # the bare lock, not the Condition: this runs per plyvel call
             if store._closed:
                 raise StoreError("the store is closed")
             store._active += 1
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         store = self._store
-        with store._cv:
+        with store._lock:
             store._active -= 1
             if store._active == 0 and store._closed:
                 store._cv.notify_all()
@@ -207,7 +213,8 @@ class Store:
     def __init__(self, db: Any, path: Path) -> None:
         self._db = db
         self.path = path
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
         self._guard = _Guard(self)

@@ -82,6 +82,8 @@ def test_fields_are_validated():
     assert reason(batch_with(["id", "", 1, 1, None, None, {}])) == "bad_field"
     assert reason(batch_with(["id", "a b", 1, 1, None, None, {}])) == "bad_field"
     assert reason(batch_with(["id", "t" * 256, 1, 1, None, None, {}])) == "bad_field"
+    assert reason(batch_with(["id", ["t"], 1, 1, None, None, {}])) == "bad_field"  # unhashable
+    assert reason(batch_with(["id", "t\x7f", 1, 1, None, None, {}])) == "bad_field"
     assert reason(batch_with(["id", "t", -1, 1, None, None, {}])) == "bad_field"
     assert reason(batch_with(["id", "t", 1, 0, None, None, {}])) == "bad_field"
     assert reason(batch_with(["id", "t", 1, 1, "x", None, {}])) == "bad_field"
