@@ -94,7 +94,7 @@ class Bus:
         if not os.access(self.datadir, os.W_OK | os.X_OK):
             raise StoreError(f"data directory {self.datadir} is not writable")
         self._lock = DataDirLock.acquire(self.datadir, address=bind)
-        self._store = store = Store.open(self.datadir / "store")
+        self._store = store = Store.open(self.datadir / "store", compression=self.config.store_compression)
         node = store.get_meta("node")
         if node is None:
             node = os.urandom(8).hex().encode()

@@ -222,7 +222,9 @@ class Store:
     # --- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, create: bool = True) -> "Store":
+    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = False) -> "Store":
+        """Open (or create) the store. ``compression`` applies to blocks written from now
+        on; blocks written either way stay readable."""
         path = Path(path)
         try:
             db = plyvel.DB(
@@ -232,6 +234,7 @@ class Store:
                 write_buffer_size=4 << 20,  # LevelDB default: bounds memtable memory
                 lru_cache_size=8 << 20,
                 bloom_filter_bits=10,
+                compression="snappy" if compression else None,
             )
         except plyvel.Error as exc:
             raise StoreError(f"cannot open store {path}: {exc}") from exc

@@ -92,6 +92,8 @@ def test_unknown_options_and_bad_values_are_refused(tmp_path):
         Bus("tcp://*:5555", tmp_path / "c")
     with pytest.raises(ValueError):
         Bus("http://x", tmp_path / "d")
+    with pytest.raises(TypeError, match="store_compression must be a bool"):
+        Bus(free_address(), tmp_path / "e", store_compression="yes")
 
 
 def test_handler_that_raises_is_retried_then_dead_lettered_with_the_error(make_bus):

@@ -104,3 +104,19 @@ def test_two_opens_of_one_store_fail_with_store_error(tmp_path):
             Store.open(tmp_path / "s")
     finally:
         s.close()
+
+
+def test_a_store_written_compressed_reads_back_when_reopened_uncompressed(tmp_path):
+    s = Store.open(tmp_path / "store", compression=True)
+    b = s.batch()
+    for i in range(2000):
+        b.put_outgoing("e:t", f"{i:06d}", b"abc" * 100)
+    s.write(b, sync=True)
+    s.compact()  # into compressed table files, out of the log
+    s.close()
+    s = Store.open(tmp_path / "store", compression=False)
+    try:
+        assert s.count_stream("e:t") == 2000
+        assert s.get_outgoing("e:t", "001999") == b"abc" * 100
+    finally:
+        s.close()
