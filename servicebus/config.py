@@ -44,10 +44,10 @@ class BusConfig:
     journal: bool = True
     #: journal segment files older than this are deleted by the bus
     journal_retention: float = 7 * 24 * 3600.0
-    #: Snappy-compress store blocks. Off by default: messages stay in the store briefly, and
-    #: compressing them cost 9 % of e2e throughput (measured); turn on for big, compressible
-    #: backlogs held on a small disk
-    store_compression: bool = False
+    #: Snappy-compress store blocks. Off saves ~9 % CPU per message (measured on e2e-batch)
+    #: but makes table files bigger, and LevelDB maps them into memory: with 1M compressible
+    #: messages queued, publisher RSS went from ~110 MB to ~380 MB
+    store_compression: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -222,7 +222,7 @@ class Store:
     # --- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = False) -> "Store":
+    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = True) -> "Store":
         """Open (or create) the store. ``compression`` applies to blocks written from now
         on; blocks written either way stay readable."""
         path = Path(path)
