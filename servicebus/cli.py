@@ -33,8 +33,10 @@ EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT = 0, 1, 2, 3, 4
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Inspect, unlock, replay and repair servicebus data directories.")
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# soft_wrap: a message is one line however long its path, also when stdout is not a
+# terminal (rich would wrap at 80 columns); tables still fit the width.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class CliError(Exception):

@@ -252,6 +252,10 @@ def test_exit_codes_and_one_line_errors(tmp_path):
     (tmp_path / "plain").mkdir()
     plain = cli("outgoing", tmp_path / "plain")
     assert plain.returncode == 2 and "not a servicebus data directory" in plain.stderr
+    long_path = tmp_path / ("x" * 120)
+    long_path.mkdir()
+    long = cli("outgoing", long_path)
+    assert long.returncode == 2 and long.stderr.count("\n") == 1, long.stderr  # one line, unwrapped
     usage = cli("status", "--no-such-option")
     assert usage.returncode == 1
     nothing = cli("purge", tmp_path / "plain")
