@@ -57,6 +57,11 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _json_str(text: str | None) -> str:
+    # Only on a line-prefix cache miss (see _write_segment): no cache of its own needed.
+    return json.dumps(text, ensure_ascii=False)
+
+
 class Journal:
     """Records events into batches and moves them out to segment files."""
 
@@ -76,7 +81,6 @@ class Journal:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
-        self._quoted: dict[str, str] = {}
         self._prefixes: dict[tuple, str] = {}
 
     # --- recording ---------------------------------------------------------------------
@@ -133,22 +137,12 @@ class Journal:
                 if len(records) < FLUSH_CHUNK:
                     return moved
 
-    def _q(self, text: str | None) -> str:
-        if text is None:
-            return "null"
-        quoted = self._quoted.get(text)
-        if quoted is None:
-            quoted = json.dumps(text, ensure_ascii=False)
-            if len(self._quoted) < 10_000:
-                self._quoted[text] = quoted
-        return quoted
-
     def _write_segment(self, records: list[tuple[int, bytes]]) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl"
         tmp = path.with_name(path.name + ".tmp")
-        head = f'"node":{self._q(self.node_id)},"address":{self._q(self.address)}'
-        q, roles = self._q, ROLES
+        q, roles = _json_str, ROLES
+        head = f'"node":{q(self.node_id)},"address":{q(self.address)}'
         # Everything but ts, id, attempt and error repeats from line to line: format it
         # once per (event, topic, kind, peer). This thread shares the GIL with the handlers.
         prefixes = self._prefixes

@@ -4,14 +4,6 @@ import pytest
 
 from servicebus.commit import GroupCommit
 from servicebus.errors import StoreError
-from servicebus.store import Store
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store.open(tmp_path / "store")
-    yield s
-    s.close()
 
 
 def _committer(store):

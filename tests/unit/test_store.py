@@ -4,13 +4,6 @@ from servicebus.errors import StoreError
 from servicebus.store import Store
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store.open(tmp_path / "store")
-    yield s
-    s.close()
-
-
 def test_subscriptions_and_intents_round_trip_and_delete(store):
     b = store.batch()
     b.put_subscription("tcp://127.0.0.1:1", "a.b", {"since": "x"})
