@@ -49,6 +49,9 @@ ROLES = {
 FLUSH_INTERVAL = 1.0
 RETENTION_CHECK = 60.0
 FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment file at most
+# ... and about this many packed bytes: a flush that fell behind (a busy process) must not
+# read a backlog of millions of events into memory at once.
+FLUSH_BYTES = 1 << 20
 
 Event = tuple  # (event, ts, id, topic, kind, peer, attempt, error)
 
@@ -122,7 +125,7 @@ class Journal:
         moved = 0
         with self._flush_lock:
             while True:
-                records = self.store.journal_records(FLUSH_CHUNK)
+                records = self.store.journal_records(FLUSH_CHUNK, FLUSH_BYTES)
                 if not records:
                     return moved
                 moved += self._write_segment(records)
@@ -134,8 +137,6 @@ class Journal:
                 # Not fsynced: if this delete is lost, the next flush rewrites the same
                 # segment (same first seq, same name) rather than duplicating it.
                 self.store.write(batch, sync=False)
-                if len(records) < FLUSH_CHUNK:
-                    return moved
 
     def _write_segment(self, records: list[tuple[int, bytes]]) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -146,24 +147,28 @@ class Journal:
         # Everything but ts, id, attempt and error repeats from line to line: format it
         # once per (event, topic, kind, peer). This thread shares the GIL with the handlers.
         prefixes = self._prefixes
-        lines = []
-        for _seq, packed in records:
-            for event, ts, mid, topic, kind, peer, attempt, error in msgpack.unpackb(packed, raw=False):
-                key = (event, topic, kind, peer)
-                prefix = prefixes.get(key)
-                if prefix is None:
-                    name, role = roles[event]
-                    prefix = (f'{{"event":"{name}",{head},"topic":{q(topic)},"kind":"{kind}",'
-                              f'"peer":{q(peer)},"role":"{role}"')
-                    if len(prefixes) < 10_000:
-                        prefixes[key] = prefix
-                if error is None:
-                    lines.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt}}}\n')
-                else:
-                    lines.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt},'
-                                 f'"error":{json.dumps(error, ensure_ascii=False)}}}\n')
+        lines = 0
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
+            for _seq, packed in records:
+                # One record's lines at a time: the heap stays flat however far behind
+                # the flush is (it used to hold every line of the chunk, ~250 B each).
+                out = []
+                for event, ts, mid, topic, kind, peer, attempt, error in msgpack.unpackb(packed, raw=False):
+                    key = (event, topic, kind, peer)
+                    prefix = prefixes.get(key)
+                    if prefix is None:
+                        name, role = roles[event]
+                        prefix = (f'{{"event":"{name}",{head},"topic":{q(topic)},"kind":"{kind}",'
+                                  f'"peer":{q(peer)},"role":"{role}"')
+                        if len(prefixes) < 10_000:
+                            prefixes[key] = prefix
+                    if error is None:
+                        out.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt}}}\n')
+                    else:
+                        out.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt},'
+                                   f'"error":{json.dumps(error, ensure_ascii=False)}}}\n')
+                fh.writelines(out)
+                lines += len(out)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -172,7 +177,7 @@ class Journal:
             os.fsync(dir_fd)  # the rename itself must survive a crash before we delete
         finally:
             os.close(dir_fd)
-        return len(lines)
+        return lines
 
     def apply_retention(self) -> int:
         if not self.dir.is_dir():

@@ -474,14 +474,18 @@ class Store:
         for key, value in self._iter(_Y):
             yield key[len(_Y):].decode(), _unpack(value)
 
-    def journal_records(self, limit: int) -> list[tuple[int, bytes]]:
-        """The oldest ``limit`` journal records (seq, packed events)."""
+    def journal_records(self, limit: int, max_bytes: int) -> list[tuple[int, bytes]]:
+        """The oldest journal records (seq, packed events): at most ``limit`` of them and
+        about ``max_bytes`` (at least one). Read without filling the block cache: each is
+        read once, and caching them would grow the heap for nothing."""
         out = []
+        size = 0
         with self._op():
-            with self._db.iterator(prefix=_J) as it:
+            with self._db.iterator(prefix=_J, fill_cache=False) as it:
                 for key, value in it:
                     out.append((int.from_bytes(key[2:], "big"), value))
-                    if len(out) >= limit:
+                    size += len(value)
+                    if len(out) >= limit or size >= max_bytes:
                         break
         return out
 

@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=0)
     ap.add_argument("--batch", type=int, default=0, help="publish_many batches of this size")
     ap.add_argument("--ids", help="file of ids whose publish returned")
+    ap.add_argument("--pad", type=int, default=200, help="payload padding bytes")
+    ap.add_argument("--random-pad", action="store_true", help="incompressible padding")
     ap.add_argument("--kill-after-publish", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--ack-timeout", type=float, default=5.0)
@@ -82,7 +84,8 @@ def main() -> None:
         n = 0
         while n < args.count:
             size = max(1, args.batch)
-            payloads = [{"n": i, "pad": "x" * 200} for i in range(n, min(args.count, n + size))]
+            payloads = [{"n": i, "pad": os.urandom(args.pad) if args.random_pad else "x" * args.pad}
+                        for i in range(n, min(args.count, n + size))]
             ids = bus.publish_many(args.publish, payloads) if args.batch else [bus.publish(args.publish, payloads[0])]
             if args.ids:
                 append(args.ids, "\n".join(ids))
