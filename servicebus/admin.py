@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import msgpack
 
+from .clock import wall_ms
 from .delivery import is_command_stream, unpack_outgoing
 from .errors import BusError
 from .ids import id_millis
@@ -41,9 +41,6 @@ ENDPOINT_FILE = "admin.endpoint"
 class AdminUnavailable(BusError):
     """A live bus holds the data directory but did not answer on its admin endpoint."""
 
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def jsonable(value: Any) -> Any:
@@ -119,7 +116,7 @@ def consumers(store: Store) -> list[ConsumerView]:
 
 
 def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
-    now = _now_ms()
+    now = wall_ms()
     pending_by: dict[str, int] = {}
     oldest: int | None = None
     for c in consumers(store):
@@ -174,7 +171,7 @@ def view_subscribers(store: Store, datadir: Path, args: dict, live: dict | None)
 
 
 def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
-    now, limit = _now_ms(), args.get("limit")
+    now, limit = wall_ms(), args.get("limit")
     subscriber, topic = args.get("subscriber"), args.get("topic")
     by_stream: dict[str, list[ConsumerView]] = {}
     for c in consumers(store):
@@ -223,7 +220,7 @@ def _incoming_row(mid: str, rec: list, runstate: list | None, now: int) -> dict:
 
 
 def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
-    now, limit, topic = _now_ms(), args.get("limit"), args.get("topic")
+    now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
     rows = []
     for mid, rec in store.incoming():
         if topic and rec[1] != topic:
@@ -246,7 +243,7 @@ def _deadletter_row(mid: str, rec: dict, now: int) -> dict:
 
 
 def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
-    now, limit, topic = _now_ms(), args.get("limit"), args.get("topic")
+    now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
     rows = []
     for mid, rec in store.deadletters():
         if topic and rec.get("topic") != topic:
@@ -283,7 +280,7 @@ def export_rows(store: Store) -> Iterator[dict]:
             if len(chunk) < 1000:
                 break
             after = chunk[-1][0]
-    now = _now_ms()
+    now = wall_ms()
     for mid, rec in store.incoming():
         row = _incoming_row(mid, rec, store.get_runstate(mid), now)
         yield {"type": "incoming", **row, "sent": rec[4], "body": b64(rec[9])}

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from . import engine as E
+from .clock import wall_ms
 from .config import BusConfig
 from .dispatch import Dispatcher
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
@@ -116,13 +117,15 @@ class Bus:
         batch = store.batch()
         batch.put_meta("address", self.address.encode())  # for offline journal flushes
         store.write(batch, sync=False)
+        clock = store.bus_clock()
         self._journal = Journal(store, self.datadir, self.node_id, self.address,
-                                enabled=self.config.journal, retention=self.config.journal_retention)
+                                enabled=self.config.journal, retention=self.config.journal_retention,
+                                clock=clock)
         self._requests = PendingRequests()
         self._dispatcher = Dispatcher(store, self.config, on_idle=self._wake,
                                       requests=self._requests, on_reply=self._reply_ready,
-                                      journal=self._journal)
-        self._engine = E.Engine(config=self.config, store=store, context=self._ctx, router=router,
+                                      journal=self._journal, clock=clock)
+        self._engine = E.Engine(config=self.config, store=store, clock=clock, context=self._ctx, router=router,
                                 address=self.address, node_id=self.node_id,
                                 dispatcher=self._dispatcher, requests=self._requests,
                                 journal=self._journal, admin=admin, datadir=self.datadir)
@@ -226,7 +229,7 @@ class Bus:
         body = encode_payload(payload)
         if len(body) > self.config.max_payload:
             raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {self.config.max_payload}")
-        expires = None if ttl is None else time.time_ns() // 1_000_000 + int(ttl * 1000)
+        expires = None if ttl is None else wall_ms() + int(ttl * 1000)
         engine = self._check_open()
         future: Future = Future()
         engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id, future))

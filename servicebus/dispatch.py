@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .delivery import backoff
 from .errors import StoreError
@@ -56,21 +57,19 @@ class Incoming(NamedTuple):
     runstate: list | None  # [attempts, done_handler_names, last_error, next_ms] or None
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
 
 def _event(name: str, item: "Incoming", attempts: int, error: str | None = None) -> tuple:
     record = item.record
-    return (name, _now_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],
+    return (name, wall_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],
             attempts, error)
 
 
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
                  requests: PendingRequests, on_reply: Callable[[str, list], None],
-                 journal: Journal) -> None:
+                 journal: Journal, clock: BusClock) -> None:
         self._store = store
+        self._clock = clock  # handled ids are stamped with it: the dedupe window counts it
         self._config = config
         self._on_idle = on_idle
         self._requests = requests
@@ -222,7 +221,7 @@ class Dispatcher:
 
     def _scan(self, only: tuple[int, str] | None) -> bool:
         """Queue stored messages not yet in memory; False if the queue filled up first."""
-        now_ms, now = _now_ms(), time.monotonic()
+        now_ms, now = wall_ms(), time.monotonic()
         for message_id, record in self._store.incoming():
             if only is not None and (record[0], record[1]) != only:
                 continue
@@ -240,7 +239,9 @@ class Dispatcher:
                 runstate = self._store.get_runstate(message_id)
                 due = 0.0
                 if runstate and runstate[3] and runstate[3] > now_ms:
-                    due = now + (runstate[3] - now_ms) / 1000
+                    # A retry time is wall-clock ms from an earlier run. If the clock was
+                    # set back since, it is too far off: no retry waits past retry_max.
+                    due = now + min((runstate[3] - now_ms) / 1000, self._config.retry_max)
                 self._push(Incoming(message_id, record, runstate), due)
                 self._cv.notify()
         return True
@@ -316,7 +317,7 @@ class Dispatcher:
         kind = record[0]
         if kind == Kind.REPLY or (kind, record[1]) not in self._handlers:
             return None
-        if record[6] is not None and _now_ms() > record[6]:
+        if record[6] is not None and wall_ms() > record[6]:
             return None
         attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
         return [attempts + 1, list(done), last_error, 0]
@@ -341,7 +342,7 @@ class Dispatcher:
         done = list(done)
         store, config = self._store, self._config
         expires = record[6]
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         if expires is not None and now_ms > expires:
             self._deadletter(item, "expired", last_error, attempts)
             return None, False
@@ -391,7 +392,7 @@ class Dispatcher:
 
         if error is None:
             batch = self._scratch()
-            batch.complete_incoming(item.id, _now_ms())
+            batch.complete_incoming(item.id, self._clock.now())
             self._journal.record(batch, [_event("handled", item, attempts)])
             premarked = self._with_marker(batch, nxt)
             store.write(batch, sync=False)
@@ -404,7 +405,7 @@ class Dispatcher:
             return None, False
         delay = backoff(attempts, config.retry_initial, config.retry_max)
         batch = self._scratch()
-        batch.put_runstate(item.id, [attempts, done, error, _now_ms() + int(delay * 1000)])
+        batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
         self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
         premarked = self._with_marker(batch, nxt)
         store.write(batch, sync=False)
@@ -430,7 +431,7 @@ class Dispatcher:
                                    "message": f"reply of {len(body)} bytes exceeds max_payload"})
         reply_record = [message.reply_to, message.topic, message.correlation_id, body]
         batch = self._scratch()
-        batch.complete_with_reply(item.id, _now_ms(), reply_record)
+        batch.complete_with_reply(item.id, self._clock.now(), reply_record)
         events.append(_event("handled", item, message.attempt))
         self._journal.record(batch, events)
         premarked = self._with_marker(batch, nxt)
@@ -458,7 +459,7 @@ class Dispatcher:
                 return None
             log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
         batch = self._scratch()
-        batch.complete_incoming(item.id, _now_ms())
+        batch.complete_incoming(item.id, self._clock.now())
         self._journal.record(batch, [_event("handled", item, 1)])
         self._store.write(batch, sync=False)
         return None
@@ -474,7 +475,7 @@ class Dispatcher:
             "reason": reason,
             "error": error,
             "attempts": attempts,
-            "at": _now_ms(),
+            "at": wall_ms(),
             "kind": KIND_NAMES.get(record[0], "event"),
             "topic": record[1],
             "record": record,

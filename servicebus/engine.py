@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from .clock import BusClock, wall_ms
 from . import admin as A
 from . import protocol as P
 from .config import BusConfig
@@ -56,14 +57,13 @@ log = logging.getLogger("servicebus")
 READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
 TICK = 0.1  # seconds between timer checks when idle
 GC_INTERVAL = 0.5
-DEDUPE_PRUNE_INTERVAL = 60.0
+PRUNE_INTERVAL = 1.0  # handled ids past the dedupe window are deleted this often ...
+PRUNE_BATCH = 10_000  # ... this many per turn, and again at once while there are more
+CLOCK_SAVE = 5.0  # the bus clock is carried to the store this often (clock.py)
 INTENT_RETRY = 1.0
 DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
 WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts)
 
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _stream_topic(stream: str) -> tuple[str | None, str]:
@@ -142,7 +142,7 @@ class Intent:
     waiters: list[Future] = field(default_factory=list)
 
     def record(self) -> dict:
-        return {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": _now_ms()}
+        return {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall_ms()}
 
 
 # --- commands from user threads ----------------------------------------------------------
@@ -214,7 +214,7 @@ class Call:
 
 
 class Engine(threading.Thread):
-    def __init__(self, *, config: BusConfig, store: Store, context: zmq.Context,
+    def __init__(self, *, config: BusConfig, store: Store, clock: BusClock, context: zmq.Context,
                  router: zmq.Socket, address: str, node_id: str,
                  dispatcher: Dispatcher, requests: PendingRequests,
                  journal: Journal, admin: zmq.Socket | None = None,
@@ -222,6 +222,7 @@ class Engine(threading.Thread):
         super().__init__(name="servicebus-engine", daemon=True)
         self.config = config
         self.store = store
+        self.clock = clock
         self.ctx = context
         self.router = router
         self.address = address
@@ -232,7 +233,8 @@ class Engine(threading.Thread):
         self.journal = journal
         self._jon = journal.enabled
         self._jevents: list[tuple] = []  # journal events that ride in the current batch
-        self.ids = IdGenerator()
+        # Above every id the store refers to, whatever the wall clock says now (ids.py).
+        self.ids = IdGenerator(after=store.highest_own_id())
 
         self._queue: deque[Any] = deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -272,6 +274,7 @@ class Engine(threading.Thread):
 
         self._next_gc = 0.0
         self._next_prune = 0.0
+        self._next_clock_save = 0.0
         self._waiting_peers = False  # some down peer has messages waiting
         self._new_peer_work = True
         self._next_tick = 0.0
@@ -318,7 +321,7 @@ class Engine(threading.Thread):
             peers = self._stream_peers.get(stream, ())
             items: list[tuple[str, bytes]] = []
             if peers:
-                sent = _now_ms()
+                sent = wall_ms()
                 put = batch.put_outgoing
                 for mid, body in zip(ids, bodies):
                     record = pack_outgoing(Kind.EVENT, topic, sent, body)
@@ -432,8 +435,8 @@ class Engine(threading.Thread):
             if self._jevents:
                 self.journal.record(self._batch, self._jevents)
                 self._jevents = []
-            if self._batch.ops:
-                self.store.write(self._batch, sync=True)
+            self._batch.put_clock(self.clock)
+            self.store.write(self._batch, sync=True)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
             log.exception("servicebus engine stopped by an unexpected error")
@@ -615,9 +618,14 @@ class Engine(threading.Thread):
         acks = self._acks.setdefault(ident, [])
         kind = int(frame.kind)
         stored = False
-        jon, jev, ts, kname = self._jon, self._jevents, _now_ms(), KIND_NAMES[kind]
+        jon, jev, ts, kname = self._jon, self._jevents, wall_ms(), KIND_NAMES[kind]
         known = store.seen_many([env.id for env in frame.messages])
+        # TTLs arrive in the sender's clock. What is left of them counts on ours from now
+        # on: skew between the two machines does not shorten or stretch them.
+        skew = 0 if frame.sent_at is None else ts - frame.sent_at
         for env, was_seen in zip(frame.messages, known):
+            if skew and env.expires is not None:
+                env = env._replace(expires=max(0, env.expires + skew))
             mid = env.id
             acks.append(mid)
             if was_seen or mid in seen:
@@ -638,7 +646,7 @@ class Engine(threading.Thread):
     def _on_subscribe(self, ident: bytes, frame: P.Subscribe) -> None:
         key = (frame.address, frame.topic)
         if key not in self.subscriptions:
-            record = {"since": self.ids.next(), "created": _now_ms(), "node": frame.sender}
+            record = {"since": self.ids.next(), "created": wall_ms(), "node": frame.sender}
             self.subscriptions[key] = record
             self._batch.put_subscription(frame.address, frame.topic, record)
             consumer = Consumer(frame.address, event_stream(frame.topic), record["since"])
@@ -749,21 +757,21 @@ class Engine(threading.Thread):
     def _cmd_send(self, cmd: SendCmd) -> None:
         stream = self._command_consumer(cmd.address)
         mid = self.ids.next()
-        record = pack_outgoing(Kind.COMMAND, cmd.command, _now_ms(), cmd.body, cmd.expires,
+        record = pack_outgoing(Kind.COMMAND, cmd.command, wall_ms(), cmd.body, cmd.expires,
                                cmd.correlation_id, cmd.headers)
         self._batch.put_outgoing(stream, mid, record)
         self._new.setdefault(stream, []).append((mid, record))
         self._batch.sync = True
         self.counters["commands_sent"] += 1
         if self._jon:
-            self._jevents.append(("published", _now_ms(), mid, cmd.command, "command", cmd.address, 0, None))
+            self._jevents.append(("published", wall_ms(), mid, cmd.command, "command", cmd.address, 0, None))
         self._after.append(lambda: cmd.future.set_result(mid))
 
     def _queue_reply(self, cmd: QueueReply) -> None:
         reply_to, command, corr, body = cmd.reply
         stream = self._command_consumer(reply_to)
         mid = self.ids.next()
-        record = pack_outgoing(Kind.REPLY, command, _now_ms(), body, None, corr, None)
+        record = pack_outgoing(Kind.REPLY, command, wall_ms(), body, None, corr, None)
         # The reply moves from "pending" to the outgoing stream in one write. No fsync of
         # its own: the request's completion was not fsynced either, and the log keeps
         # their order, so a crash loses both (the request runs again) or neither.
@@ -772,7 +780,7 @@ class Engine(threading.Thread):
         self._new.setdefault(stream, []).append((mid, record))
         self.counters["replies_sent"] += 1
         if self._jon:
-            self._jevents.append(("published", _now_ms(), mid, command, "reply", reply_to, 0, None))
+            self._jevents.append(("published", wall_ms(), mid, command, "reply", reply_to, 0, None))
 
     def _cmd_subscribe(self, cmd: SubscribeCmd) -> None:
         key = (cmd.publisher, cmd.topic)
@@ -816,25 +824,25 @@ class Engine(threading.Thread):
         if flight is None:
             return  # acknowledged before a restart
         record = unpack_outgoing(data)
-        if record.expires is not None and record.expires < _now_ms():
+        if record.expires is not None and record.expires < wall_ms():
             self._expire(consumer, mid, record, flight.attempt)
             return
         out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
         if self._jon:
-            self._jevents.append(("sent", _now_ms(), mid, record.topic, KIND_NAMES[record.kind],
+            self._jevents.append(("sent", wall_ms(), mid, record.topic, KIND_NAMES[record.kind],
                                   consumer.peer, flight.attempt, None))
 
     def _expire(self, consumer: Consumer, mid: str, record: Any, attempt: int) -> None:
         """A message whose TTL passed before its receiver acked it: a dead letter here."""
         consumer.ack(mid)
         self._batch.put_deadletter(mid, {
-            "origin": "outgoing", "reason": "expired", "error": None, "at": _now_ms(),
+            "origin": "outgoing", "reason": "expired", "error": None, "at": wall_ms(),
             "peer": consumer.peer, "stream": consumer.stream, "kind": Kind(record.kind).name.lower(),
             "topic": record.topic, "record": list(record),
         })
         self.counters["expired"] += 1
         if self._jon:
-            self._jevents.append(("expired_at_sender", _now_ms(), mid, record.topic,
+            self._jevents.append(("expired_at_sender", wall_ms(), mid, record.topic,
                                   KIND_NAMES[record.kind], consumer.peer, attempt, "expired"))
         log.warning("%s %s to %s expired before it was acknowledged: dead letter",
                     Kind(record.kind).name.lower(), mid, consumer.peer)
@@ -884,7 +892,7 @@ class Engine(threading.Thread):
 
     def _resend_due(self, now: float) -> None:
         cfg = self.config
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         for consumer in list(self.consumers.values()):
             peer = self.peers[consumer.peer]
             if not peer.up or not consumer.inflight:
@@ -910,7 +918,7 @@ class Engine(threading.Thread):
                 out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
                 self.counters["resent"] += 1
                 if self._jon:
-                    self._jevents.append(("sent", _now_ms(), mid, record.topic, KIND_NAMES[record.kind],
+                    self._jevents.append(("sent", wall_ms(), mid, record.topic, KIND_NAMES[record.kind],
                                           consumer.peer, flight.attempt, None))
 
     def _flush_outbox(self) -> None:
@@ -926,7 +934,8 @@ class Engine(threading.Thread):
                 by_kind.setdefault(kind, []).append(env)
             for kind, envs in by_kind.items():
                 for start in range(0, len(envs), size):
-                    frames = P.encode_batch(Kind(kind), self.node_id, self.address, envs[start:start + size])
+                    frames = P.encode_batch(Kind(kind), self.node_id, self.address,
+                                            envs[start:start + size], wall_ms())
                     if not self._send_peer(peer, frames):
                         break
                     self.counters["sent"] += len(frames) and min(size, len(envs) - start)
@@ -976,8 +985,12 @@ class Engine(threading.Thread):
         self._resend_due(now)
         self.requests.expire(now)
         if now >= self._next_prune:
-            self._next_prune = now + DEDUPE_PRUNE_INTERVAL
-            self._prune_handled()
+            # While ids are due faster than one batch a second, go on next turn.
+            more = self._prune_handled()
+            self._next_prune = now + (0.0 if more else PRUNE_INTERVAL)
+        if now >= self._next_clock_save:
+            self._next_clock_save = now + CLOCK_SAVE
+            self._batch.put_clock(self.clock)
 
     def _collect_garbage(self) -> None:
         """Delete stream messages every consumer of the stream has acknowledged."""
@@ -1009,12 +1022,19 @@ class Engine(threading.Thread):
                     return
             self._orphans_due = False
 
-    def _prune_handled(self) -> None:
-        cutoff_ms = _now_ms() - int(self.config.dedupe_window * 1000)
-        if cutoff_ms <= 0:
-            return
-        for mid in self.store.handled_before(f"{cutoff_ms:012x}", 10_000):
-            self._batch.delete_handled(mid)
+    def _prune_handled(self) -> bool:
+        """Forget handled ids older than the dedupe window, counted on the bus clock from
+        when they were handled (not from the sender's id time, nor on the wall clock: a
+        clock stepped forward must not forget ids whose resends may still come). True if
+        there may be more to prune."""
+        cutoff = self.clock.now() - int(self.config.dedupe_window * 1000)
+        if cutoff <= 0:
+            return False
+        due = self.store.handled_before(cutoff, PRUNE_BATCH)
+        for mid, at in due:
+            self._batch.forget_handled(mid, at)
+        self.counters["dedupe_pruned"] += len(due)
+        return len(due) >= PRUNE_BATCH
 
     # --- drain and status --------------------------------------------------------------
 

@@ -1,33 +1,41 @@
-"""Message ids: unique, and sortable by creation time within one bus.
+"""Message ids: unique, and increasing in the order one bus makes them, whatever its clock.
 
-An id is 24 lowercase hex digits: 12 for the wall-clock milliseconds, 6 for a per-process
-counter, 6 random per process start. Ids reach a stream in the order they were made (the
-engine makes command ids and writes them itself; ``publish`` makes event ids under the
-group-commit lock, in commit order), which the delivery cursors rely on.
+An id is 24 lowercase hex digits: 12 for milliseconds, 6 for a per-process counter, 6
+random per process start. Ids reach a stream in the order they were made (the engine makes
+command ids and writes them itself; ``publish`` makes event ids under the group-commit
+lock, in commit order), and delivery cursors compare them: an id that sorted below one a
+cursor has passed would never be delivered, and garbage collection would delete it.
+
+So the leading milliseconds are the wall clock only while it moves forward: they never go
+below the last id made, in this process or (``after``) in any earlier run whose ids the
+store still refers to. With the clock set back, ids keep counting up from there.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
+
+from .clock import wall_ms
 
 __all__ = ["IdGenerator", "id_millis"]
 
 
 class IdGenerator:
-    def __init__(self) -> None:
+    def __init__(self, after: str | None = None) -> None:
+        """``after``: the highest id made before (the store's ``highest_own_id``); every
+        id made here sorts above it."""
         self._boot = os.urandom(3).hex()
-        self._last_ms = 0
+        # One millisecond past ``after``: above it whatever the counter and boot parts.
+        self._last_ms = id_millis(after) + 1 if after else 0
         self._counter = int.from_bytes(os.urandom(2), "big")
         self._lock = threading.Lock()
 
     def next(self) -> str:
         with self._lock:
-            ms = time.time_ns() // 1_000_000
-            # Never go backwards, even if the wall clock does: cursors compare ids.
+            ms = wall_ms()
             if ms < self._last_ms:
-                ms = self._last_ms
+                ms = self._last_ms  # the clock went back: keep counting from the last id
             self._last_ms = ms
             self._counter = (self._counter + 1) & 0xFFFFFF
             if self._counter == 0:
@@ -39,9 +47,10 @@ class IdGenerator:
         return [self.next() for _ in range(count)]
 
 
-def id_millis(message_id: str) -> int:
-    """Creation time (ms since the epoch, sender's clock) encoded in an id; 0 if not ours."""
+def id_millis(message_id: str | None) -> int:
+    """The milliseconds encoded in an id (the sender's clock when it was made, unless that
+    clock was behind an earlier id); 0 if it is not one of ours."""
     try:
         return int(message_id[:12], 16)
-    except ValueError:
+    except (TypeError, ValueError):
         return 0

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import msgpack
 
+from .clock import BusClock
 from .store import Store
 
 __all__ = ["Journal", "EVENTS", "flush_datadir"]
@@ -56,9 +57,6 @@ FLUSH_BYTES = 1 << 20
 Event = tuple  # (event, ts, id, topic, kind, peer, attempt, error)
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
 
 def _json_str(text: str | None) -> str:
     # Only on a line-prefix cache miss (see _write_segment): no cache of its own needed.
@@ -69,8 +67,11 @@ class Journal:
     """Records events into batches and moves them out to segment files."""
 
     def __init__(self, store: Store, datadir: Path, node_id: str, address: str, *,
-                 enabled: bool = True, retention: float = 7 * 86400.0) -> None:
+                 enabled: bool = True, retention: float = 7 * 86400.0,
+                 clock: BusClock | None = None) -> None:
         self.store = store
+        # Retention counts the bus's own running time, not the wall clock (clock.py).
+        self.clock = clock if clock is not None else store.bus_clock()
         self.dir = Path(datadir) / "journal"
         self.node_id = node_id
         self.address = address
@@ -128,8 +129,10 @@ class Journal:
                 records = self.store.journal_records(FLUSH_CHUNK, FLUSH_BYTES)
                 if not records:
                     return moved
-                moved += self._write_segment(records)
+                name, lines = self._write_segment(records)
+                moved += lines
                 batch = self.store.batch()
+                batch.put_segment(name, self.clock.now())
                 for seq, _ in records:
                     batch.delete_journal(seq)
                 batch.put_meta("journal_flushed", str(max(
@@ -138,7 +141,8 @@ class Journal:
                 # segment (same first seq, same name) rather than duplicating it.
                 self.store.write(batch, sync=False)
 
-    def _write_segment(self, records: list[tuple[int, bytes]]) -> int:
+    def _write_segment(self, records: list[tuple[int, bytes]]) -> tuple[str, int]:
+        """Write one segment file; return its name and how many events it holds."""
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl"
         tmp = path.with_name(path.name + ".tmp")
@@ -177,20 +181,29 @@ class Journal:
             os.fsync(dir_fd)  # the rename itself must survive a crash before we delete
         finally:
             os.close(dir_fd)
-        return lines
+        return path.name, lines
 
     def apply_retention(self) -> int:
+        """Delete segments written more than ``retention`` ago on the bus clock; return how
+        many. A segment the store has no time for (written by an older version, or copied
+        in) starts counting now."""
         if not self.dir.is_dir():
             return 0
-        cutoff = time.time() - self.retention
-        removed = 0
-        for path in self.dir.glob("*.jsonl"):
-            try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                pass
+        now = self.clock.now()
+        cutoff = now - int(self.retention * 1000)
+        written = dict(self.store.segments())
+        batch, removed = self.store.batch(), 0
+        for path in sorted(self.dir.glob("*.jsonl")):
+            at = written.pop(path.name, None)
+            if at is None:
+                batch.put_segment(path.name, now)
+            elif at < cutoff:
+                path.unlink(missing_ok=True)
+                batch.delete_segment(path.name)
+                removed += 1
+        for gone in written:  # deleted by hand: forget it
+            batch.delete_segment(gone)
+        self.store.write(batch, sync=False)
         return removed
 
 

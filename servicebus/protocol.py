@@ -96,6 +96,9 @@ class Batch(NamedTuple):
     sender: str
     reply_to: str
     messages: tuple[Envelope, ...]
+    # The sender's wall clock when it sent the frame (header "now", optional): lets the
+    # receiver turn ``expires`` into its own clock's terms, whatever the skew between them.
+    sent_at: int | None = None
 
 
 class Ack(NamedTuple):
@@ -187,7 +190,8 @@ def validate_address(address: object, *, what: str = "address") -> str:
 # --- encoding ------------------------------------------------------------------------------
 
 
-def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope]) -> list[bytes]:
+def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope],
+                 sent_at: int | None = None) -> list[bytes]:
     header = {
         "sender": sender,
         "reply_to": reply_to,
@@ -196,6 +200,8 @@ def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope
             for m in messages
         ],
     }
+    if sent_at is not None:
+        header["now"] = sent_at
     body = [m.body for m in messages]
     return [MAGIC, _KIND_BYTES[kind], _pack(header), _pack(body)]
 
@@ -338,6 +344,9 @@ def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> 
         raise ProtocolError("bad_field", "msgs must be a non-empty list")
     if len(metas) > MAX_BATCH:
         raise ProtocolError("oversize", f"{len(metas)} messages in one frame")
+    sent_at = header.get("now")
+    if sent_at is not None:
+        sent_at = _int(sent_at, "now")
     bodies = _unpack(body_b, "body")
     if not isinstance(bodies, list) or len(bodies) != len(metas):
         raise ProtocolError("bad_body", "body must be a list with one payload per message")
@@ -369,4 +378,4 @@ def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> 
                 headers or None,
             )
         )
-    return Batch(kind, sender, reply_to, tuple(out))
+    return Batch(kind, sender, reply_to, tuple(out), sent_at)

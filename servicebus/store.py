@@ -11,10 +11,13 @@ atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
     d/<peer>\\0<stream>             delivery state of one peer on one stream (a cursor)
     n/<id>                         incoming messages not yet handled
     r/<id>                         run state of an incoming message (attempts, errors)
-    h/<id>                         handled ids, kept for the dedupe window
+    h/<id>                         handled ids, kept for the dedupe window (value: when, in
+                                   bus-clock ms, see clock.py)
+    t/<when, 8 bytes><id>          the same ids ordered by when they were handled (pruning)
     x/<id>                         dead letters
     y/<command id>                 replies of handled requests, not yet queued for sending
     j/<seq, 8 bytes>               delivery journal records not yet moved to segment files
+    g/<segment file name>          when (bus-clock ms) a journal segment was written (retention)
 
 Outgoing messages are stored once per stream, however many subscribers there are; each
 subscriber's delivery state is a cursor into the stream (see ``delivery.py``). That keeps a
@@ -32,11 +35,13 @@ from typing import Any
 import msgpack
 import plyvel
 
+from .clock import BusClock
 from .errors import StoreError
 
 __all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+# 2: handled ids carry bus-clock time and are indexed by it (t/); journal segments (g/).
+FORMAT_VERSION = 2
 SEP = b"\x00"
 
 KEYSPACES = {
@@ -51,10 +56,12 @@ KEYSPACES = {
     "deadletters": b"x/",
     "replies": b"y/",
     "journal": b"j/",
+    "handled_index": b"t/",
+    "segments": b"g/",
 }
-_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J = (KEYSPACES[k] for k in (
+_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G = (KEYSPACES[k] for k in (
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
-    "handled", "deadletters", "replies", "journal"))
+    "handled", "deadletters", "replies", "journal", "handled_index", "segments"))
 
 
 def _pack(obj: Any) -> bytes:
@@ -105,6 +112,10 @@ class Batch:
     def put_meta(self, name: str, value: bytes) -> None:
         self._put(_M + name.encode(), value)
 
+    def put_clock(self, clock: BusClock) -> None:
+        """Carry the bus clock over to the next start (clock.py)."""
+        self._put(_M + b"clock", str(clock.now()).encode())
+
     def put_subscription(self, subscriber: str, topic: str, record: dict) -> None:
         self._put(_pair(_S, subscriber, topic), _pack(record))
 
@@ -136,23 +147,31 @@ class Batch:
     def put_runstate(self, message_id: str, record: list) -> None:
         self._put(_R + message_id.encode(), _pack(record))
 
-    def complete_incoming(self, message_id: str, handled_ms: int) -> None:
+    def complete_incoming(self, message_id: str, handled_at: int) -> None:
+        """``handled_at``: bus-clock ms (clock.py), which the dedupe window counts from."""
         key = message_id.encode()
         self._delete(_N + key)
         self._delete(_R + key)
-        self._put(_H + key, handled_ms.to_bytes(8, "big"))
+        self.put_handled(message_id, handled_at)
 
-    def complete_with_reply(self, message_id: str, handled_ms: int, reply: list) -> None:
+    def put_handled(self, message_id: str, handled_at: int) -> None:
+        key, at = message_id.encode(), handled_at.to_bytes(8, "big")
+        self._put(_H + key, at)
+        self._put(_T + at + key, b"")
+
+    def complete_with_reply(self, message_id: str, handled_at: int, reply: list) -> None:
         """Finish a request and keep its reply, in one write: a reply is never lost
         after its request counts as handled, and never made for an unfinished one."""
-        self.complete_incoming(message_id, handled_ms)
+        self.complete_incoming(message_id, handled_at)
         self._put(_Y + message_id.encode(), _pack(reply))
 
     def delete_reply(self, message_id: str) -> None:
         self._delete(_Y + message_id.encode())
 
-    def delete_handled(self, message_id: str) -> None:
-        self._delete(_H + message_id.encode())
+    def forget_handled(self, message_id: str, handled_at: int) -> None:
+        key = message_id.encode()
+        self._delete(_H + key)
+        self._delete(_T + handled_at.to_bytes(8, "big") + key)
 
     def deadletter_incoming(self, message_id: str, record: dict) -> None:
         key = message_id.encode()
@@ -171,6 +190,12 @@ class Batch:
 
     def delete_journal(self, seq: int) -> None:
         self._delete(_J + seq.to_bytes(8, "big"))
+
+    def put_segment(self, name: str, written_at: int) -> None:
+        self._put(_G + name.encode(), written_at.to_bytes(8, "big"))
+
+    def delete_segment(self, name: str) -> None:
+        self._delete(_G + name.encode())
 
     def delete_raw(self, key: bytes) -> None:
         """Delete any key (repair of records that no longer decode)."""
@@ -241,15 +266,36 @@ class Store:
         except OSError as exc:
             raise StoreError(f"cannot open store {path}: {exc}") from exc
         store = cls(db, path)
-        version = store.get_meta("format")
-        if version is None:
-            batch = store.batch()
-            batch.put_meta("format", str(FORMAT_VERSION).encode())
-            store.write(batch, sync=True)
-        elif int(version) != FORMAT_VERSION:
+        try:
+            version = store.get_meta("format")
+            if version is None:
+                batch = store.batch()
+                batch.put_meta("format", str(FORMAT_VERSION).encode())
+                store.write(batch, sync=True)
+            elif version == b"1":
+                store._upgrade_from_1()
+            elif version != str(FORMAT_VERSION).encode():
+                raise StoreError(f"store {path} has format {version[:20]!r}; this version reads "
+                                 f"{FORMAT_VERSION} (and upgrades 1)")
+        except BaseException:
             store.close()
-            raise StoreError(f"store {path} has format {int(version)}; this version reads {FORMAT_VERSION}")
+            raise
         return store
+
+    def _upgrade_from_1(self) -> None:
+        """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
+        every handled id as handled now, on the bus clock (so each is remembered for one
+        whole dedupe window more, never less)."""
+        now = int(self.get_meta("clock") or b"0")
+        batch, n = self.batch(), 0
+        for key, _value in self._iter(_H):
+            batch.put_handled(key[2:].decode(), now)
+            n += 1
+            if n % 10_000 == 0:
+                self.write(batch, sync=False)
+                batch = self.batch()
+        batch.put_meta("format", str(FORMAT_VERSION).encode())
+        self.write(batch, sync=True)
 
     @staticmethod
     def repair(path: str | os.PathLike) -> None:
@@ -319,6 +365,15 @@ class Store:
         with self._op():
             return self._db.get(_M + name.encode())
 
+    def bus_clock(self) -> BusClock:
+        """The bus clock, continuing from where the store last saved it (clock.py)."""
+        raw = self.get_meta("clock")
+        try:
+            return BusClock(int(raw or b"0"))
+        except ValueError:
+            raise StoreError(f"store {self.path}: the saved bus clock {raw[:20]!r} does not "
+                             "decode; run `servicebus check --repair`") from None
+
     def _iter(self, prefix: bytes, **kwargs: Any) -> Iterator[tuple[bytes, bytes]]:
         with self._op():
             it = self._db.iterator(prefix=prefix, **kwargs)
@@ -360,6 +415,31 @@ class Store:
                     stream = key[len(_O):].partition(SEP)[0]
                     names.append(stream.decode())
                     it.seek(_O + stream + b"\x01")  # past every key of this stream
+
+    def last_stream_id(self, stream: str) -> str | None:
+        """The highest id in a stream (one seek)."""
+        prefix = _O + stream.encode() + SEP
+        with self._op():
+            with self._db.iterator(prefix=prefix, reverse=True, include_value=False) as it:
+                key = next(it, None)
+        return None if key is None else key[len(prefix):].decode()
+
+    def highest_own_id(self) -> str | None:
+        """The highest id this bus made that its store still refers to: the last message of
+        every outgoing stream, every delivery cursor (which outlive the messages they
+        passed), subscription starts and intents. New ids must sort above it (ids.py)."""
+        found: list[str] = []
+        for stream in self.stream_names():
+            last = self.last_stream_id(stream)
+            if last:
+                found.append(last)
+        for _peer, _stream, rec in self.deliveries():
+            if rec.get("floor"):
+                found.append(rec["floor"])
+            found.extend(rec.get("acked") or ())
+        found.extend(rec.get("since") or "" for _s, _t, rec in self.subscriptions())
+        found.extend(rec.get("id") or "" for _p, _t, rec in self.intents())
+        return max(found, default=None) or None
 
     def iter_stream(
         self, stream: str, after: str | None = None, limit: int | None = None
@@ -455,16 +535,22 @@ class Store:
         for key, value in self._iter(_R):
             yield key[len(_R):].decode(), _unpack(value)
 
-    def handled_before(self, limit_id: str, limit: int) -> list[str]:
-        """Handled ids sorting before ``limit_id`` (ids sort by time), at most ``limit``."""
+    def handled_before(self, cutoff: int, limit: int) -> list[tuple[str, int]]:
+        """(id, handled_at) of handled ids handled before bus-clock ``cutoff``, oldest
+        first, at most ``limit``."""
         out = []
         with self._op():
-            with self._db.iterator(start=_H, stop=_H + limit_id.encode(), include_value=False) as it:
+            with self._db.iterator(start=_T, stop=_T + cutoff.to_bytes(8, "big"),
+                                   include_value=False, fill_cache=False) as it:
                 for key in it:
-                    out.append(key[len(_H):].decode())
+                    out.append((key[10:].decode(), int.from_bytes(key[2:10], "big")))
                     if len(out) >= limit:
                         break
         return out
+
+    def segments(self) -> list[tuple[str, int]]:
+        """(journal segment file name, bus-clock ms it was written at)."""
+        return [(key[2:].decode(), int.from_bytes(value, "big")) for key, value in self._iter(_G)]
 
     def deadletters(self) -> Iterator[tuple[str, dict]]:
         for key, value in self._iter(_X):

@@ -7,7 +7,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["free_port", "free_address", "wait_until"]
+__all__ = ["free_port", "free_address", "wait_until", "FakeClock"]
+
+from .clock import BusClock
 
 T = TypeVar("T")
 
@@ -36,3 +38,17 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
             text = message() if callable(message) else message
             raise AssertionError(f"timed out after {timeout}s waiting for {text}")
         time.sleep(interval)
+
+
+class FakeClock(BusClock):
+    """A bus clock that moves only when told to (``advance``), for tests of windows."""
+
+    def __init__(self, start_ms: int = 0) -> None:
+        super().__init__(start_ms)
+        self.ms = start_ms
+
+    def now(self) -> int:
+        return self.ms
+
+    def advance(self, seconds: float) -> None:
+        self.ms += int(seconds * 1000)

@@ -37,29 +37,38 @@ def main() -> None:
     ap.add_argument("--handle", help="topic to handle")
     ap.add_argument("--command", help="command to handle; replies {'n': n, 'pid': pid}")
     ap.add_argument("--request", nargs=2, help="ADDRESS COMMAND: fire one request, do not wait")
+    ap.add_argument("--send", nargs=2, help="ADDRESS COMMAND: send one command {'n': 0}")
+    ap.add_argument("--ttl", type=float, help="TTL of the --send command, in seconds")
     ap.add_argument("--out", help="handler log file")
     ap.add_argument("--die-at", type=int, help="SIGKILL self inside the handler of payload n, once")
     ap.add_argument("--marker", help="file that records that --die-at already happened")
     ap.add_argument("--publish", help="topic to publish to once a subscriber is there")
     ap.add_argument("--count", type=int, default=0)
+    ap.add_argument("--first", type=int, default=0, help="payload n of the first message")
     ap.add_argument("--batch", type=int, default=0, help="publish_many batches of this size")
     ap.add_argument("--ids", help="file of ids whose publish returned")
     ap.add_argument("--pad", type=int, default=200, help="payload padding bytes")
     ap.add_argument("--random-pad", action="store_true", help="incompressible padding")
     ap.add_argument("--kill-after-publish", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--fail-first", action="store_true", help="the handler raises on attempt 1")
+    ap.add_argument("--retry-initial", type=float, default=0.1)
+    ap.add_argument("--retry-max", type=float, default=30.0)
     ap.add_argument("--ack-timeout", type=float, default=5.0)
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()}] %(asctime)s %(threadName)s %(message)s")
-    bus = Bus(args.bind, args.datadir, workers=args.workers, ack_timeout=args.ack_timeout)
+    bus = Bus(args.bind, args.datadir, workers=args.workers, ack_timeout=args.ack_timeout,
+              retry_initial=args.retry_initial, retry_max=args.retry_max)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     def handler(payload, message):
         n = payload["n"]
         append(args.out, f"start {message.id} {n} {message.attempt}")
+        if args.fail_first and message.attempt == 1:
+            raise RuntimeError("failing the first attempt, as asked")
         if args.die_at is not None and n == args.die_at and not os.path.exists(args.marker):
             append(args.marker, "died")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -70,6 +79,10 @@ def main() -> None:
         bus.every(args.handle, handler)
     if args.command:
         bus.handle(args.command, handler)
+    if args.send:
+        sent = bus.send(args.send[0], args.send[1], {"n": 0}, ttl=args.ttl)
+        if args.ids:
+            append(args.ids, sent)
     if args.request:
         bus.request_async(args.request[0], args.request[1], {"n": 0}, timeout=120)
 
@@ -81,11 +94,11 @@ def main() -> None:
     append(args.ready, str(os.getpid()))
 
     if args.publish:
-        n = 0
-        while n < args.count:
+        n, end = args.first, args.first + args.count
+        while n < end:
             size = max(1, args.batch)
             payloads = [{"n": i, "pad": os.urandom(args.pad) if args.random_pad else "x" * args.pad}
-                        for i in range(n, min(args.count, n + size))]
+                        for i in range(n, min(end, n + size))]
             ids = bus.publish_many(args.publish, payloads) if args.batch else [bus.publish(args.publish, payloads[0])]
             if args.ids:
                 append(args.ids, "\n".join(ids))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,14 +46,17 @@ class BusProcess:
         self.args = args
         self.proc: subprocess.Popen | None = None
 
-    def start(self, *extra: str, wait_ready: bool = True) -> "BusProcess":
+    def start(self, *extra: str, wait_ready: bool = True, wrap: list[str] | None = None,
+              env: dict[str, str] | None = None) -> "BusProcess":
+        """``wrap`` prefixes the command (e.g. ``faketime -f -1h``); ``env`` adds variables."""
         self.ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tests.busproc", "--bind", self.address,
+        cmd = [*(wrap or []), sys.executable, "-m", "tests.busproc", "--bind", self.address,
                "--datadir", str(self.datadir), "--ready", str(self.ready),
                "--out", str(self.out), "--ids", str(self.ids), "--marker", str(self.marker),
                *self.args, *extra]
         logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=logf)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=logf,
+                                     env={**os.environ, **(env or {})})
         logf.close()
         if wait_ready:
             self.wait_ready()
@@ -106,3 +111,15 @@ def bus_process(tmp_path):
     yield make
     for proc in procs:
         proc.kill()
+
+
+def faketime(offset: str) -> tuple[list[str], dict[str, str]]:
+    """(command prefix, environment) that run a process with its wall clock moved by
+    ``offset`` (libfaketime syntax: ``-1h``, ``+8d``). The monotonic clock is left alone:
+    libfaketime's monotonic faking hangs Python's timed waits, and the point is a wall
+    clock that jumps while time itself goes on. Skips the test if faketime is missing."""
+    path = shutil.which("faketime")
+    if path is None:
+        pytest.skip("faketime is not installed (Debian package faketime; tools/test installs "
+                    "it when run as root)")
+    return [path, "-f", offset], {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}

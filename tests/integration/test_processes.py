@@ -4,7 +4,6 @@ import threading
 import time
 from collections import Counter
 
-import psutil
 import pytest
 
 from servicebus import Bus

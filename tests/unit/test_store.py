@@ -62,9 +62,9 @@ def test_incoming_moves_to_handled_or_deadletters_atomically(store):
     assert store.seen("m1") and store.seen("m2")
     assert [i for i, _ in store.incoming()] == []
     assert list(store.deadletters()) == [("m2", {"reason": "handler_failed"})]
-    assert store.handled_before("zzzz", 10) == ["m1"]
+    assert store.handled_before(124, 10) == [("m1", 123)]
     b = store.batch()
-    b.delete_handled("m1")
+    b.forget_handled("m1", 123)
     b.delete_deadletter("m2")
     store.write(b, sync=False)
     assert not store.seen("m1") and not store.seen("m2")

@@ -1,0 +1,135 @@
+"""Nothing that orders or forgets messages trusts the wall clock (DESIGN.md rule 8)."""
+
+import time
+
+from servicebus import ids as ids_module
+from servicebus.clock import BusClock
+from servicebus.ids import IdGenerator, id_millis
+from servicebus.journal import Journal
+from servicebus.store import Store
+from servicebus.testing import FakeClock
+
+
+def test_ids_made_with_the_clock_set_back_sort_after_every_earlier_id(monkeypatch):
+    earlier = IdGenerator().many(10)
+    monkeypatch.setattr(ids_module, "wall_ms", lambda: int(time.time() * 1000) - 3_600_000)
+    later = IdGenerator(after=max(earlier)).many(10)
+    assert min(later) > max(earlier)
+    assert later == sorted(later)
+
+
+def test_ids_keep_increasing_when_the_clock_goes_back_while_running(monkeypatch):
+    gen = IdGenerator()
+    first = gen.many(5)
+    monkeypatch.setattr(ids_module, "wall_ms", lambda: int(time.time() * 1000) - 3_600_000)
+    assert min(gen.many(5)) > max(first)
+
+
+def test_the_highest_own_id_outlives_the_messages_a_cursor_passed(store):
+    gen = IdGenerator()
+    a, b, c = gen.many(3)
+    batch = store.batch()
+    batch.put_outgoing("e:t", a, b"x")
+    batch.put_delivery("tcp://127.0.0.1:1", "e:t", {"floor": b, "acked": [], "attempts": {}})
+    batch.put_subscription("tcp://127.0.0.1:1", "t", {"since": a})
+    store.write(batch, sync=False)
+    assert store.highest_own_id() == b  # the message b was acked and collected: only the cursor knows it
+    batch = store.batch()
+    batch.put_intent("tcp://127.0.0.1:2", "u", {"op": "subscribe", "id": c, "confirmed": False})
+    store.write(batch, sync=False)
+    assert store.highest_own_id() == c
+
+
+def test_an_empty_store_has_no_highest_id(store):
+    assert store.highest_own_id() is None
+    assert id_millis(IdGenerator(after=None).next()) > 0
+
+
+def test_the_bus_clock_continues_from_the_stored_time_and_ignores_the_wall_clock(tmp_path):
+    store = Store.open(tmp_path / "store")
+    clock = store.bus_clock()
+    assert 0 <= clock.now() < 1000
+    batch = store.batch()
+    batch.put_clock(BusClock(123_456))
+    store.write(batch, sync=True)
+    store.close()
+    store = Store.open(tmp_path / "store")
+    assert 123_456 <= store.bus_clock().now() < 124_456
+    store.close()
+
+
+def test_handled_ids_are_pruned_by_when_they_were_handled_not_by_their_id(store):
+    gen = IdGenerator()
+    old_id, new_id = gen.many(2)
+    batch = store.batch()
+    batch.put_handled(new_id, 1_000)  # the newer id was handled first
+    batch.put_handled(old_id, 5_000)
+    store.write(batch, sync=False)
+    assert store.handled_before(2_000, 10) == [(new_id, 1_000)]
+    assert store.handled_before(9_000, 10) == [(new_id, 1_000), (old_id, 5_000)]
+    batch = store.batch()
+    batch.forget_handled(new_id, 1_000)
+    store.write(batch, sync=False)
+    assert store.seen_many([new_id, old_id]) == [False, True]
+    assert store.handled_before(9_000, 10) == [(old_id, 5_000)]
+
+
+def test_a_format_1_store_is_upgraded_and_keeps_every_handled_id_for_a_whole_window(tmp_path):
+    store = Store.open(tmp_path / "store")
+    mids = IdGenerator().many(3)
+    batch = store.batch()
+    for mid in mids:
+        batch._put(b"h/" + mid.encode(), (1_600_000_000_000).to_bytes(8, "big"))  # format 1: wall ms
+    batch.put_meta("format", b"1")
+    batch.put_clock(FakeClock(50_000))
+    store.write(batch, sync=True)
+    store.close()
+    store = Store.open(tmp_path / "store")
+    assert store.get_meta("format") == b"2"
+    assert store.handled_before(50_000, 10) == []
+    assert sorted(store.handled_before(50_001, 10)) == sorted((m, 50_000) for m in mids)
+    store.close()
+
+
+def record(journal, store, n):
+    batch = store.batch()
+    journal.record(batch, [("published", 1, f"{n:024x}", "t", "event", "tcp://127.0.0.1:1", 0, None)])
+    store.write(batch, sync=False)
+    journal.flush()
+
+
+def test_segments_are_deleted_after_the_retention_counted_on_the_bus_clock(store, tmp_path):
+    clock = FakeClock(1_000_000)
+    journal = Journal(store, tmp_path, "node", "tcp://127.0.0.1:9", retention=60, clock=clock)
+    record(journal, store, 1)
+    clock.advance(40)
+    record(journal, store, 2)
+    first, second = sorted((tmp_path / "journal").glob("*.jsonl"))
+    clock.advance(30)  # the first is 70 s old, the second 30 s
+    assert journal.apply_retention() == 1
+    assert not first.exists() and second.exists()
+    clock.advance(31)
+    assert journal.apply_retention() == 1
+    assert not second.exists()
+    assert store.segments() == []
+
+
+def test_a_segment_the_store_has_no_time_for_starts_counting_when_first_seen(store, tmp_path):
+    clock = FakeClock(1_000_000)
+    journal = Journal(store, tmp_path, "node", "tcp://127.0.0.1:9", retention=60, clock=clock)
+    (tmp_path / "journal").mkdir()
+    foreign = tmp_path / "journal" / "x-000000000001.jsonl"
+    foreign.write_text("{}\n")
+    assert journal.apply_retention() == 0
+    clock.advance(59)
+    assert journal.apply_retention() == 0 and foreign.exists()
+    clock.advance(2)
+    assert journal.apply_retention() == 1 and not foreign.exists()
+
+
+def test_journal_events_round_trip_through_a_segment(store, tmp_path):
+    journal = Journal(store, tmp_path, "node", "tcp://127.0.0.1:9", clock=FakeClock())
+    record(journal, store, 7)
+    (segment,) = (tmp_path / "journal").glob("*.jsonl")
+    line = segment.read_text()
+    assert '"id":"000000000000000000000007"' in line and '"role":"sender"' in line
