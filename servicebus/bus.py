@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+from contextlib import ExitStack
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -76,64 +77,107 @@ class Bus:
         self._closed = False
         self._close_lock = threading.Lock()
         self._lock: DataDirLock | None = None
-        self._journal: Journal | None = None
         self._store: Store | None = None
-        self._ctx: zmq.Context | None = None
         self._engine: E.Engine | None = None
         self._dispatcher: Dispatcher | None = None
+        # Everything opened is closed by this stack, in reverse: a failure at any step of
+        # opening closes exactly what was opened before it, and close() is the same unwind.
+        self._resources = ExitStack()
         try:
-            self._open(bind)
+            self._open(bind, self._resources)
         except BaseException:
-            self._teardown()
+            self._closed = True
+            self._resources.close()
             raise
 
-    def _open(self, bind: str) -> None:
+    def _open(self, bind: str, stack: ExitStack) -> None:
         try:
             self.datadir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create data directory {self.datadir}: {exc.strerror}") from exc
         if not os.access(self.datadir, os.W_OK | os.X_OK):
             raise StoreError(f"data directory {self.datadir} is not writable")
-        self._lock = DataDirLock.acquire(self.datadir, address=bind)
+        self._lock = lock = DataDirLock.acquire(self.datadir, address=bind)
+        stack.callback(lock.release)
         self._store = store = Store.open(self.datadir / "store", compression=self.config.store_compression)
-        node = store.get_meta("node")
+        stack.callback(self._close_store, store)
+        node = store.meta("node")
         if node is None:
-            node = os.urandom(8).hex().encode()
+            node = os.urandom(8).hex()
             batch = store.batch()
-            batch.put_meta("node", node)
+            batch.put_meta("node", node.encode())
             store.write(batch, sync=True)
-        self.node_id = node.decode()
+        self.node_id = node
+        clock = store.bus_clock()
 
-        self._ctx = zmq.Context()
-        router, endpoint = E.open_router(self._ctx, bind, self.config)
-        try:
-            admin, admin_endpoint = E.open_admin(self._ctx, self.datadir)
-        except BaseException:
-            router.close(linger=0)
-            raise
+        ctx = zmq.Context()
+        stack.callback(self._destroy_context, ctx)  # closes every socket it made, then terms
+        router, endpoint = E.open_router(ctx, bind, self.config)
+        admin, admin_endpoint = E.open_admin(ctx, self.datadir)
         self.address = self.config.advertise or endpoint
-        self._lock.update(self.address)
-
+        lock.update(self.address)
         batch = store.batch()
         batch.put_meta("address", self.address.encode())  # for offline journal flushes
         store.write(batch, sync=False)
-        clock = store.bus_clock()
-        self._journal = Journal(store, self.datadir, self.node_id, self.address,
-                                enabled=self.config.journal, retention=self.config.journal_retention,
-                                clock=clock)
+
+        journal = Journal(store, self.datadir, self.node_id, self.address,
+                          enabled=self.config.journal, retention=self.config.journal_retention,
+                          clock=clock)
+        stack.callback(self._finish_journal, journal)  # after the engine's last turn
         self._requests = PendingRequests()
-        self._dispatcher = Dispatcher(store, self.config, on_idle=self._wake,
-                                      requests=self._requests, on_reply=self._reply_ready,
-                                      journal=self._journal, clock=clock)
-        self._engine = E.Engine(config=self.config, store=store, clock=clock, context=self._ctx, router=router,
-                                address=self.address, node_id=self.node_id,
-                                dispatcher=self._dispatcher, requests=self._requests,
-                                journal=self._journal, admin=admin, datadir=self.datadir)
+        self._dispatcher = dispatcher = Dispatcher(
+            store, self.config, on_idle=self._wake, requests=self._requests,
+            on_reply=self._reply_ready, journal=journal, clock=clock)
+        self._engine = engine = E.Engine(
+            config=self.config, store=store, clock=clock, context=ctx, router=router,
+            address=self.address, node_id=self.node_id, dispatcher=dispatcher,
+            requests=self._requests, journal=journal, admin=admin, datadir=self.datadir)
+        stack.callback(self._stop_engine, engine)
         (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
-        self._dispatcher.start()
-        self._engine.start()
-        self._journal.start()  # its first flush moves what a crash left behind
+        stack.callback(self._remove_endpoint_files)
+        dispatcher.start()
+        stack.callback(dispatcher.close, self.config.close_timeout)  # first thing close() does
+        engine.start()
+        journal.start()  # its first flush moves what a crash left behind
         log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
+
+    # --- closing, step by step (run by the stack in reverse order of opening) ----------------
+
+    def _stop_engine(self, engine: E.Engine) -> None:
+        if engine.ident is None:  # made but never started: nothing runs, release its fd
+            engine.close_wake()
+            return
+        engine.stop(self.config.close_timeout)
+        if engine.is_alive():
+            log.error("the engine did not stop within %.1fs; its sockets are left open",
+                      self.config.close_timeout)
+            return
+        engine.close_wake()
+
+    def _remove_endpoint_files(self) -> None:
+        (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
+        (self.datadir / "admin.sock").unlink(missing_ok=True)
+
+    def _finish_journal(self, journal: Journal) -> None:
+        if not journal.started:
+            return
+        journal.stop()
+        try:
+            journal.flush()  # every remaining record goes to segment files
+        except Exception as exc:  # noqa: BLE001 - they stay in LevelDB for the next start
+            log.error("journal flush at close failed: %s", exc)
+
+    def _destroy_context(self, ctx: zmq.Context) -> None:
+        if self._engine is not None and self._engine.is_alive():
+            return  # its sockets belong to a thread that is still running: never close them under it
+        ctx.destroy(linger=0)  # every socket it made, including ones a failed open left
+
+    def _close_store(self, store: Store) -> None:
+        try:
+            store.sync()
+        except StoreError as exc:
+            log.error("final sync failed: %s", exc)
+        store.close()
 
     def _wake(self) -> None:
         if self._engine is not None:
@@ -394,39 +438,8 @@ class Bus:
             if self._closed:
                 return
             self._closed = True
-        self._teardown()
+        self._resources.close()
         log.info("bus %s closed", getattr(self, "node_id", "?"))
-
-    def _teardown(self) -> None:
-        self._closed = True
-        if self._dispatcher is not None:
-            self._dispatcher.close(self.config.close_timeout)
-        if self._engine is not None:
-            if self._engine.is_alive():
-                self._engine.stop()
-            elif self._engine.ident is None:
-                self._engine.router.close(linger=0)
-                if self._engine.admin is not None:
-                    self._engine.admin.close(linger=0)
-            (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
-            (self.datadir / "admin.sock").unlink(missing_ok=True)
-        if self._journal is not None and self._store is not None and not self._store.closed:
-            self._journal.stop()
-            if self._journal.enabled:
-                try:
-                    self._journal.flush()  # every remaining record goes to segment files
-                except Exception as exc:  # noqa: BLE001 - they stay in LevelDB for next start
-                    log.error("journal flush at close failed: %s", exc)
-        if self._store is not None:
-            try:
-                self._store.sync()
-            except StoreError as exc:
-                log.error("final sync failed: %s", exc)
-            self._store.close()
-        if self._ctx is not None:
-            self._ctx.term()
-        if self._lock is not None:
-            self._lock.release()
 
     def __enter__(self) -> "Bus":
         return self

@@ -24,9 +24,10 @@ from rich.table import Table
 
 from . import admin as A
 from . import maintenance as M
+from . import repair as R
 from .journal import flush_datadir
-from .errors import BusError, StoreError
-from .lockfile import LOCK_NAME, probe
+from .errors import BusError, LockedError, StoreError
+from .lockfile import LOCK_NAME, DataDirLock, probe
 from .store import Store
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT = 0, 1, 2, 3, 4
@@ -64,12 +65,38 @@ def _datadir(path: Path) -> Path:
 
 
 @contextmanager
-def _offline_store(path: Path, *, writing: bool) -> Iterator[Store]:
+def _holding_lock(path: Path, command: str) -> Iterator[None]:
+    """Hold DATADIR/LOCK for a whole maintenance command, so that no bus starts on the data
+    directory while it is being changed (a bus that tries gets LockedError naming this
+    command). A stale lock left by a crashed bus is put back afterwards, as it was."""
+    try:
+        lock = DataDirLock.acquire(path, address=f"servicebus {command}")
+    except LockedError as exc:
+        owner = exc.owner
+        who = f"pid {owner.get('pid')} ({owner.get('address')})" if owner else "a live process"
+        raise CliError(f"{path} is locked by {who}; it must be stopped first", EXIT_LOCKED) from None
+    try:
+        yield
+    finally:
+        lock.release(keep_stale=True)
+
+
+@contextmanager
+def _offline_store(path: Path, *, writing: bool, command: str = "") -> Iterator[Store]:
+    if writing:
+        with _holding_lock(path, command), _open_store(path) as store:
+            yield store
+        return
     owner, alive = probe(path)
     if alive:
         who = f"pid {owner.pid} ({owner.address})" if owner else "a live process"
-        what = "it must be stopped first" if writing else "and did not serve this"
-        raise CliError(f"{path} is locked by {who}; {what}", EXIT_LOCKED)
+        raise CliError(f"{path} is locked by {who}, and did not serve this", EXIT_LOCKED)
+    with _open_store(path) as store:
+        yield store
+
+
+@contextmanager
+def _open_store(path: Path) -> Iterator[Store]:
     try:
         store = Store.open(path / "store", create=False)
     except StoreError as exc:
@@ -290,7 +317,7 @@ def replay(datadir: Path = DATADIR,
     if not ids and not all_ and not topic:
         raise CliError("name dead letter ids, or pass --all or --topic", EXIT_USAGE)
     datadir = _datadir(datadir)
-    with _offline_store(datadir, writing=True) as store:
+    with _offline_store(datadir, writing=True, command="replay") as store:
         with _progress("replaying", None) as step:
             rows = M.replay(store, ids or None, topic, step)
     _emit(rows, as_json, [("id", lambda r: r["id"]), ("result", lambda r: r["result"]),
@@ -315,7 +342,7 @@ def purge(datadir: Path = DATADIR,
                              ("deadletters", deadletters_)) if on]
     if subscriber:
         named.append(f"subscriber {subscriber}")
-    with _offline_store(datadir, writing=True) as store:
+    with _offline_store(datadir, writing=True, command="purge") as store:
         if not yes:
             if not sys.stdin.isatty():
                 raise CliError("purge needs confirmation: pass --yes when not on a terminal", EXIT_USAGE)
@@ -333,63 +360,77 @@ def purge(datadir: Path = DATADIR,
 
 @app.command()
 def check(datadir: Path = DATADIR,
-          repair: bool = typer.Option(False, "--repair", help="run LevelDB repair, drop orphans"),
+          repair: bool = typer.Option(False, "--repair", help="repair damaged files and records; report what is lost"),
           as_json: bool = JSON) -> None:
-    """Verify every record decodes and cross-references hold; exit 4 if not (--repair fixes)."""
+    """Verify every record decodes and cross-references hold; exit 4 if not. --repair runs
+    LevelDB's repair on damaged files, restores or drops damaged records, and reports by id
+    the messages that could not be recovered."""
     datadir = _datadir(datadir)
-    owner, alive = probe(datadir)
-    if alive:
-        raise CliError(f"{datadir} is locked by live pid {owner.pid if owner else '?'}; "
-                       "stop it to check its store", EXIT_LOCKED)
-    repaired_files = False
-    try:
-        store = Store.open(datadir / "store", create=False)
-    except StoreError as exc:
-        if not repair:
-            raise CliError(f"store does not open: {exc} (servicebus check --repair rebuilds it)",
-                           EXIT_CORRUPT) from None
-        err.print(f"store does not open ({exc}); running LevelDB repair")
-        Store.repair(datadir / "store")
-        repaired_files = True
-        store = Store.open(datadir / "store", create=False)
-    try:
-        with _progress("checking", None) as step:
-            problems = M.check(store, repair, step)
-    except StoreError as exc:
-        store.close()
-        if not repair:
-            raise CliError(f"corruption while reading: {exc} (servicebus check --repair rebuilds it)",
-                           EXIT_CORRUPT) from None
-        err.print(f"corruption while reading ({exc}); running LevelDB repair")
-        Store.repair(datadir / "store")
-        repaired_files = True
-        store = Store.open(datadir / "store", create=False)
-        problems = M.check(store, repair)
-    finally:
-        if not store.closed:
-            store.close()
-    rows = [p.__dict__ for p in problems]
-    if repaired_files:
-        rows.insert(0, {"keyspace": "*", "key": "*", "problem": "LevelDB files corrupted",
-                        "action": "LevelDB repair rebuilt the store"})
+    with _holding_lock(datadir, "check"):
+        rows = [p.__dict__ for p in _check(datadir, repair)]
     if as_json:
         for row in rows:
             print(json.dumps(row))
     elif rows:
-        _emit(rows, False, [("keyspace", lambda r: r["keyspace"]), ("key", lambda r: r["key"]),
-                            ("problem", lambda r: r["problem"]), ("repair", lambda r: r["action"] or "-")],
-              "problems")
+        _emit(_grouped(rows), False, [
+            ("keyspace", lambda r: r["keyspace"]), ("key", lambda r: r["key"]),
+            ("problem", lambda r: r["problem"]), ("repair", lambda r: r["action"] or "-")], "problems")
     else:
         out.print(f"{datadir}: every record decodes and every reference holds")
     if rows and not repair:
         raise typer.Exit(EXIT_CORRUPT)
 
 
+def _grouped(rows: list[dict], most: int = 5) -> list[dict]:
+    """For the table: many rows with the same problem become one, naming a few keys
+    (``--json`` lists every one)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["keyspace"], row["problem"], row["action"]), []).append(row)
+    out_rows = []
+    for (keyspace, problem, action), members in groups.items():
+        if len(members) <= most:
+            out_rows.extend(members)
+            continue
+        keys = ", ".join(r["key"] for r in members[:3])
+        out_rows.append({"keyspace": keyspace, "problem": problem, "action": action,
+                         "key": f"{len(members)} of them: {keys}, … (--json lists all)"})
+    return out_rows
+
+
+def _check(datadir: Path, repair: bool) -> list[R.Problem]:
+    path = datadir / "store"
+    store: Store | None = None
+    try:
+        store = Store.open(path, create=False, check_format=False)
+        with _progress("checking", None) as step:
+            return R.check(store, repair, step, datadir)
+    except StoreError as exc:
+        if store is not None:
+            store.close()  # LevelDB's repair needs the store closed (its own lock)
+            store = None
+        if not repair:
+            raise CliError(f"the store is damaged: {exc}", EXIT_CORRUPT) from None
+        err.print(f"the store is damaged ({exc}); running LevelDB repair")
+        with _progress("reading the journal", None) as step:
+            owed = R.journal_owed(datadir, step)
+        rows = R.repair_files(path)
+        store = Store.open(path, create=False, check_format=False)
+        rows += R.check(store, True, None, datadir)
+        if owed.events == 0:
+            rows.append(R.Problem("*", "journal", "no delivery journal to compare the repaired store with",
+                                  "messages lost in the repair cannot be listed by id"))
+        return rows + R.lost_in_repair(store, owed)
+    finally:
+        if store is not None and not store.closed:
+            store.close()
+
+
 @app.command()
 def compact(datadir: Path = DATADIR) -> None:
     """Compact the LevelDB store; print its size before and after."""
     datadir = _datadir(datadir)
-    with _offline_store(datadir, writing=True) as store:
+    with _offline_store(datadir, writing=True, command="compact") as store:
         before = store.size_on_disk()
         store.compact()
         after = store.size_on_disk()
@@ -417,7 +458,7 @@ app.add_typer(journal_app, name="journal")
 def journal_flush(datadir: Path = DATADIR) -> None:
     """Move a stopped bus's journal records still in its store to segment files."""
     datadir = _datadir(datadir)
-    with _offline_store(datadir, writing=True) as store:
+    with _offline_store(datadir, writing=True, command="journal flush") as store:
         moved = flush_datadir(store, datadir)
     out.print(f"moved {moved} journal events to {datadir / 'journal'}")
 

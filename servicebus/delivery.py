@@ -30,6 +30,7 @@ __all__ = [
     "event_stream",
     "command_stream",
     "is_command_stream",
+    "OutgoingRecord",
 ]
 
 
@@ -69,7 +70,12 @@ def pack_outgoing(kind: Kind, topic: str, sent: int, body: bytes, expires: int |
 
 
 def unpack_outgoing(data: bytes) -> OutgoingRecord:
-    return OutgoingRecord(*msgpack.unpackb(data, raw=False, strict_map_key=False))
+    """Decode a stored outgoing record; ``ValueError`` (or msgpack's errors) if damaged.
+    Checked lightly, as this runs per message sent: the full check is schema.py's."""
+    record = OutgoingRecord(*msgpack.unpackb(data, raw=False, strict_map_key=False))
+    if record.kind not in (1, 2, 3) or type(record.body) is not bytes or type(record.topic) is not str:
+        raise ValueError("not an outgoing record")
+    return record
 
 
 def envelope_from_record(message_id: str, record: OutgoingRecord, attempt: int) -> Envelope:

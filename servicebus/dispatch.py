@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .delivery import backoff
-from .errors import StoreError
+from .errors import CorruptRecordError, StoreError
 from .journal import Journal
 from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
 from .records import Message
@@ -94,7 +94,9 @@ class Dispatcher:
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._refill()  # messages stored before a restart
+        # Messages stored before a restart. A damaged record stops the start here, with a
+        # StoreError naming it (rule 9), rather than being found later.
+        self._refill(strict=True)
         for n in range(self._config.workers):
             t = threading.Thread(target=self._work, name=f"servicebus-worker-{n}", daemon=True)
             t.start()
@@ -190,7 +192,7 @@ class Dispatcher:
         self._known.add(item.id)
         heapq.heappush(self._heap, (due, next(self._seq), item))
 
-    def _refill(self, only: tuple[int, str] | None = None) -> None:
+    def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
         """Read stored incoming messages that are not in memory yet (restart, overflow, a
         handler registered late)."""
         with self._cv:
@@ -201,7 +203,7 @@ class Dispatcher:
             while True:
                 with self._cv:
                     gen = self._overflow_gen
-                filled = self._scan(only)
+                filled = self._scan(only, strict)
                 with self._cv:
                     if only is not None:
                         return
@@ -219,10 +221,29 @@ class Dispatcher:
             with self._cv:
                 self._refilling = False
 
-    def _scan(self, only: tuple[int, str] | None) -> bool:
-        """Queue stored messages not yet in memory; False if the queue filled up first."""
+    def _scan(self, only: tuple[int, str] | None, strict: bool) -> bool:
+        """Queue stored messages not yet in memory; False if the queue filled up first.
+        Not ``strict`` (a running bus), damaged records become dead letters and the scan
+        goes on."""
         now_ms, now = wall_ms(), time.monotonic()
-        for message_id, record in self._store.incoming():
+        damaged: list | None = None if strict else []
+        try:
+            return self._scan_records(only, strict, damaged, now_ms, now)
+        finally:
+            if damaged:
+                self._quarantine(damaged)
+
+    def _quarantine(self, damaged: list[tuple[bytes, bytes]]) -> None:
+        batch = self._store.batch()
+        for key, raw in damaged:
+            batch.quarantine_incoming(key, raw, "undecodable record")
+            log.error("incoming message %s: its stored record is damaged; moved to the dead "
+                      "letters with its raw bytes", key[2:].decode("utf-8", "replace"))
+        self._store.write(batch, sync=False)
+
+    def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
+                      now_ms: int, now: float) -> bool:
+        for message_id, record in self._store.incoming(damaged):
             if only is not None and (record[0], record[1]) != only:
                 continue
             with self._cv:
@@ -236,7 +257,13 @@ class Dispatcher:
                 # gone from the store (finishing deletes it before leaving _known).
                 if not self._store.has_incoming(message_id):
                     continue
-                runstate = self._store.get_runstate(message_id)
+                try:
+                    runstate = self._store.get_runstate(message_id)
+                except CorruptRecordError:
+                    if strict:
+                        raise
+                    log.error("the run state of %s is damaged; its attempts start again", message_id)
+                    runstate = None
                 due = 0.0
                 if runstate and runstate[3] and runstate[3] > now_ms:
                     # A retry time is wall-clock ms from an earlier run. If the clock was
@@ -288,13 +315,20 @@ class Dispatcher:
                     marked = False
                     log.exception("unexpected error dispatching %s", item.id)
                 finally:
-                    self._finish(item, retry_at)
+                    try:
+                        self._finish(item, retry_at)
+                    except BaseException:  # noqa: BLE001 - nor die finishing one
+                        log.exception("unexpected error finishing %s", item.id)
 
     def _finish(self, item: Incoming, retry_at: float | None) -> None:
         refill = False
         with self._cv:
             if retry_at is not None and not self._closing:
-                runstate = self._store.get_runstate(item.id) if not self._store.closed else None
+                try:
+                    runstate = self._store.get_runstate(item.id) if not self._store.closed else None
+                except StoreError as exc:  # damaged, or closing: retried from its attempt 0
+                    log.error("reading the run state of %s: %s", item.id, exc)
+                    runstate = None
                 heapq.heappush(self._heap, (retry_at, next(self._seq), item._replace(runstate=runstate)))
                 self._cv.notify()
             else:

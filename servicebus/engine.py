@@ -39,6 +39,7 @@ from .delivery import (
     is_command_stream,
     pack_outgoing,
     unpack_outgoing,
+    OutgoingRecord,
 )
 from .commit import GroupCommit
 from .dispatch import Dispatcher, Incoming, incoming_record
@@ -238,6 +239,7 @@ class Engine(threading.Thread):
 
         self._queue: deque[Any] = deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
         self._stopping = False
         self.failure: BaseException | None = None
 
@@ -289,7 +291,11 @@ class Engine(threading.Thread):
         self._outbox: dict[Peer, list[tuple[int, P.Envelope]]] = {}
         self._turn_ids: set[str] = set()
 
-        self._load()
+        try:
+            self._load()
+        except BaseException:
+            self.close_wake()  # the bus never gets this engine to close it
+            raise
 
     # --- user-thread side -------------------------------------------------------------
 
@@ -300,10 +306,23 @@ class Engine(threading.Thread):
         self.wake()
 
     def wake(self) -> None:
-        try:
-            os.eventfd_write(self._wake_fd, 1)
-        except (BlockingIOError, OSError):
-            pass  # already signalled (counter full) or closing: the engine will look anyway
+        # Under the lock, and never after close_wake(): a write to a closed descriptor
+        # would land in whatever file reuses its number (a journal segment, a LevelDB log).
+        with self._wake_lock:
+            if self._wake_fd < 0:
+                return
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except BlockingIOError:
+                pass  # already signalled (counter full): the engine will look anyway
+
+    def close_wake(self) -> None:
+        """Close the wake-up descriptor; later ``wake()`` calls do nothing. Called once the
+        engine thread has ended (or never started)."""
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.close(self._wake_fd)
+                self._wake_fd = -1
 
     def publish(self, topic: str, bodies: list[bytes]) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
@@ -823,7 +842,9 @@ class Engine(threading.Thread):
         flight = consumer.admit(mid, now, self.config.ack_timeout)
         if flight is None:
             return  # acknowledged before a restart
-        record = unpack_outgoing(data)
+        record = self._outgoing_record(consumer, mid, data)
+        if record is None:
+            return
         if record.expires is not None and record.expires < wall_ms():
             self._expire(consumer, mid, record, flight.attempt)
             return
@@ -831,6 +852,23 @@ class Engine(threading.Thread):
         if self._jon:
             self._jevents.append(("sent", wall_ms(), mid, record.topic, KIND_NAMES[record.kind],
                                   consumer.peer, flight.attempt, None))
+
+    def _outgoing_record(self, consumer: Consumer, mid: str, data: bytes) -> OutgoingRecord | None:
+        """The stored message, or None if its record is damaged: then it becomes a dead
+        letter (reason ``damaged``, the raw bytes kept) instead of stopping the engine."""
+        try:
+            return unpack_outgoing(data)
+        except Exception as exc:  # noqa: BLE001 - a damaged record must not stop the engine
+            consumer.ack(mid)
+            self._batch.put_deadletter(mid, {
+                "origin": "outgoing", "reason": "damaged", "at": wall_ms(), "peer": consumer.peer,
+                "stream": consumer.stream, "error": f"undecodable record ({type(exc).__name__})",
+                "raw": data,
+            })
+            self.counters["damaged"] += 1
+            log.error("message %s to %s: its stored record is damaged (%s); moved to the dead "
+                      "letters with its raw bytes", mid, consumer.peer, type(exc).__name__)
+            return None
 
     def _expire(self, consumer: Consumer, mid: str, record: Any, attempt: int) -> None:
         """A message whose TTL passed before its receiver acked it: a dead letter here."""
@@ -906,7 +944,9 @@ class Engine(threading.Thread):
                     log.error("message %s vanished from stream %s", mid, consumer.stream)
                     consumer.ack(mid)
                     continue
-                record = unpack_outgoing(data)
+                record = self._outgoing_record(consumer, mid, data)
+                if record is None:
+                    continue
                 if record.expires is not None and record.expires < now_ms:
                     self._expire(consumer, mid, record, flight.attempt)
                     continue
@@ -1103,4 +1143,3 @@ class Engine(threading.Thread):
         for peer in self.peers.values():
             peer.sock.close(linger=0)
         self.router.close(linger=0)
-        os.close(self._wake_fd)

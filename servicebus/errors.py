@@ -10,6 +10,8 @@ __all__ = [
     "BusError",
     "BusClosedError",
     "StoreError",
+    "CorruptRecordError",
+    "BusBrokenError",
     "LockedError",
     "TransportError",
     "ProtocolError",
@@ -30,6 +32,22 @@ class BusClosedError(BusError):
 
 class StoreError(BusError):
     """The data directory or its LevelDB store cannot be used (I/O, corruption, permissions)."""
+
+
+class CorruptRecordError(StoreError):
+    """A stored record does not decode as its keyspace's record: the store is damaged.
+    ``keyspace`` and ``key`` say which; ``servicebus check --repair`` deals with it."""
+
+    def __init__(self, message: str, keyspace: str, key: str) -> None:
+        super().__init__(message)
+        self.keyspace = keyspace
+        self.key = key
+
+
+class BusBrokenError(BusError):
+    """The bus cannot go on (its engine stopped on an error it could not get past). Every
+    call after that raises this, naming the cause; unlike ``BusClosedError``, nobody asked
+    for it. Close the bus and open it again (after fixing the cause)."""
 
 
 class LockedError(BusError):

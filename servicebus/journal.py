@@ -29,7 +29,9 @@ from pathlib import Path
 
 import msgpack
 
+from . import schema
 from .clock import BusClock
+from .errors import CorruptRecordError
 from .store import Store
 
 __all__ = ["Journal", "EVENTS", "flush_datadir"]
@@ -102,6 +104,10 @@ class Journal:
         self._thread = threading.Thread(target=self._run, name="servicebus-journal", daemon=True)
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def stop(self) -> None:
         """Stop the background thread (the caller flushes once more after its last write)."""
         self._stop.set()
@@ -153,11 +159,16 @@ class Journal:
         prefixes = self._prefixes
         lines = 0
         with open(tmp, "w", encoding="utf-8") as fh:
-            for _seq, packed in records:
+            for seq, packed in records:
                 # One record's lines at a time: the heap stays flat however far behind
                 # the flush is (it used to hold every line of the chunk, ~250 B each).
+                try:
+                    events = schema.decode("journal", b"j/" + seq.to_bytes(8, "big"), packed)
+                except CorruptRecordError:
+                    self._set_aside(seq, packed)
+                    continue
                 out = []
-                for event, ts, mid, topic, kind, peer, attempt, error in msgpack.unpackb(packed, raw=False):
+                for event, ts, mid, topic, kind, peer, attempt, error in events:
                     key = (event, topic, kind, peer)
                     prefix = prefixes.get(key)
                     if prefix is None:
@@ -182,6 +193,13 @@ class Journal:
         finally:
             os.close(dir_fd)
         return path.name, lines
+
+    def _set_aside(self, seq: int, packed: bytes) -> None:
+        """A journal record that does not decode is kept, raw, beside the segments (never
+        read by the audit) and the flush goes on: one bad record must not stop the journal."""
+        path = self.dir / f"{self.node_id}-{seq:012d}.damaged"
+        path.write_bytes(packed)
+        log.error("journal record %d is damaged: its raw bytes are in %s", seq, path)
 
     def apply_retention(self) -> int:
         """Delete segments written more than ``retention`` ago on the bus clock; return how

@@ -72,10 +72,11 @@ def probe(datadir: str | os.PathLike) -> tuple[LockOwner | None, bool]:
 class DataDirLock:
     """Holds DATADIR/LOCK for the lifetime of one bus."""
 
-    def __init__(self, path: Path, fd: int, owner: LockOwner) -> None:
+    def __init__(self, path: Path, fd: int, owner: LockOwner, previous: str = "") -> None:
         self.path = path
         self._fd = fd
         self.owner = owner
+        self.previous = previous  # the owner record of a stale lock this one took over
 
     @classmethod
     def acquire(cls, datadir: str | os.PathLike, address: str) -> "DataDirLock":
@@ -105,11 +106,12 @@ class DataDirLock:
                 break
             os.close(fd)
 
-        previous = LockOwner.from_json(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "null")
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        previous = LockOwner.from_json(text or "null")
         if previous is not None:
             log.warning("recovered a stale lock on %s left by %s", datadir, previous.describe())
         owner = LockOwner(os.getpid(), socket.gethostname(), address, time.time())
-        lock = cls(path, fd, owner)
+        lock = cls(path, fd, owner, text if previous is not None else "")
         lock.update(address)
         return lock
 
@@ -121,13 +123,20 @@ class DataDirLock:
         os.pwrite(self._fd, data, 0)
         os.fsync(self._fd)
 
-    def release(self) -> None:
+    def release(self, *, keep_stale: bool = False) -> None:
+        """Give the lock up. With ``keep_stale``, a stale owner record this lock took over
+        is put back (a maintenance command leaves a crashed bus's lock as it found it, for
+        the operator to see; ``servicebus unlock`` removes it)."""
         if self._fd < 0:
             return
-        try:
-            # Unlink while still holding the flock so no one can take the old inode over.
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if keep_stale and self.previous:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, self.previous.encode(), 0)
+        else:
+            try:
+                # Unlink while still holding the flock so no one can take the old inode over.
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         os.close(self._fd)
         self._fd = -1

@@ -9,20 +9,18 @@ operator sees exactly what happened.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
 
 from .clock import wall_ms
 from .admin import consumers
-from .delivery import command_stream, is_command_stream, pack_outgoing, unpack_outgoing
+from .delivery import is_command_stream, pack_outgoing, unpack_outgoing
 from .ids import IdGenerator
 from .journal import Journal
 from .protocol import Kind
-from .store import KEYSPACES, SEP, Store
+from .store import KEYSPACES, Store
 
-__all__ = ["replay", "purge", "check", "Problem", "REPLAYABLE"]
+__all__ = ["replay", "purge", "REPLAYABLE"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -79,7 +77,10 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
         batch = writer.batch
         row = {"id": mid, "topic": rec.get("topic"), "reason": rec.get("reason")}
         origin = rec.get("origin")
-        if origin == "incoming":
+        if "record" not in rec:
+            row.update(result="skipped", detail=f"its record is damaged ({rec.get('error')}); "
+                                                "servicebus export shows what is left of it")
+        elif origin == "incoming":
             batch.put_incoming(mid, rec["record"])
             batch.delete_deadletter(mid)
             inner = rec["record"]
@@ -174,123 +175,3 @@ def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[s
         writer.batch.delete_subscription(s, t)
     writer.close()
     return {"subscriptions": len(subs), "deliveries": len(mine), "moved_to_deadletters": writer.done}
-
-
-# --- check ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Problem:
-    keyspace: str
-    key: str
-    problem: str
-    action: str = ""  # what --repair did about it
-
-
-def _unpack(value: bytes):
-    return msgpack.unpackb(value, raw=False, strict_map_key=False)
-
-
-def _check_value(name: str, key: bytes, value: bytes) -> str | None:
-    """Why this record does not decode as its keyspace's record, or None if it does."""
-    try:
-        rest = key[2:]
-        if name in ("subscriptions", "intents", "outgoing", "deliveries"):
-            if SEP not in rest:
-                return "key has no separator"
-            rest.decode("utf-8")
-        if name == "outgoing":
-            rec = unpack_outgoing(value)
-            if rec.kind not in (1, 2, 3) or not isinstance(rec.body, bytes):
-                return "not an outgoing record"
-        elif name == "incoming":
-            rec = _unpack(value)
-            if not isinstance(rec, list) or len(rec) != 10 or not isinstance(rec[9], bytes):
-                return "not an incoming record"
-        elif name == "runstate":
-            rec = _unpack(value)
-            if not isinstance(rec, list) or len(rec) != 4:
-                return "not a run state"
-        elif name == "replies":
-            rec = _unpack(value)
-            if not isinstance(rec, list) or len(rec) != 4:
-                return "not a reply record"
-        elif name == "handled":
-            if len(value) != 8:
-                return "not a timestamp"
-        elif name in ("subscriptions", "intents", "deliveries", "deadletters"):
-            if not isinstance(_unpack(value), dict):
-                return f"not a {name} record"
-    except Exception as exc:  # noqa: BLE001 - any decoding failure is the finding
-        return f"does not decode ({type(exc).__name__})"
-    return None
-
-
-def check(store: Store, repair: bool, progress: Progress = None) -> list[Problem]:
-    """Verify every record decodes and the keyspaces agree; with ``repair``, drop what does
-    not decode and what nothing refers to, and restore missing delivery states."""
-    names = {prefix: name for name, prefix in KEYSPACES.items()}
-    problems: list[Problem] = []
-    batch = store.batch()
-    incoming_ids: set[str] = set()
-    runstate_ids: set[str] = set()
-    streams: set[str] = set()
-    for n, (key, value) in enumerate(store.scan_raw(verify=True), 1):
-        name = names.get(key[:2])
-        shown = key.decode("utf-8", "backslashreplace")
-        if name is None:
-            problems.append(Problem("?", shown, "key of no known keyspace", "dropped" if repair else ""))
-            if repair:
-                batch.delete_raw(key)
-            continue
-        if name == "meta":
-            continue
-        why = _check_value(name, key, value)
-        if why:
-            problems.append(Problem(name, shown[2:], why, "dropped" if repair else ""))
-            if repair:
-                batch.delete_raw(key)
-            continue
-        if name == "incoming":
-            incoming_ids.add(key[2:].decode())
-        elif name == "runstate":
-            runstate_ids.add(key[2:].decode())
-        elif name == "outgoing":
-            streams.add(key[2:].partition(SEP)[0].decode())
-        if progress and n % 1000 == 0:
-            progress(n)
-
-    for mid in sorted(runstate_ids - incoming_ids):
-        problems.append(Problem("runstate", mid, "run state of a message that is not stored",
-                                "dropped" if repair else ""))
-        if repair:
-            batch.delete_raw(KEYSPACES["runstate"] + mid.encode())
-    subscribed = {(s, "e:" + t) for s, t, _ in store.subscriptions()}
-    delivery_keys = set()
-    for peer, stream, _ in store.deliveries():
-        delivery_keys.add((peer, stream))
-        if not is_command_stream(stream) and (peer, stream) not in subscribed:
-            problems.append(Problem("deliveries", f"{peer} {stream}", "delivery state without a subscription",
-                                    "dropped" if repair else ""))
-            if repair:
-                batch.delete_delivery(peer, stream)
-    consumed = {s for _, s in subscribed} | {s for _, s in delivery_keys}
-    for stream in sorted(streams):
-        if stream in consumed:
-            continue
-        if is_command_stream(stream):
-            peer = stream[2:]
-            problems.append(Problem("outgoing", stream, "commands with no delivery state",
-                                    "delivery state restored" if repair else ""))
-            if repair:
-                batch.put_delivery(peer, command_stream(peer), {"floor": "", "acked": [], "attempts": {}})
-        else:
-            count = store.count_stream(stream)
-            problems.append(Problem("outgoing", stream, f"{count} message(s) no subscriber is owed",
-                                    "dropped" if repair else ""))
-            if repair:
-                for mid in store.stream_ids(stream):
-                    batch.delete_outgoing(stream, mid)
-    if repair:
-        store.write(batch, sync=True)
-    return problems

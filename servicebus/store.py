@@ -36,7 +36,9 @@ import msgpack
 import plyvel
 
 from .clock import BusClock
-from .errors import StoreError
+from . import schema
+from .errors import CorruptRecordError, StoreError
+from .schema import REPAIR_HINT
 
 __all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION"]
 
@@ -70,6 +72,15 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _has_leveldb_files(path: Path) -> bool:
+    """Whether ``path`` holds any of LevelDB's data files (tables, logs, manifests)."""
+    try:
+        names = [p.name for p in path.iterdir()]
+    except FileNotFoundError:
+        return False
+    return any(n.endswith((".ldb", ".sst", ".log")) or n.startswith("MANIFEST-") for n in names)
 
 
 def _pair(prefix: bytes, a: str, b: str) -> bytes:
@@ -173,6 +184,13 @@ class Batch:
         self._delete(_H + key)
         self._delete(_T + handled_at.to_bytes(8, "big") + key)
 
+    def quarantine_incoming(self, key: bytes, raw: bytes, error: str) -> None:
+        """Move an incoming record that does not decode to the dead letters, raw bytes kept."""
+        self._delete(key)
+        self._delete(_R + key[len(_N):])
+        self._put(_X + key[len(_N):], _pack({"origin": "incoming", "reason": "damaged",
+                                              "error": error, "raw": raw}))
+
     def deadletter_incoming(self, message_id: str, record: dict) -> None:
         key = message_id.encode()
         self._delete(_N + key)
@@ -224,7 +242,8 @@ class _Guard:
             if store._active == 0 and store._closed:
                 store._cv.notify_all()
         if exc_type is not None and issubclass(exc_type, plyvel.Error):
-            raise StoreError(f"store error: {exc}") from exc
+            # Reads fail like this only on damaged files (writes handle their own errors).
+            raise StoreError(f"store error: {exc}; {REPAIR_HINT}") from exc
         return False
 
 
@@ -247,35 +266,51 @@ class Store:
     # --- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = True) -> "Store":
-        """Open (or create) the store. ``compression`` applies to blocks written from now
-        on; blocks written either way stay readable."""
+    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = True,
+             check_format: bool = True) -> "Store":
+        """Open the store, or create it (``create``) where there is none at all.
+
+        A directory holding LevelDB files but no ``CURRENT`` is refused: LevelDB would start
+        an empty database over it and delete the old files (rule 9: a store that exists is
+        never silently replaced). ``compression`` applies to blocks written from now on;
+        blocks written either way stay readable. ``check_format=False`` is for the repair
+        tool, which must open a store whose format record is damaged."""
         path = Path(path)
+        has_current = (path / "CURRENT").exists()
+        if not has_current and _has_leveldb_files(path):
+            raise StoreError(f"store {path} holds LevelDB files but no CURRENT file: it is "
+                             f"damaged (opening it would start an empty store); {REPAIR_HINT}")
+        if not has_current and not create:
+            raise StoreError(f"no store at {path}")
         try:
             db = plyvel.DB(
                 str(path),
-                create_if_missing=create,
+                create_if_missing=not has_current,
                 paranoid_checks=True,
                 write_buffer_size=4 << 20,  # LevelDB default: bounds memtable memory
                 lru_cache_size=8 << 20,
                 bloom_filter_bits=10,
                 compression="snappy" if compression else None,
             )
-        except plyvel.Error as exc:
+        except plyvel.IOError as exc:
             raise StoreError(f"cannot open store {path}: {exc}") from exc
+        except plyvel.Error as exc:
+            raise StoreError(f"cannot open store {path}: {exc}; {REPAIR_HINT}") from exc
         except OSError as exc:
             raise StoreError(f"cannot open store {path}: {exc}") from exc
         store = cls(db, path)
+        if not check_format:
+            return store
         try:
-            version = store.get_meta("format")
+            version = store.meta("format")
             if version is None:
                 batch = store.batch()
                 batch.put_meta("format", str(FORMAT_VERSION).encode())
                 store.write(batch, sync=True)
-            elif version == b"1":
+            elif version == 1:
                 store._upgrade_from_1()
-            elif version != str(FORMAT_VERSION).encode():
-                raise StoreError(f"store {path} has format {version[:20]!r}; this version reads "
+            elif version != FORMAT_VERSION:
+                raise StoreError(f"store {path} has format {version}; this version reads "
                                  f"{FORMAT_VERSION} (and upgrades 1)")
         except BaseException:
             store.close()
@@ -299,6 +334,8 @@ class Store:
 
     @staticmethod
     def repair(path: str | os.PathLike) -> None:
+        """LevelDB's repair: rebuild the store from whatever table and log files it can
+        read (see maintenance.py for what ``check --repair`` does around it)."""
         try:
             # Without paranoid_checks, repair does not verify block checksums and keeps a
             # damaged table as it is.
@@ -365,14 +402,19 @@ class Store:
         with self._op():
             return self._db.get(_M + name.encode())
 
+    def meta(self, name: str) -> Any:
+        """A meta record, decoded and checked (``CorruptRecordError`` if damaged)."""
+        key = _M + name.encode()
+        value = self.get_meta(name)
+        return None if value is None else schema.decode("meta", key, value)
+
     def bus_clock(self) -> BusClock:
         """The bus clock, continuing from where the store last saved it (clock.py)."""
-        raw = self.get_meta("clock")
-        try:
-            return BusClock(int(raw or b"0"))
-        except ValueError:
-            raise StoreError(f"store {self.path}: the saved bus clock {raw[:20]!r} does not "
-                             "decode; run `servicebus check --repair`") from None
+        return BusClock(self.meta("clock") or 0)
+
+    def _decoded(self, keyspace: str, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
+        for key, value in self._iter(prefix):
+            yield key, schema.decode(keyspace, key, value)
 
     def _iter(self, prefix: bytes, **kwargs: Any) -> Iterator[tuple[bytes, bytes]]:
         with self._op():
@@ -389,19 +431,19 @@ class Store:
                 return sum(1 for _ in it)
 
     def subscriptions(self) -> Iterator[tuple[str, str, dict]]:
-        for key, value in self._iter(_S):
+        for key, record in self._decoded("subscriptions", _S):
             sub, topic = _split(key, len(_S))
-            yield sub, topic, _unpack(value)
+            yield sub, topic, record
 
     def intents(self) -> Iterator[tuple[str, str, dict]]:
-        for key, value in self._iter(_I):
+        for key, record in self._decoded("intents", _I):
             pub, topic = _split(key, len(_I))
-            yield pub, topic, _unpack(value)
+            yield pub, topic, record
 
     def deliveries(self) -> Iterator[tuple[str, str, dict]]:
-        for key, value in self._iter(_D):
+        for key, record in self._decoded("deliveries", _D):
             peer, stream = _split(key, len(_D))
-            yield peer, stream, _unpack(value)
+            yield peer, stream, record
 
     def stream_names(self) -> list[str]:
         """Names of the outgoing streams that hold messages (one seek per stream)."""
@@ -497,6 +539,10 @@ class Store:
         with self._op():
             return self._db.get(_pair(_O, stream, message_id))
 
+    def has_deadletter(self, message_id: str) -> bool:
+        with self._op():
+            return self._db.get(_X + message_id.encode()) is not None
+
     def has_incoming(self, message_id: str) -> bool:
         key = message_id.encode()
         with self._op():
@@ -518,47 +564,62 @@ class Store:
         return self.seen_many([message_id])[0]
 
     def get_incoming(self, message_id: str) -> list | None:
+        key = _N + message_id.encode()
         with self._op():
-            value = self._db.get(_N + message_id.encode())
-        return None if value is None else _unpack(value)
+            value = self._db.get(key)
+        return None if value is None else schema.decode("incoming", key, value)
 
     def get_runstate(self, message_id: str) -> list | None:
+        key = _R + message_id.encode()
         with self._op():
-            value = self._db.get(_R + message_id.encode())
-        return None if value is None else _unpack(value)
+            value = self._db.get(key)
+        return None if value is None else schema.decode("runstate", key, value)
 
-    def incoming(self) -> Iterator[tuple[str, list]]:
+    def incoming(self, damaged: list | None = None) -> Iterator[tuple[str, list]]:
+        """Incoming messages, in id order. A damaged record raises ``CorruptRecordError``,
+        or, if ``damaged`` is a list, is appended to it as (key, raw value) and skipped."""
+        if damaged is None:
+            for key, record in self._decoded("incoming", _N):
+                yield key[len(_N):].decode(), record
+            return
         for key, value in self._iter(_N):
-            yield key[len(_N):].decode(), _unpack(value)
-
-    def runstates(self) -> Iterator[tuple[str, list]]:
-        for key, value in self._iter(_R):
-            yield key[len(_R):].decode(), _unpack(value)
+            try:
+                record = schema.decode("incoming", key, value)
+            except CorruptRecordError:
+                damaged.append((key, value))
+                continue
+            yield key[len(_N):].decode(), record
 
     def handled_before(self, cutoff: int, limit: int) -> list[tuple[str, int]]:
         """(id, handled_at) of handled ids handled before bus-clock ``cutoff``, oldest
-        first, at most ``limit``."""
-        out = []
+        first, at most ``limit``. A damaged index key is deleted on the way (it could
+        only ever make an id be remembered too long)."""
+        out, bad = [], []
         with self._op():
             with self._db.iterator(start=_T, stop=_T + cutoff.to_bytes(8, "big"),
                                    include_value=False, fill_cache=False) as it:
                 for key in it:
-                    out.append((key[10:].decode(), int.from_bytes(key[2:10], "big")))
-                    if len(out) >= limit:
+                    try:
+                        out.append((key[10:].decode(), int.from_bytes(key[2:10], "big")))
+                    except UnicodeDecodeError:
+                        bad.append(key)
+                    if len(out) + len(bad) >= limit:
                         break
+            for key in bad:
+                self._db.delete(key)
         return out
 
     def segments(self) -> list[tuple[str, int]]:
         """(journal segment file name, bus-clock ms it was written at)."""
-        return [(key[2:].decode(), int.from_bytes(value, "big")) for key, value in self._iter(_G)]
+        return [(key[2:].decode(), at) for key, at in self._decoded("segments", _G)]
 
     def deadletters(self) -> Iterator[tuple[str, dict]]:
-        for key, value in self._iter(_X):
-            yield key[len(_X):].decode(), _unpack(value)
+        for key, record in self._decoded("deadletters", _X):
+            yield key[len(_X):].decode(), record
 
     def replies(self) -> Iterator[tuple[str, list]]:
-        for key, value in self._iter(_Y):
-            yield key[len(_Y):].decode(), _unpack(value)
+        for key, record in self._decoded("replies", _Y):
+            yield key[len(_Y):].decode(), record
 
     def journal_records(self, limit: int, max_bytes: int) -> list[tuple[int, bytes]]:
         """The oldest journal records (seq, packed events): at most ``limit`` of them and

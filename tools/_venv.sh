@@ -35,3 +35,22 @@ PY="$VENV/bin/python"
 java_status() {
     "$PY" -c 'from servicebus.audit.job import java_problem; import sys; p = java_problem(); print(p or ""); sys.exit(1 if p else 0)'
 }
+
+# ensure_debian_packages COMMAND:PACKAGE ...: install the Debian packages whose commands
+# are missing, when running as root with apt-get; otherwise say what is missing.
+ensure_debian_packages() {
+    local missing=() pair
+    for pair in "$@"; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "==> installing ${missing[*]} (Debian packages) for the fault tests"
+        if DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 ||
+           { apt-get update -q >/dev/null 2>&1 &&
+             DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; }; then
+            return 0
+        fi
+    fi
+    echo "WARNING: ${missing[*]} not installed: the fault tests that need them will be skipped" >&2
+}

@@ -218,7 +218,7 @@ def test_check_finds_a_corrupted_record_and_repair_keeps_the_rest(make_bus, tmp_
         ("incoming", victim[2:].decode()), ("runstate", "0" * 24)}
     fixed = cli("check", tmp_path / "server", "--repair", "--json")
     assert fixed.returncode == 0
-    assert all(json.loads(line)["action"] == "dropped" for line in fixed.stdout.splitlines())
+    assert all(json.loads(line)["action"].startswith("dropped") for line in fixed.stdout.splitlines())
     assert cli("check", tmp_path / "server").returncode == 0
     assert cli_json("status", tmp_path / "server")[0]["incoming"] == 19
 

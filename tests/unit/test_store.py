@@ -7,10 +7,10 @@ from servicebus.store import Store
 def test_subscriptions_and_intents_round_trip_and_delete(store):
     b = store.batch()
     b.put_subscription("tcp://127.0.0.1:1", "a.b", {"since": "x"})
-    b.put_intent("tcp://127.0.0.1:2", "c", {"op": "subscribe", "confirmed": False})
+    b.put_intent("tcp://127.0.0.1:2", "c", {"op": "subscribe", "id": "i1", "confirmed": False})
     store.write(b, sync=True)
     assert list(store.subscriptions()) == [("tcp://127.0.0.1:1", "a.b", {"since": "x"})]
-    assert list(store.intents()) == [("tcp://127.0.0.1:2", "c", {"op": "subscribe", "confirmed": False})]
+    assert list(store.intents()) == [("tcp://127.0.0.1:2", "c", {"op": "subscribe", "id": "i1", "confirmed": False})]
     b = store.batch()
     b.delete_subscription("tcp://127.0.0.1:1", "a.b")
     b.delete_intent("tcp://127.0.0.1:2", "c")
@@ -56,12 +56,12 @@ def test_incoming_moves_to_handled_or_deadletters_atomically(store):
     assert store.get_runstate("m1") == [1, [], None, 0]
     b = store.batch()
     b.complete_incoming("m1", 123)
-    b.deadletter_incoming("m2", {"reason": "handler_failed"})
+    b.deadletter_incoming("m2", {"origin": "incoming", "reason": "handler_failed"})
     store.write(b, sync=True)
     assert store.get_incoming("m1") is None and store.get_runstate("m1") is None
     assert store.seen("m1") and store.seen("m2")
     assert [i for i, _ in store.incoming()] == []
-    assert list(store.deadletters()) == [("m2", {"reason": "handler_failed"})]
+    assert list(store.deadletters()) == [("m2", {"origin": "incoming", "reason": "handler_failed"})]
     assert store.handled_before(124, 10) == [("m1", 123)]
     b = store.batch()
     b.forget_handled("m1", 123)
