@@ -5,14 +5,17 @@ import logging
 from .bus import Bus
 from .config import BusConfig
 from .errors import (
+    BusBrokenError,
     BusClosedError,
     BusError,
+    CorruptRecordError,
     DeliveryError,
     LockedError,
     ProtocolError,
     RemoteError,
     RequestTimeout,
     StoreError,
+    StoreWriteError,
     SubscribeTimeout,
     TransportError,
 )
@@ -26,7 +29,10 @@ __all__ = [
     "PeerStatus",
     "BusError",
     "BusClosedError",
+    "BusBrokenError",
     "StoreError",
+    "StoreWriteError",
+    "CorruptRecordError",
     "LockedError",
     "TransportError",
     "ProtocolError",

@@ -194,9 +194,12 @@ class Bus:
     # --- plumbing ----------------------------------------------------------------------
 
     def _check_open(self) -> E.Engine:
-        if self._closed or self._engine is None:
+        engine = self._engine
+        if self._closed or engine is None:
             raise BusClosedError("the bus is closed")
-        return self._engine
+        if engine.failure is not None:
+            raise engine.broken()
+        return engine
 
     def _call(self, make: Callable[[Future], Any], timeout: float | None = None) -> Any:
         engine = self._check_open()
@@ -211,8 +214,11 @@ class Bus:
             try:
                 return future.result(step)
             except FutureTimeout:
-                if self._engine is None or not self._engine.is_alive():
-                    raise BusClosedError("the bus engine stopped") from None
+                engine = self._engine
+                if engine is not None and engine.failure is not None:
+                    raise engine.broken() from None
+                if engine is None or not engine.is_alive():
+                    raise BusClosedError("the bus closed before this call completed") from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
@@ -393,31 +399,43 @@ class Bus:
             return False
 
     def status(self) -> BusStatus:
-        """A frozen snapshot of counts per store, peers and the lock owner."""
+        """A frozen snapshot of counts per store, peers and the lock owner, and
+        ``store_error`` when the store cannot be written."""
         snap = self._call(lambda f: E.Snapshot(f))
         store = self._store
+
+        def count(keyspace: str) -> int:
+            try:
+                return store.count(keyspace)
+            except StoreError:
+                return -1  # the store cannot be read right now; store_error says why
+
         pending_by: dict[str, int] = {}
         for peer, stream, floor, acked in snap["consumers"]:
-            n = max(0, store.count_stream(stream, after=floor) - acked)
-            pending_by[peer] = pending_by.get(peer, 0) + n
+            try:
+                n = max(0, store.count_stream(stream, after=floor) - acked)
+            except StoreError:
+                n = -1
+            pending_by[peer] = n if n < 0 else pending_by.get(peer, 0) + n
         return BusStatus(
             node_id=self.node_id,
             address=self.address,
             datadir=str(self.datadir),
             running=not self._closed,
-            subscriptions=store.count("subscriptions"),
-            intents=store.count("intents"),
+            subscriptions=count("subscriptions"),
+            intents=count("intents"),
             intents_unconfirmed=snap["intents_unconfirmed"],
-            outgoing=store.count("outgoing"),
-            pending=sum(pending_by.values()),
+            outgoing=count("outgoing"),
+            pending=-1 if any(n < 0 for n in pending_by.values()) else sum(pending_by.values()),
             pending_by_subscriber=pending_by,
-            incoming=store.count("incoming"),
-            deadletters=store.count("deadletters"),
-            handled=store.count("handled"),
+            incoming=count("incoming"),
+            deadletters=count("deadletters"),
+            handled=count("handled"),
             malformed=sum(snap["malformed"].values()),
             malformed_by_reason=snap["malformed"],
             peers=snap["peers"],
             lock=dict(self._lock.owner.__dict__) if self._lock else {},
+            store_error=snap["store_error"],
         )
 
     def counters(self) -> dict[str, int]:

@@ -41,6 +41,7 @@ log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 RUN = 16  # ready messages a worker takes at once, at most
+STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 # Incoming record layout in the store (a list, for compactness):
 # [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
@@ -133,11 +134,27 @@ class Dispatcher:
     def _scratch(self) -> Any:
         """This thread's write batch, emptied: one per message was measurable."""
         batch = getattr(self._tls, "batch", None)
-        if batch is None:
+        if batch is None or batch.generation != self._store.generation:  # reopened since
             batch = self._tls.batch = self._store.batch()
         else:
             batch.clear()
         return batch
+
+    def _record(self, batch: Any) -> None:
+        """Write what a handler's run did (done, failed, dead-lettered). It happened: if the
+        write fails (a full disk), it is tried again until it succeeds, so that the handler
+        does not run again while the process lives. Only closing the bus gives up (the
+        message then runs again after the next start, as after a crash)."""
+        delay = 0.05
+        while True:
+            try:
+                self._store.write(batch, sync=False)
+                return
+            except StoreError:
+                if self._closing or self._store.closed:
+                    raise
+                self._store.wait_writable(delay)
+                delay = min(delay * 2, 1.0)
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -237,9 +254,12 @@ class Dispatcher:
         batch = self._store.batch()
         for key, raw in damaged:
             batch.quarantine_incoming(key, raw, "undecodable record")
-            log.error("incoming message %s: its stored record is damaged; moved to the dead "
-                      "letters with its raw bytes", key[2:].decode("utf-8", "replace"))
-        self._store.write(batch, sync=False)
+            log.error("incoming message %s: its stored record is damaged; moving it to the "
+                      "dead letters with its raw bytes", key[2:].decode("utf-8", "replace"))
+        try:
+            self._store.write(batch, sync=False)
+        except StoreError as exc:  # found again by the next scan
+            log.error("could not move damaged incoming records: %s", exc)
 
     def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                       now_ms: int, now: float) -> bool:
@@ -393,7 +413,14 @@ class Dispatcher:
         if not marked:
             batch = self._scratch()
             batch.put_runstate(item.id, [attempts, done, last_error, 0])
-            store.write(batch, sync=False)  # a crash from here on counts as an attempt
+            try:
+                store.write(batch, sync=False)  # a crash from here on counts as an attempt
+            except StoreError:
+                if self._closing:
+                    raise
+                # Not written, so not run: the store cannot be written (a full disk). Try
+                # again later; no attempt is used up.
+                return time.monotonic() + STORE_RETRY, False
 
         message = Message(item.id, topic, record[2], record[3], record[4], attempts, record[8],
                           KIND_NAMES.get(kind, "event"), record[7], expires)
@@ -422,14 +449,14 @@ class Dispatcher:
                 # Remember which handlers finished, so a crash reruns only the others.
                 batch = self._scratch()
                 batch.put_runstate(item.id, [attempts, done, last_error, 0])
-                store.write(batch, sync=False)
+                self._record(batch)
 
         if error is None:
             batch = self._scratch()
             batch.complete_incoming(item.id, self._clock.now())
             self._journal.record(batch, [_event("handled", item, attempts)])
             premarked = self._with_marker(batch, nxt)
-            store.write(batch, sync=False)
+            self._record(batch)
             self.handled += 1
             return None, premarked
         self.failed += 1
@@ -442,7 +469,7 @@ class Dispatcher:
         batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
         self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
         premarked = self._with_marker(batch, nxt)
-        store.write(batch, sync=False)
+        self._record(batch)
         return time.monotonic() + delay, premarked
 
     def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
@@ -469,7 +496,7 @@ class Dispatcher:
         events.append(_event("handled", item, message.attempt))
         self._journal.record(batch, events)
         premarked = self._with_marker(batch, nxt)
-        self._store.write(batch, sync=False)
+        self._record(batch)
         self.handled += 1
         self._on_reply(item.id, reply_record)
         return premarked
@@ -495,7 +522,7 @@ class Dispatcher:
         batch = self._scratch()
         batch.complete_incoming(item.id, self._clock.now())
         self._journal.record(batch, [_event("handled", item, 1)])
-        self._store.write(batch, sync=False)
+        self._record(batch)
         return None
 
     def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
@@ -514,7 +541,7 @@ class Dispatcher:
             "topic": record[1],
             "record": record,
         })
-        self._store.write(batch, sync=False)
+        self._record(batch)
         self.deadlettered += 1
         log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
                   error or reason)

@@ -43,7 +43,7 @@ from .delivery import (
 )
 from .commit import GroupCommit
 from .dispatch import Dispatcher, Incoming, incoming_record
-from .errors import BusClosedError, BusError, TransportError
+from .errors import BusBrokenError, BusClosedError, BusError, StoreError, StoreWriteError, TransportError
 from .ids import IdGenerator
 from .journal import Journal
 from .protocol import KIND_NAMES, Kind
@@ -61,6 +61,7 @@ GC_INTERVAL = 0.5
 PRUNE_INTERVAL = 1.0  # handled ids past the dedupe window are deleted this often ...
 PRUNE_BATCH = 10_000  # ... this many per turn, and again at once while there are more
 CLOCK_SAVE = 5.0  # the bus clock is carried to the store this often (clock.py)
+RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
 INTENT_RETRY = 1.0
 DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
 WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts)
@@ -246,11 +247,17 @@ class Engine(threading.Thread):
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self._wake_fd, zmq.POLLIN)
+        # While the store cannot be written, only user commands and operators are served.
+        self._degraded_poller = zmq.Poller()
+        self._degraded_poller.register(self._wake_fd, zmq.POLLIN)
+        self._degraded: str | None = None  # why the store cannot be written, if it cannot
+        self._next_recover = 0.0
         self.admin = admin
         self.datadir = datadir
         self._admin_pool: ThreadPoolExecutor | None = None
         if admin is not None:
             self.poller.register(admin, zmq.POLLIN)
+            self._degraded_poller.register(admin, zmq.POLLIN)
             # Views can take a while on a big store: they run beside the loop, not in it.
             self._admin_pool = ThreadPoolExecutor(1, thread_name_prefix="servicebus-admin")
 
@@ -284,7 +291,7 @@ class Engine(threading.Thread):
         # per-turn scratch. The batch always exists: a write made after a commit (a sender-
         # side dead letter, a pruned id) belongs to the next turn's batch, not to nothing.
         self._batch: Batch = store.batch()
-        self._after: list[Any] = []
+        self._after: list[tuple[Future, Any]] = []  # callers released once the batch is written
         self._acks: dict[bytes, list[str]] = {}
         self._handoff: list[Incoming] = []
         self._new: dict[str, list[tuple[str, bytes]]] = {}
@@ -300,10 +307,17 @@ class Engine(threading.Thread):
     # --- user-thread side -------------------------------------------------------------
 
     def submit(self, command: Any) -> None:
+        if self.failure is not None:
+            raise self.broken()
         if self._stopping or not self.is_alive() and self.ident is not None:
             raise BusClosedError("the bus is closed")
         self._queue.append(command)
         self.wake()
+
+    def broken(self) -> BusBrokenError:
+        """The error every call gets once this engine stopped on an error of its own."""
+        return BusBrokenError(f"the bus cannot go on: its engine stopped on {self.failure!r}; "
+                              "close it and open it again")
 
     def wake(self) -> None:
         # Under the lock, and never after close_wake(): a write to a closed descriptor
@@ -327,6 +341,9 @@ class Engine(threading.Thread):
     def publish(self, topic: str, bodies: list[bytes]) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
         return their ids once fsynced (see ``commit.py``). Thread-safe."""
+        if not self.store.writable:
+            # Not even an id for nobody's event: a bus that cannot write cannot deliver.
+            raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
         stream = event_stream(topic)
         if not self._stream_peers.get(stream):  # nobody subscribed: nothing to store
             ids = self.ids.many(len(bodies))
@@ -447,15 +464,21 @@ class Engine(threading.Thread):
         try:
             while not self._stopping:
                 timeout = 0 if self._queue else self._poll_timeout()
-                events = dict(self.poller.poll(timeout * 1000))
+                poller = self.poller if self._degraded is None else self._degraded_poller
+                events = dict(poller.poll(timeout * 1000))
                 self._turn(events)
             self._next_gc = 0.0  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
-            if self._jevents:
-                self.journal.record(self._batch, self._jevents)
-                self._jevents = []
-            self._batch.put_clock(self.clock)
-            self.store.write(self._batch, sync=True)
+            if self._degraded is None:
+                if self._jevents:
+                    self.journal.record(self._batch, self._jevents)
+                    self._jevents = []
+                self._batch.put_clock(self.clock)
+                try:
+                    self.store.write(self._batch, sync=True)
+                except StoreError as exc:
+                    log.error("last write at close failed: %s (as after a crash: what it held "
+                              "is redone after the next start)", exc)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
             log.exception("servicebus engine stopped by an unexpected error")
@@ -480,6 +503,11 @@ class Engine(threading.Thread):
         self._waiting_peers = waiting
 
     def _turn(self, events: dict) -> None:
+        if self._degraded is None and not self.store.writable:
+            self._degrade(StoreWriteError(self.store.failure or "the store refuses writes"))
+        if self._degraded is not None:
+            self._degraded_turn(events)
+            return
         now = time.monotonic()
         batch = self._batch
         if self._wake_fd in events:
@@ -509,15 +537,20 @@ class Engine(threading.Thread):
             self.journal.record(batch, self._jevents)
             self._jevents = []
         if batch.ops or batch.sync:
-            self.store.write(batch, sync=batch.sync)
+            try:
+                self.store.write(batch, sync=batch.sync)
+            except StoreError as exc:
+                self._degrade(exc)  # nothing of this turn happened: no ack, no release
+                return
             if batch.sync:
                 self.counters["fsyncs"] += 1
             self._batch = self.store.batch()
 
         # release
         after, self._after = self._after, []
-        for fn in after:
-            fn()
+        for future, value in after:
+            if not future.done():
+                future.set_result(value)
         if len(after) > 1:
             # Several callers were waiting on this commit: let them run and queue their next
             # call before the next turn, so that it commits them together (group commit).
@@ -544,6 +577,86 @@ class Engine(threading.Thread):
         self._flush_outbox()
         if self._drains:
             self._check_drains()
+
+    # --- a store that cannot be written ---------------------------------------------------
+
+    def _degrade(self, exc: BaseException) -> None:
+        """A write failed (a full disk, an I/O error). What this turn would have done did
+        not happen: nobody is released, nothing acked, nothing handed to handlers. Until
+        the store can be written again the engine neither receives (peers see it down and
+        keep their messages) nor sends; every RECOVER_INTERVAL it tries to reopen the
+        store, then reloads its delivery state from it, exactly as after a restart."""
+        self._degraded = str(exc)
+        self.counters["store_failures"] += 1
+        log.error("the store cannot be written (%s): receiving and sending are paused; the bus "
+                  "retries every %.1fs and goes on by itself once writing works", exc, RECOVER_INTERVAL)
+        failed = StoreWriteError(f"the store cannot be written: {exc}")
+        after, self._after = self._after, []
+        for future, _value in after:
+            if not future.done():
+                future.set_exception(failed)
+        self._acks.clear()
+        self._handoff.clear()
+        self._turn_ids.clear()
+        self._jevents = []
+        self._new.clear()
+        self._outbox.clear()
+        self._next_recover = time.monotonic() + RECOVER_INTERVAL
+
+    def _degraded_turn(self, events: dict) -> None:
+        now = time.monotonic()
+        if self._wake_fd in events:
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+        if self.admin is not None and self.admin in events:
+            self._read_admin()
+        failed = StoreWriteError(f"the store cannot be written: {self._degraded}")
+        queue = self._queue
+        while queue:
+            cmd = queue.popleft()
+            if isinstance(cmd, (SendCmd, SubscribeCmd)):
+                if not cmd.future.done():
+                    cmd.future.set_exception(failed)
+            elif isinstance(cmd, AdminReply):
+                self._send_admin(cmd)
+            elif isinstance(cmd, Drain):
+                self._drains.append(cmd.future)
+            elif isinstance(cmd, Snapshot):
+                cmd.future.set_result(self._snapshot(now))
+            # Published and QueueReply: already in the store, which the reload reads.
+        self.requests.expire(now)
+        if now >= self._next_recover:
+            self._next_recover = now + RECOVER_INTERVAL
+            if self.store.writable or self.store.reopen():
+                self._recover()
+
+    def _recover(self) -> None:
+        log.warning("the store can be written again (it had failed: %s); reloading delivery "
+                    "state and going on", self._degraded)
+        self._degraded = None
+        waiters = {key: intent for key, intent in self.intents.items() if intent.waiters}
+        for peer in self.peers.values():
+            peer.consumers = []
+            peer.last_ping = 0.0
+        self.consumers.clear()
+        self.by_stream.clear()
+        self.subscriptions.clear()
+        self.intents.clear()
+        self._intent_ids.clear()
+        self._stream_peers = {}
+        self._gc_floor.clear()
+        self._orphans_due = True
+        self._queue = deque(c for c in self._queue if not isinstance(c, (Published, QueueReply)))
+        self._batch = self.store.batch()
+        self._load()  # as at a start: cursors, subscriptions, intents, stored replies
+        for key, old in waiters.items():
+            intent = self.intents.get(key)
+            if intent is not None and intent.op == old.op:
+                intent.waiters.extend(old.waiters)
+        self._new_peer_work = True
+        self._next_tick = 0.0
 
     # --- reading -----------------------------------------------------------------------
 
@@ -784,7 +897,7 @@ class Engine(threading.Thread):
         self.counters["commands_sent"] += 1
         if self._jon:
             self._jevents.append(("published", wall_ms(), mid, cmd.command, "command", cmd.address, 0, None))
-        self._after.append(lambda: cmd.future.set_result(mid))
+        self._after.append((cmd.future, mid))
 
     def _queue_reply(self, cmd: QueueReply) -> None:
         reply_to, command, corr, body = cmd.reply
@@ -816,7 +929,7 @@ class Engine(threading.Thread):
         self._batch.put_intent(cmd.publisher, cmd.topic, intent.record())
         self._batch.sync = True
         self._peer(cmd.publisher)
-        self._after.append(lambda: cmd.future.set_result(intent.id))
+        self._after.append((cmd.future, intent.id))
         self._next_tick = 0.0
 
     def _confirm_intent(self, intent: Intent) -> None:
@@ -833,7 +946,7 @@ class Engine(threading.Thread):
             log.info("unsubscribe from %s at %s confirmed", intent.topic, intent.publisher)
         waiters, intent.waiters = intent.waiters, []
         for fut in waiters:
-            self._after.append(lambda f=fut: f.done() or f.set_result(True))
+            self._after.append((fut, True))
 
     # --- sending -----------------------------------------------------------------------
 
@@ -1079,7 +1192,7 @@ class Engine(threading.Thread):
     # --- drain and status --------------------------------------------------------------
 
     def idle(self) -> bool:
-        if self._queue or self._new or self._handoff:
+        if self._degraded is not None or self._queue or self._new or self._handoff:
             return False
         if any(not c.idle for c in self.consumers.values()):
             return False
@@ -1116,15 +1229,16 @@ class Engine(threading.Thread):
             "malformed": dict(self.malformed),
             "counters": self._counters(),
             "intents_unconfirmed": sum(1 for i in self.intents.values() if not i.confirmed),
+            "store_error": self._degraded or self.store.failure,
         }
 
     # --- shutdown ----------------------------------------------------------------------
 
     def _shutdown(self) -> None:
         self._stopping = True
-        err = BusClosedError("the bus closed before this call completed")
+        err: BusError = BusClosedError("the bus closed before this call completed")
         if self.failure is not None:
-            err = BusClosedError(f"the bus engine failed: {self.failure!r}")
+            err = self.broken()
         while self._queue:
             cmd = self._queue.popleft()
             if cmd.future is not None and not cmd.future.done():

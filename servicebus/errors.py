@@ -11,6 +11,7 @@ __all__ = [
     "BusClosedError",
     "StoreError",
     "CorruptRecordError",
+    "StoreWriteError",
     "BusBrokenError",
     "LockedError",
     "TransportError",
@@ -42,6 +43,12 @@ class CorruptRecordError(StoreError):
         super().__init__(message)
         self.keyspace = keyspace
         self.key = key
+
+
+class StoreWriteError(StoreError):
+    """A write to the store failed (a full disk, an I/O error). Nothing of it was applied,
+    and the store refuses every write after it until the bus has reopened it, which it does
+    by itself once writing works again (``status().store_error`` says why meanwhile)."""
 
 
 class BusBrokenError(BusError):

@@ -112,16 +112,23 @@ class DataDirLock:
             log.warning("recovered a stale lock on %s left by %s", datadir, previous.describe())
         owner = LockOwner(os.getpid(), socket.gethostname(), address, time.time())
         lock = cls(path, fd, owner, text if previous is not None else "")
-        lock.update(address)
+        try:
+            lock.update(address)
+        except BaseException:
+            lock.release(keep_stale=True)
+            raise
         return lock
 
     def update(self, address: str) -> None:
         """Rewrite the owner record (the bound address is known only after bind)."""
         self.owner = LockOwner(self.owner.pid, self.owner.host, address, self.owner.started)
         data = json.dumps(self.owner.__dict__).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
-        os.fsync(self._fd)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+            os.fsync(self._fd)
+        except OSError as exc:  # a full disk, most likely: the bus cannot run here now
+            raise StoreError(f"cannot write the lock file {self.path}: {exc.strerror}") from exc
 
     def release(self, *, keep_stale: bool = False) -> None:
         """Give the lock up. With ``keep_stale``, a stale owner record this lock took over
@@ -129,10 +136,15 @@ class DataDirLock:
         the operator to see; ``servicebus unlock`` removes it)."""
         if self._fd < 0:
             return
+        restored = False
         if keep_stale and self.previous:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, self.previous.encode(), 0)
-        else:
+            try:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self.previous.encode(), 0)
+                restored = True
+            except OSError:
+                pass  # a full disk: the record cannot be put back; remove the file instead
+        if not restored:
             try:
                 # Unlink while still holding the flock so no one can take the old inode over.
                 os.unlink(self.path)

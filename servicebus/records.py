@@ -80,3 +80,7 @@ class BusStatus:
     malformed_by_reason: Mapping[str, int]
     peers: tuple[PeerStatus, ...]
     lock: Mapping[str, object] = field(default_factory=dict)
+    # Why the store cannot be written right now (a full disk, an I/O error), or None. While
+    # set, nothing is received, acked or sent, publish raises StoreWriteError, and the bus
+    # retries by itself. Counts read from the store are -1 while it cannot be read either.
+    store_error: str | None = None

@@ -21,8 +21,8 @@ def make_bus(tmp_path):
     """Open buses that are closed at the end of the test, whatever happens."""
     buses: list[Bus] = []
 
-    def make(name: str, address: str | None = None, **options) -> Bus:
-        bus = Bus(address or free_address(), tmp_path / name, **options)
+    def make(name: str, address: str | None = None, datadir: Path | None = None, **options) -> Bus:
+        bus = Bus(address or free_address(), datadir or tmp_path / name, **options)
         buses.append(bus)
         return bus
 
