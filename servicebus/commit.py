@@ -15,8 +15,8 @@ order: its delivery cursors rely on both.
 
 from __future__ import annotations
 
+import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -70,7 +70,7 @@ class GroupCommit:
         if self._last_group > 1:
             # Callers of the last group are just waking up and will publish again at once:
             # give them the GIL to join this group, or each waits a whole fsync more.
-            time.sleep(0)
+            os.sched_yield()  # releases the GIL; unlike time.sleep(0), no clock involved
         with self._mutex:
             group, self._queue = self._queue, []
             self._last_group = len(group)

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from .clock import BusClock, wall_ms
 from .config import BusConfig
@@ -40,6 +40,7 @@ __all__ = ["Dispatcher", "Incoming", "incoming_record"]
 log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
+T = TypeVar("T")
 RUN = 16  # ready messages a worker takes at once, at most
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
@@ -81,6 +82,7 @@ class Dispatcher:
         self._heap: list[tuple[float, int, Incoming]] = []
         self._seq = itertools.count()
         self._known: set[str] = set()  # queued, running or waiting for a retry
+        self._reserved: set[str] = set()  # being stored by the engine (see reserve)
         self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
         self._overflow = False
         self._overflow_gen = 0
@@ -119,6 +121,14 @@ class Dispatcher:
                         "be rerun after the next start", len(alive), timeout)
         return not alive
 
+    def refill(self) -> None:
+        """Queue every stored incoming message not in memory (after the store was reopened:
+        a write that did not count may still have stored messages nobody handed over)."""
+        try:
+            self._refill()
+        except StoreError as exc:
+            log.error("reading stored incoming messages failed: %s", exc)
+
     def in_worker(self) -> bool:
         return threading.current_thread() in self._threads
 
@@ -140,19 +150,24 @@ class Dispatcher:
             batch.clear()
         return batch
 
-    def _record(self, batch: Any) -> None:
-        """Write what a handler's run did (done, failed, dead-lettered). It happened: if the
-        write fails (a full disk), it is tried again until it succeeds, so that the handler
-        does not run again while the process lives. Only closing the bus gives up (the
-        message then runs again after the next start, as after a crash)."""
+    def _record(self, build: Callable[[Any], T]) -> T:
+        """Write what a handler's run did (done, failed, dead-lettered): ``build(batch)``
+        fills a batch, whose write is tried until it succeeds. It happened: if the write
+        fails (a full disk, the store being reopened), the handler must not run again while
+        the process lives, so the message stays in memory meanwhile. The batch is built
+        again each time (one made before a reopen belongs to the closed handle). Only
+        closing the bus gives up (the message then runs again after the next start, as
+        after a crash). Returns what ``build`` returned."""
         delay = 0.05
         while True:
             try:
+                batch = self._scratch()
+                result = build(batch)
                 self._store.write(batch, sync=False)
-                return
-            except StoreError:
+                return result
+            except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
                 if self._closing or self._store.closed:
-                    raise
+                    raise StoreError(f"closing before a handler's run was recorded: {exc}") from exc
                 self._store.wait_writable(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -188,11 +203,31 @@ class Dispatcher:
 
     # --- intake ------------------------------------------------------------------------
 
+    def reserve(self, ids: list[str]) -> None:
+        """Messages the engine is storing now and will ``submit`` once that write counts:
+        a refill running meanwhile must not take (and finish) them first, or the engine's
+        hand-off would run them again."""
+        with self._cv:
+            self._known.update(ids)
+            self._reserved.update(ids)
+
+    def unreserve(self, ids: list[str]) -> None:
+        """The write that stored them did not count: they are not handed over."""
+        with self._cv:
+            for mid in ids:
+                if mid in self._reserved:
+                    self._reserved.discard(mid)
+                    self._known.discard(mid)
+
     def submit(self, items: Iterable[Incoming]) -> None:
         with self._cv:
             added = 0
+            reserved = self._reserved
             for item in items:
-                if item.id in self._known:
+                if item.id in reserved:
+                    reserved.discard(item.id)
+                    self._known.discard(item.id)
+                elif item.id in self._known:
                     continue
                 if len(self._known) >= self._config.dispatch_queue:
                     self._overflow = True
@@ -411,11 +446,11 @@ class Dispatcher:
 
         attempts += 1
         if not marked:
-            batch = self._scratch()
-            batch.put_runstate(item.id, [attempts, done, last_error, 0])
             try:
+                batch = self._scratch()
+                batch.put_runstate(item.id, [attempts, done, last_error, 0])
                 store.write(batch, sync=False)  # a crash from here on counts as an attempt
-            except StoreError:
+            except (StoreError, RuntimeError):  # RuntimeError: plyvel's closed handle
                 if self._closing:
                     raise
                 # Not written, so not run: the store cannot be written (a full disk). Try
@@ -447,16 +482,15 @@ class Dispatcher:
             done.append(name)
             if len(handlers) > 1 and len(done) < len(handlers):
                 # Remember which handlers finished, so a crash reruns only the others.
-                batch = self._scratch()
-                batch.put_runstate(item.id, [attempts, done, last_error, 0])
-                self._record(batch)
+                self._record(lambda b: b.put_runstate(item.id, [attempts, done, last_error, 0]))
 
         if error is None:
-            batch = self._scratch()
-            batch.complete_incoming(item.id, self._clock.now())
-            self._journal.record(batch, [_event("handled", item, attempts)])
-            premarked = self._with_marker(batch, nxt)
-            self._record(batch)
+            def completed(batch: Any) -> bool:
+                batch.complete_incoming(item.id, self._clock.now())
+                self._journal.record(batch, [_event("handled", item, attempts)])
+                return self._with_marker(batch, nxt)
+
+            premarked = self._record(completed)
             self.handled += 1
             return None, premarked
         self.failed += 1
@@ -465,12 +499,13 @@ class Dispatcher:
             self._deadletter(item, "handler_failed", error, attempts, [failed])
             return None, False
         delay = backoff(attempts, config.retry_initial, config.retry_max)
-        batch = self._scratch()
-        batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
-        self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
-        premarked = self._with_marker(batch, nxt)
-        self._record(batch)
-        return time.monotonic() + delay, premarked
+
+        def retried(batch: Any) -> bool:
+            batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
+            self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
+            return self._with_marker(batch, nxt)
+
+        return time.monotonic() + delay, self._record(retried)
 
     def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
                      nxt: Incoming | None = None) -> bool:
@@ -491,12 +526,14 @@ class Dispatcher:
             body = encode_payload({"ok": False, "type": "ValueError",
                                    "message": f"reply of {len(body)} bytes exceeds max_payload"})
         reply_record = [message.reply_to, message.topic, message.correlation_id, body]
-        batch = self._scratch()
-        batch.complete_with_reply(item.id, self._clock.now(), reply_record)
         events.append(_event("handled", item, message.attempt))
-        self._journal.record(batch, events)
-        premarked = self._with_marker(batch, nxt)
-        self._record(batch)
+
+        def replied(batch: Any) -> bool:
+            batch.complete_with_reply(item.id, self._clock.now(), reply_record)
+            self._journal.record(batch, events)
+            return self._with_marker(batch, nxt)
+
+        premarked = self._record(replied)
         self.handled += 1
         self._on_reply(item.id, reply_record)
         return premarked
@@ -519,19 +556,18 @@ class Dispatcher:
                             "the incoming store", item.id, corr)
                 return None
             log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
-        batch = self._scratch()
-        batch.complete_incoming(item.id, self._clock.now())
-        self._journal.record(batch, [_event("handled", item, 1)])
-        self._record(batch)
+        def completed(batch: Any) -> None:
+            batch.complete_incoming(item.id, self._clock.now())
+            self._journal.record(batch, [_event("handled", item, 1)])
+
+        self._record(completed)
         return None
 
     def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
                     events: list | None = None) -> None:
         record = item.record
-        batch = self._scratch()
         name = "expired" if reason == "expired" else "deadlettered"
-        self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
-        batch.deadletter_incoming(item.id, {
+        letter = {
             "origin": "incoming",
             "reason": reason,
             "error": error,
@@ -540,8 +576,13 @@ class Dispatcher:
             "kind": KIND_NAMES.get(record[0], "event"),
             "topic": record[1],
             "record": record,
-        })
-        self._record(batch)
+        }
+
+        def deadlettered(batch: Any) -> None:
+            self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
+            batch.deadletter_incoming(item.id, letter)
+
+        self._record(deadlettered)
         self.deadlettered += 1
         log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
                   error or reason)

@@ -537,6 +537,8 @@ class Engine(threading.Thread):
             self.journal.record(batch, self._jevents)
             self._jevents = []
         if batch.ops or batch.sync:
+            if self._handoff:
+                self.dispatcher.reserve([item.id for item in self._handoff])
             try:
                 self.store.write(batch, sync=batch.sync)
             except StoreError as exc:
@@ -554,7 +556,7 @@ class Engine(threading.Thread):
         if len(after) > 1:
             # Several callers were waiting on this commit: let them run and queue their next
             # call before the next turn, so that it commits them together (group commit).
-            time.sleep(0)
+            os.sched_yield()  # releases the GIL (see commit.py)
         if self._handoff:
             # Before the acks: a worker takes a while to wake up, the acks go meanwhile.
             handoff, self._handoff = self._handoff, []
@@ -596,6 +598,7 @@ class Engine(threading.Thread):
             if not future.done():
                 future.set_exception(failed)
         self._acks.clear()
+        self.dispatcher.unreserve([item.id for item in self._handoff])
         self._handoff.clear()
         self._turn_ids.clear()
         self._jevents = []
@@ -651,6 +654,8 @@ class Engine(threading.Thread):
         self._queue = deque(c for c in self._queue if not isinstance(c, (Published, QueueReply)))
         self._batch = self.store.batch()
         self._load()  # as at a start: cursors, subscriptions, intents, stored replies
+        # ... and the handlers get whatever is stored and not in memory, off this thread.
+        threading.Thread(target=self.dispatcher.refill, name="servicebus-refill", daemon=True).start()
         for key, old in waiters.items():
             intent = self.intents.get(key)
             if intent is not None and intent.op == old.op:

@@ -26,6 +26,7 @@ fan-out to ten subscribers at one write per message.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -246,6 +247,10 @@ class Batch:
         self._delete(key)
 
 
+class _WriteFailed(Exception):
+    """A LevelDB write failed (carried past the guard, which would call it damage)."""
+
+
 class _Guard:
     """Counts calls in progress so that ``close()`` and ``reopen()`` can wait for them, and
     translates errors. While the database handle is being replaced, calls fail at once
@@ -297,6 +302,10 @@ class Store:
         self._reopen_lock = threading.Lock()
         self._failure: str | None = None  # why writes are refused, until reopen() works
         self._failures = 0  # write failures so far (see _writing)
+        self._write_cv = threading.Condition(threading.Lock())
+        self._tickets = itertools.count()
+        self._inflight: set[int] = set()  # writes inside LevelDB now
+        self._waiting = 0  # writes waiting for the outcome of others
         self.generation = 0  # bumped by reopen(): batches of an older handle are copied
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -429,7 +438,7 @@ class Store:
                 except plyvel.Error as exc:
                     self._failure = f"store write failed: {exc}"
                     return False
-                with self._lock:
+                with self._lock, self._write_cv:
                     self._failure = None
                 return True
             finally:
@@ -438,45 +447,70 @@ class Store:
                     self._cv.notify_all()
 
     def _writing(self, batches: list[Batch], sync: bool) -> None:
-        """Apply ``batches`` atomically in one LevelDB write, and refuse every write once
-        one failed, until ``reopen``.
+        """Apply ``batches`` atomically in one LevelDB write; ``StoreWriteError`` if it may
+        not survive, and for every write after a failed one until ``reopen``.
 
-        Why refuse: LevelDB appends a write after a failed one's partial log record, and
-        its recovery then drops it, acknowledged or not (measured: a synced put that
-        returned OK after an ENOSPC was gone after a reopen). Writes are not serialized in
-        Python to enforce this (measured: a fifth to a quarter of e2e-batch throughput;
-        LevelDB's own writer queue groups concurrent writes without the GIL): a write that
-        was already inside LevelDB when another failed is reported as failed too, through
-        the failure count checked after it. What is left is a race of microseconds (such a
-        write returning to Python before the failing one) and it is never silent: the
-        reopen's paranoid log recovery refuses a log with a record after a partial one,
-        and `servicebus check --repair` reports what LevelDB drops."""
-        failures = self._failures
-        if self._failure is not None:
-            raise StoreWriteError(f"the store refuses writes since one failed ({self._failure})")
-        with self._op():
-            try:
-                if len(batches) == 1 and not sync and batches[0].generation == self.generation:
-                    batches[0]._wb.write()  # the common case: nothing to copy
-                else:
-                    merged = self._db.write_batch(sync=sync)
-                    for batch in batches:
-                        merged.append(batch._wb)
-                    merged.write()
-            except plyvel.Error as exc:
-                self._failed(f"store write failed: {exc}")
-                raise StoreWriteError(self._failure) from exc
-        if self._failures != failures:
+        Why: when a write fails (ENOSPC) LevelDB leaves a partial record at the end of its
+        log, and appends the next write after it; at the next open its recovery takes the
+        partial record for a torn tail and silently drops everything after it, paranoid
+        checks or not (measured: a synced put that returned OK after an ENOSPC was gone
+        after a reopen). So no write may count as done if one that could have gone into the
+        log before it failed: a write waits, after LevelDB returned, for the outcome of
+        every write still in LevelDB at that moment, and fails if any of them failed.
+        Writes are not serialized in Python instead (measured: a fifth to a quarter of
+        e2e-batch throughput): LevelDB's own queue groups concurrent writes without the GIL."""
+        cv = self._write_cv
+        with cv:
+            if self._failure is not None:
+                raise StoreWriteError(f"the store refuses writes since one failed ({self._failure})")
+            failures = self._failures
+            ticket = next(self._tickets)
+            inflight = self._inflight
+            inflight.add(ticket)
+        try:
+            with self._op():
+                try:
+                    if len(batches) == 1 and not sync and batches[0].generation == self.generation:
+                        batches[0]._wb.write()  # the common case: nothing to copy
+                    else:
+                        merged = self._db.write_batch(sync=sync)
+                        for batch in batches:
+                            merged.append(batch._wb)
+                        merged.write()
+                except plyvel.Error as exc:
+                    raise _WriteFailed(exc) from exc  # not the guard's "damaged files" error
+        except _WriteFailed as failed:
+            exc = failed.__cause__
+            with cv:
+                inflight.discard(ticket)
+                first = self._failure is None
+                self._failure = f"store write failed: {exc}"
+                self._failures += 1
+                cv.notify_all()
+            if first:
+                log.error("%s; the store refuses writes until it is reopened", self._failure)
+            raise StoreWriteError(self._failure) from exc
+        except BaseException:
+            with cv:
+                inflight.discard(ticket)
+                cv.notify_all()
+            raise
+        with cv:
+            inflight.discard(ticket)
+            if self._waiting:
+                cv.notify_all()  # someone waits for this write's outcome
+            if inflight:
+                before = set(inflight)  # may have gone into the log before this one
+                self._waiting += 1
+                try:
+                    while before & inflight:
+                        cv.wait()
+                finally:
+                    self._waiting -= 1
+            lost = self._failures != failures
+        if lost:
             raise StoreWriteError(f"a write at the same time failed ({self._failure}): this one "
-                                  "may have landed after it in the log, so it does not count as done")
-
-    def _failed(self, why: str) -> None:
-        with self._lock:
-            first = self._failure is None
-            self._failure = why
-            self._failures += 1
-        if first:
-            log.error("%s; the store refuses writes until it is reopened", why)
+                                  "may be dropped with it when the store is reopened, so it does not count")
 
     @property
     def closed(self) -> bool:
@@ -666,13 +700,17 @@ class Store:
             return self._db.get(_N + key) is not None
 
     def seen_many(self, message_ids: list[str]) -> list[bool]:
-        """``seen`` for many ids in one guarded call (the engine checks whole frames)."""
+        """``seen`` for many ids in one guarded call (the engine checks whole frames).
+
+        The reads follow the order a message moves in (incoming, then handled or dead
+        letters, each move one write): read the other way round, a message completing
+        between two reads is found in neither, and its resend is handled again."""
         out = []
         with self._op():
             get = self._db.get
             for mid in message_ids:
                 key = mid.encode()
-                out.append(get(_H + key) is not None or get(_N + key) is not None
+                out.append(get(_N + key) is not None or get(_H + key) is not None
                            or get(_X + key) is not None)
         return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -12,6 +13,7 @@ __all__ = ["free_port", "free_address", "wait_until", "FakeClock"]
 from .clock import BusClock
 
 T = TypeVar("T")
+_pause = threading.Event().wait
 
 
 def free_port() -> int:
@@ -37,7 +39,10 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
         if time.monotonic() >= deadline:
             text = message() if callable(message) else message
             raise AssertionError(f"timed out after {timeout}s waiting for {text}")
-        time.sleep(interval)
+        # An Event's timed wait, not time.sleep: Python 3.11's sleep uses an absolute
+        # clock_nanosleep that libfaketime 0.9.10 breaks (EINVAL) for processes whose clock
+        # tests move while leaving the monotonic clock alone (wolfcw/libfaketime#426).
+        _pause(interval)
 
 
 class FakeClock(BusClock):

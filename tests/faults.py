@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["SmallDisk", "cannot_mount"]
+__all__ = ["SmallDisk", "cannot_mount", "Partition", "cannot_partition", "cannot_drop_packets"]
 
 
 def cannot_mount() -> str | None:
@@ -62,3 +62,84 @@ class SmallDisk:
 
     def free(self) -> None:
         self.filler.unlink(missing_ok=True)
+
+
+# --- network partitions ------------------------------------------------------------------------
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+def cannot_partition() -> str | None:
+    """Why two network namespaces joined by a veth pair cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (the ip command) is not installed"
+    probe = f"sbprobe{os.getpid()}"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        return f"this kernel cannot make network namespaces: {made.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return None
+
+
+def cannot_drop_packets() -> str | None:
+    """Why packets cannot be dropped at random (iptables' statistic match), or None."""
+    if shutil.which("iptables") is None:
+        return "iptables is not installed (Debian package iptables)"
+    return None
+
+
+class Partition:
+    """Two network namespaces, ``a`` and ``b``, joined by a veth pair, with addresses only
+    inside them (10.213.x.1 and .2). ``cut()`` takes the link down, ``heal()`` brings it
+    back, ``lossy(p)`` drops packets at random on both ends, ``clear()`` stops that. The
+    namespaces (and the veth pair with them) are deleted on exit."""
+
+    def __init__(self) -> None:
+        tag = os.urandom(3).hex()
+        self.ns = {"a": f"sba{tag}", "b": f"sbb{tag}"}
+        self.dev = {"a": f"sva{tag}", "b": f"svb{tag}"}  # interface names: 15 bytes at most
+        octet = int(tag[:2], 16) % 250 + 2
+        self.ip = {"a": f"10.213.{octet}.1", "b": f"10.213.{octet}.2"}
+
+    def __enter__(self) -> "Partition":
+        steps = [("netns", "add", self.ns["a"]), ("netns", "add", self.ns["b"]),
+                 ("link", "add", self.dev["a"], "type", "veth", "peer", "name", self.dev["b"])]
+        for side in "ab":
+            steps += [("link", "set", self.dev[side], "netns", self.ns[side]),
+                      ("-n", self.ns[side], "addr", "add", f"{self.ip[side]}/24", "dev", self.dev[side]),
+                      ("-n", self.ns[side], "link", "set", self.dev[side], "up"),
+                      ("-n", self.ns[side], "link", "set", "lo", "up")]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode != 0:
+                self.__exit__()
+                raise OSError(f"ip {' '.join(step)}: {done.stderr.strip()}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for side in "ab":
+            _ip("netns", "del", self.ns[side])  # takes the veth end inside it along
+
+    def prefix(self, side: str) -> list[str]:
+        """Command prefix that runs a program inside namespace ``side``."""
+        return ["ip", "netns", "exec", self.ns[side]]
+
+    def cut(self) -> None:
+        _ip("-n", self.ns["a"], "link", "set", self.dev["a"], "down")
+
+    def heal(self) -> None:
+        _ip("-n", self.ns["a"], "link", "set", self.dev["a"], "up")
+
+    def lossy(self, probability: float) -> None:
+        for side in "ab":
+            subprocess.run([*self.prefix(side), "iptables", "-A", "INPUT", "-m", "statistic",
+                            "--mode", "random", "--probability", str(probability), "-j", "DROP"],
+                           capture_output=True, check=True)
+
+    def clear(self) -> None:
+        for side in "ab":
+            subprocess.run([*self.prefix(side), "iptables", "-F", "INPUT"], capture_output=True)

@@ -1,0 +1,507 @@
+"""tools/chaos: real buses in real processes under real faults, counted Jepsen-style.
+
+    tools/chaos [--long] [--only KIND ...] [--seed N] [--json] [--keep]
+
+Each fault kind gets a run of its own: a publisher and a subscriber process (tools/
+chaos_node.py) on their own data directories, publishing about 500 messages a second,
+while the fault is injected again and again at random moments and healed. Then publishing
+stops, everything is healed and the subscriber is given time to receive the rest. Counted
+per run, from what the processes wrote down (nothing is taken from the buses' word):
+
+- acknowledged: publishes that returned (the bus promised these);
+- handled: acknowledged messages a handler ran for;
+- lost: acknowledged, never handled, not a dead letter and not reported lost by a repair;
+- duplicated: handled more than once, other than the one rerun the README documents (a
+  handler whose process was killed with SIGKILL after it ran and before its completion
+  reached the OS runs again after the restart: shown apart, as "reruns after kill -9");
+- reported lost: messages `servicebus check --repair` reported it could not recover
+  after store damage that destroys data (a truncated table, flipped bits);
+- dead letters: at either bus (e.g. a message whose stored record was damaged).
+
+Faults: kill -9 of either side; SIGSTOP/SIGCONT; a network partition between two network
+namespaces joined by a veth pair (link down, then iptables random drop), healed; disk full
+on a small tmpfs, then freed; the wall clock moved back (publisher) and forward past the
+dedupe window (subscriber) with libfaketime; store damage (missing CURRENT, a garbage
+record, a truncated table, flipped bits) followed by `servicebus check --repair`. Faults
+that need root or a kernel feature this machine lacks are skipped with a note saying why.
+Exit code 0 when nothing was lost or duplicated, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.faults import (  # noqa: E402
+    Partition, SmallDisk, cannot_drop_packets, cannot_mount, cannot_partition)
+
+NODE = str(ROOT / "tools" / "chaos_node.py")
+CLI = str(Path(sys.executable).parent / "servicebus")
+
+# kind -> (faults in the short profile, in the long one). The long one is >= 100 faults.
+KINDS = {
+    "kill-subscriber": (2, 18),
+    "kill-publisher": (2, 16),
+    "pause": (2, 14),
+    "partition": (1, 10),
+    "packet-loss": (1, 8),
+    "disk-full": (2, 12),
+    "clock": (2, 12),
+    "store-damage": (4, 12),
+}
+DAMAGE = ("missing CURRENT", "garbage record", "truncated table", "flipped bits")
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# --- one bus process -----------------------------------------------------------------------------
+
+
+class Node:
+    def __init__(self, role: str, work: Path, bind: str, prefix: list[str], peer: str | None = None,
+                 disk: SmallDisk | None = None) -> None:
+        self.role, self.bind, self.prefix, self.peer, self.disk = role, bind, prefix, peer, disk
+        base = disk.path if disk is not None else work
+        self.datadir = base / role
+        self.ready = work / f"{role}.ready"
+        self.log = work / f"{role}.log"
+        self.stop_file = work / f"{role}.stop"
+        self.quiet = work / f"{role}.quiet"
+        self.acks = work / "acks"
+        self.handled = work / "handled"
+        self.proc: subprocess.Popen | None = None
+        self.killed: set[int] = set()  # pids ended with SIGKILL
+        self.clock = ""  # libfaketime offset of the running process
+
+    def start(self, wait: bool = True) -> bool:
+        self.ready.unlink(missing_ok=True)
+        wrap, env = [], dict(os.environ)
+        if self.clock:
+            wrap = [shutil.which("faketime") or "faketime", "-f", self.clock]
+            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"  # see tests/conftest.py faketime()
+        cmd = [*self.prefix, *wrap, sys.executable, NODE, "--role", self.role, "--bind", self.bind,
+               "--datadir", str(self.datadir), "--ready", str(self.ready), "--stop", str(self.stop_file)]
+        if self.role == "sub":
+            cmd += ["--peer", self.peer, "--handled", str(self.handled)]
+        else:
+            cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet)]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, env=env)
+        return self.wait_ready() if wait else True
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """True once ready; False if the process exited first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready.exists():
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        raise TimeoutError(f"{self.role} not ready within {timeout}s; log:\n{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    @property
+    def pid(self) -> int:
+        # With a prefix (ip netns exec, faketime) the python process is exec'd in place.
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.alive():
+            self.killed.add(self.pid)
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if not self.alive():
+            return
+        self.stop_file.touch()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.stop_file.unlink(missing_ok=True)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+
+
+# --- faults --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    kind: str
+    faults: int = 0
+    acknowledged: int = 0
+    handled: int = 0
+    lost: list[str] = field(default_factory=list)
+    duplicated: list[str] = field(default_factory=list)
+    reruns_after_kill: int = 0
+    reported_lost: set[str] = field(default_factory=set)
+    deadletters: set[str] = field(default_factory=set)
+    repairs: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+
+class Chaos:
+    def __init__(self, kind: str, work: Path, rng: random.Random, env: "Environment") -> None:
+        self.kind, self.work, self.rng, self.env = kind, work, rng, env
+        self.run = Run(kind)
+        self.sub: Node = None  # type: ignore[assignment]
+        self.pub: Node = None  # type: ignore[assignment]
+
+    # -- the workload --
+
+    def setup(self, stack: ExitStack) -> None:
+        part, disks = self.env.partition, {}
+        if self.env.can_mount:
+            for role in ("pub", "sub"):
+                disks[role] = stack.enter_context(SmallDisk(self.work / f"{role}-disk", 64))
+        port = self.rng.randrange(20000, 60000)
+        if part is not None:
+            pub_bind, sub_bind = f"tcp://{part.ip['a']}:{port}", f"tcp://{part.ip['b']}:{port + 1}"
+            pub_prefix, sub_prefix = part.prefix("a"), part.prefix("b")
+        else:
+            pub_bind, sub_bind = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+            pub_prefix = sub_prefix = []
+        self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"))
+        self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=pub_bind, disk=disks.get("sub"))
+        stack.callback(self._stop_all)
+        self.pub.start(wait=False)
+        if not self.sub.start():
+            raise RuntimeError(f"the subscriber did not start:\n{self.sub.tail()}")
+        if not self.pub.wait_ready():
+            raise RuntimeError(f"the publisher did not start:\n{self.pub.tail()}")
+
+    def _stop_all(self) -> None:
+        for node in (self.pub, self.sub):
+            if node is not None:
+                node.stop()
+
+    def supervise(self) -> None:
+        """A node that exited on its own (a store damaged while running, found after the
+        fault) is repaired and restarted: what a careful operator would do."""
+        for node in (self.pub, self.sub):
+            if node.alive():
+                continue
+            if node.proc.returncode == 3:
+                self.repair(node)
+            else:  # it crashed: say so loudly, and go on as an operator's restart would
+                self.run.notes.append(f"the {node.role} exited with {node.proc.returncode}: "
+                                      f"{node.tail()[-300:]!r}")
+            self.restart(node)
+
+    def restart(self, node: Node) -> None:
+        for _ in range(3):
+            if node.start():
+                return
+            if node.proc.returncode == 3:  # its store is damaged: repair, then start again
+                self.repair(node)
+        raise RuntimeError(f"{node.role} does not start:\n{node.tail()}")
+
+    def repair(self, node: Node) -> None:
+        checked = subprocess.run([CLI, "check", str(node.datadir)], capture_output=True, text=True)
+        if checked.returncode not in (0, 4):
+            self.run.notes.append(f"check exited {checked.returncode}: {checked.stderr.strip()[:200]}")
+        repaired = subprocess.run([CLI, "check", str(node.datadir), "--repair", "--json"],
+                                  capture_output=True, text=True)
+        self.run.repairs += 1
+        if repaired.returncode != 0:
+            raise RuntimeError(f"check --repair of {node.role} failed: {repaired.stderr.strip()}")
+        for line in repaired.stdout.splitlines():
+            row = json.loads(line)
+            if row["problem"].startswith("lost") or row["action"].startswith("dropped: LOST"):
+                self.run.reported_lost.add(row["key"].split("\x00")[-1])  # outgoing keys: stream NUL id
+
+    # -- one fault of each kind --
+
+    def inject(self, i: int) -> None:
+        getattr(self, "fault_" + self.kind.replace("-", "_"))(i)
+        self.run.faults += 1
+        self.supervise()
+
+    def fault_kill_subscriber(self, i: int) -> None:
+        self.sub.kill()
+        self.restart(self.sub)
+
+    def fault_kill_publisher(self, i: int) -> None:
+        self.pub.kill()
+        self.restart(self.pub)
+
+    def fault_pause(self, i: int) -> None:
+        node = self.rng.choice((self.pub, self.sub))
+        node.signal(signal.SIGSTOP)
+        time.sleep(self.rng.uniform(0.5, 3.0))
+        node.signal(signal.SIGCONT)
+
+    def fault_partition(self, i: int) -> None:
+        self.env.partition.cut()
+        time.sleep(self.rng.uniform(1.0, 6.0))  # shorter and longer than peer_timeout (3 s)
+        self.env.partition.heal()
+
+    def fault_packet_loss(self, i: int) -> None:
+        self.env.partition.lossy(0.3)
+        time.sleep(self.rng.uniform(2.0, 5.0))
+        self.env.partition.clear()
+
+    def fault_disk_full(self, i: int) -> None:
+        node = (self.pub, self.sub)[i % 2]
+        node.disk.fill()
+        time.sleep(self.rng.uniform(1.0, 3.0))
+        node.disk.free()
+
+    def fault_clock(self, i: int) -> None:
+        # The publisher's clock goes back an hour more each time; the subscriber's forward
+        # past the 7-day dedupe window. libfaketime moves a process's clock from its start.
+        node = (self.pub, self.sub)[i % 2]
+        node.clock = f"-{i // 2 + 1}h" if node is self.pub else f"+{8 * (i // 2 + 1)}d"
+        node.stop()
+        self.restart(node)
+
+    def fault_store_damage(self, i: int) -> None:
+        node = (self.sub, self.pub)[i % 2]
+        how = DAMAGE[i % len(DAMAGE)]  # each kind of damage, on both sides in turn
+        node.kill()
+        what = damage(node.datadir / "store", how, self.rng)
+        lost_before = len(self.run.reported_lost)
+        opened = node.start()
+        if opened and how in ("missing CURRENT", "garbage record"):
+            self.run.notes.append(f"{how}: the {node.role} opened a damaged store")
+        if not node.alive():
+            self.repair(node)
+            self.restart(node)
+        self.run.notes.append(
+            f"{how} in the {node.role}'s {what}: {'opened (damage not read at start)' if opened else 'refused to start'}"
+            f"{'' if opened else f', repaired, {len(self.run.reported_lost) - lost_before} reported lost'}")
+
+    # -- counting --
+
+    def count(self) -> None:
+        acked = self.pub.acks.read_text().split() if self.pub.acks.exists() else []
+        handlings: dict[str, list[int]] = {}
+        if self.sub.handled.exists():
+            for line in self.sub.handled.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 2:
+                    handlings.setdefault(parts[0], []).append(int(parts[1]))
+        run = self.run
+        run.acknowledged = len(acked)
+        run.handled = sum(1 for mid in acked if mid in handlings)
+        for node in (self.pub, self.sub):
+            listed = subprocess.run([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
+                                    capture_output=True, text=True)
+            run.deadletters |= {json.loads(line)["id"] for line in listed.stdout.splitlines()}
+        run.lost = [mid for mid in acked if mid not in handlings
+                    and mid not in run.reported_lost and mid not in run.deadletters]
+        for mid, pids in handlings.items():
+            for earlier, _later in zip(pids, pids[1:]):
+                if earlier in self.sub.killed:
+                    run.reruns_after_kill += 1  # the documented window (see the docstring)
+                else:
+                    run.duplicated.append(mid)
+
+    def evidence(self) -> None:
+        """What the buses themselves logged about the faults: proof they were real."""
+        logs = "".join(n.log.read_text(errors="replace") for n in (self.pub, self.sub) if n.log.exists())
+        seen = {
+            "disk-full": ("the store cannot be written", "store failures logged"),
+            "partition": ("is down", "peers seen down"),
+            "packet-loss": ("is down", "peers seen down"),
+        }.get(self.kind)
+        if seen:
+            self.run.notes.append(f"{logs.count(seen[0])} {seen[1]}")
+        if self.kind.startswith("kill"):
+            self.run.notes.append(f"{len(self.pub.killed) + len(self.sub.killed)} processes killed with SIGKILL")
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Stop publishing and wait until every acknowledged message is accounted for."""
+        self.pub.quiet.touch()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.supervise()
+            acked = set(self.pub.acks.read_text().split()) if self.pub.acks.exists() else set()
+            done = {line.split()[0] for line in self.sub.handled.read_text().splitlines() if line.strip()} \
+                if self.sub.handled.exists() else set()
+            if acked <= done | self.run.reported_lost:
+                return
+            time.sleep(0.5)
+        self.run.notes.append(f"not everything arrived within {timeout:.0f}s of healing")
+
+
+def damage(store: Path, how: str, rng: random.Random) -> str:
+    """Damage a stopped bus's store the way disks and people do; say what was hit."""
+    import plyvel
+
+    if how == "missing CURRENT":
+        (store / "CURRENT").unlink(missing_ok=True)
+        return "CURRENT file"
+    if how == "garbage record":
+        db = plyvel.DB(str(store))
+        keys = [k for prefix in (b"s/", b"d/", b"i/") for k in db.iterator(prefix=prefix, include_value=False)]
+        victim = rng.choice(keys) if keys else b"m/node"
+        db.put(victim, b"\xc1 garbage")
+        db.close()
+        return f"record {victim[:2].decode()}…"
+    files = sorted(store.glob("*.ldb"), key=lambda p: p.stat().st_size) or sorted(store.glob("*.log"))
+    if not files:
+        return "nothing (no file)"
+    victim = files[-1]
+    data = bytearray(victim.read_bytes())
+    if how == "truncated table":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # flipped bits
+        for _ in range(8):
+            at = rng.randrange(len(data))
+            data[at] ^= 1 << rng.randrange(8)
+        victim.write_bytes(bytes(data))
+    return f"{victim.name} ({len(data) // 1024} KiB)"
+
+
+# --- the environment and the table -----------------------------------------------------------------
+
+
+@dataclass
+class Environment:
+    partition: Partition | None
+    can_mount: bool
+    why_not: dict[str, str]
+
+
+def environment(stack: ExitStack) -> Environment:
+    why_not: dict[str, str] = {}
+    no_mount = cannot_mount()
+    if no_mount:
+        why_not["disk-full"] = no_mount
+    no_netns = cannot_partition()
+    partition = None
+    if no_netns:
+        why_not["partition"] = why_not["packet-loss"] = no_netns
+    else:
+        partition = stack.enter_context(Partition())
+        no_drop = cannot_drop_packets()
+        if no_drop:
+            why_not["packet-loss"] = no_drop
+    if shutil.which("faketime") is None:
+        why_not["clock"] = "faketime is not installed (Debian package faketime)"
+    return Environment(partition, not no_mount, why_not)
+
+
+def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: bool) -> Run:
+    if kind in env.why_not:
+        run = Run(kind)
+        run.skipped = env.why_not[kind]
+        return run
+    work = Path(tempfile.mkdtemp(prefix=f"chaos-{kind}-"))
+    began = time.monotonic()
+    chaos = Chaos(kind, work, rng, env)
+    try:
+        with ExitStack() as stack:
+            chaos.setup(stack)
+            for i in range(count):
+                time.sleep(rng.uniform(0.5, 1.5))  # the workload runs between faults
+                chaos.inject(i)
+            time.sleep(1.0)
+            chaos.settle()
+            for node in (chaos.pub, chaos.sub):
+                node.stop()
+            chaos.count()
+            chaos.evidence()
+    finally:
+        chaos.run.seconds = time.monotonic() - began
+        if env.partition is not None:
+            env.partition.heal()
+            env.partition.clear()
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            chaos.run.notes.append(f"kept {work}")
+    return chaos.run
+
+
+def table(runs: list[Run]) -> str:
+    head = ("fault", "injected", "acknowledged", "handled", "lost", "duplicated",
+            "reruns after kill -9", "reported lost by repair", "dead letters", "seconds")
+    rows = []
+    for r in runs:
+        if r.skipped:
+            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", ""))
+            continue
+        rows.append((r.kind, r.faults, r.acknowledged, r.handled, len(r.lost), len(r.duplicated),
+                     r.reruns_after_kill, len(r.reported_lost), len(r.deadletters), f"{r.seconds:.0f}"))
+    done = [r for r in runs if not r.skipped]
+    rows.append(("total", sum(r.faults for r in done), sum(r.acknowledged for r in done),
+                 sum(r.handled for r in done), sum(len(r.lost) for r in done),
+                 sum(len(r.duplicated) for r in done), sum(r.reruns_after_kill for r in done),
+                 sum(len(r.reported_lost) for r in done), sum(len(r.deadletters) for r in done),
+                 f"{sum(r.seconds for r in done):.0f}"))
+    widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
+    line = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--long", action="store_true", help="at least 100 faults (minutes); default: a short profile")
+    ap.add_argument("--only", action="append", choices=list(KINDS), help="only this kind of fault")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (printed; repeat a run with it)")
+    ap.add_argument("--json", action="store_true", help="print the runs as JSON")
+    ap.add_argument("--keep", action="store_true", help="keep the runs' data directories")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    log(f"tools/chaos: seed {seed}, {'long' if args.long else 'short'} profile")
+    runs = []
+    with ExitStack() as stack:
+        env = environment(stack)
+        for kind in args.only or KINDS:
+            count = KINDS[kind][1 if args.long else 0]
+            log(f"== {kind}: {count} fault(s)")
+            run = run_kind(kind, count, env, rng, args.keep)
+            log(f"   {run.skipped and 'skipped: ' + run.skipped or f'acknowledged {run.acknowledged}, lost {len(run.lost)}, duplicated {len(run.duplicated)}'}")
+            runs.append(run)
+    if args.json:
+        print(json.dumps({"seed": seed, "runs": [{
+            **{k: v for k, v in r.__dict__.items() if k not in ("reported_lost", "deadletters", "lost", "duplicated")},
+            "lost": r.lost[:50], "duplicated": r.duplicated[:50], "reported_lost": len(r.reported_lost),
+            "deadletters": len(r.deadletters)} for r in runs]}, indent=1))
+    else:
+        print(f"tools/chaos, {time.strftime('%Y-%m-%d')}, seed {seed}, {os.cpu_count()} cores")
+        print(table(runs))
+        for r in runs:
+            for note in r.notes:
+                print(f"note ({r.kind}): {note}")
+            if r.lost:
+                print(f"LOST ({r.kind}): {' '.join(r.lost[:20])}")
+            if r.duplicated:
+                print(f"DUPLICATED ({r.kind}): {' '.join(r.duplicated[:20])}")
+    bad = any(r.lost or r.duplicated for r in runs)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""One bus of a tools/chaos workload, in its own process (see tools/chaos.py).
+
+It reports through append-only files (plain appends reach the page cache, which survives
+SIGKILL of this process), so the orchestrator never parses logs:
+
+- ``--ready FILE``: written once the bus is up;
+- publisher: each id whose ``publish_many`` returned is appended to ``--acks FILE`` (an
+  acknowledged message: the bus promised it);
+- subscriber: each handler run appends ``<id> <pid>`` to ``--handled FILE``.
+
+Exit codes: 0 after ``--stop FILE`` appears, 3 when the bus cannot go on (a damaged store
+found at open or while running): the message names the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from servicebus import Bus, BusBrokenError, StoreError, StoreWriteError
+
+TOPIC = "chaos.event"
+# Not time.sleep: it fails with EINVAL under libfaketime 0.9.10 with the monotonic clock left
+# alone (wolfcw/libfaketime#426), which is how the clock faults run these processes.
+pause = threading.Event().wait
+
+
+def append(fd: int, text: str) -> None:
+    os.write(fd, text.encode())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=("pub", "sub"), required=True)
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--datadir", required=True)
+    ap.add_argument("--peer", help="subscriber: the publisher's address")
+    ap.add_argument("--ready", required=True)
+    ap.add_argument("--acks")
+    ap.add_argument("--handled")
+    ap.add_argument("--quiet", help="publisher: stop publishing once this file exists")
+    ap.add_argument("--stop", required=True)
+    ap.add_argument("--rate", type=int, default=500, help="messages per second (publisher)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[{os.getpid()} {args.role}] %(asctime)s %(threadName)s %(message)s")
+    try:
+        bus = Bus(args.bind, args.datadir, ack_timeout=1.0, resend_max=2.0)
+    except StoreError as exc:
+        print(f"cannot open the bus: {exc}", file=sys.stderr, flush=True)
+        return 3
+    stop, quiet = Path(args.stop), Path(args.quiet) if args.quiet else None
+    try:
+        if args.role == "sub":
+            return run_subscriber(bus, args, stop)
+        return run_publisher(bus, args, stop, quiet)
+    except BusBrokenError as exc:
+        print(f"the bus cannot go on: {exc}", file=sys.stderr, flush=True)
+        os._exit(3)  # not close(): the store may be what failed
+    finally:
+        if not bus.closed:
+            bus.close()
+
+
+def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
+    fd = os.open(args.handled, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    pid = os.getpid()
+
+    @bus.every(TOPIC)
+    def handler(payload, message):
+        append(fd, f"{message.id} {pid}\n")
+
+    bus.subscribe(args.peer, TOPIC)  # stored and retried: no need to wait here
+    Path(args.ready).write_text(str(pid))
+    while not stop.exists():
+        pause(0.2)
+        bus.status()  # BusBrokenError if the engine stopped (a store damaged while running)
+    return 0
+
+
+def run_publisher(bus: Bus, args: argparse.Namespace, stop: Path, quiet: Path | None) -> int:
+    fd = os.open(args.acks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + 60
+    while bus.status().subscriptions == 0:  # events before a subscription go to nobody
+        if time.monotonic() > deadline:
+            print("no subscriber within 60 s", file=sys.stderr, flush=True)
+            return 3
+        pause(0.05)
+    Path(args.ready).write_text(str(os.getpid()))
+    batch, interval, k = 10, 10 / args.rate, 0
+    next_at = time.monotonic()
+    while not stop.exists():
+        if quiet is not None and quiet.exists():
+            pause(0.1)
+            bus.status()
+            continue
+        try:
+            ids = bus.publish_many(TOPIC, [{"k": k + i} for i in range(batch)])
+        except StoreWriteError:
+            pause(0.1)  # a full disk: not acknowledged, nothing to count; try again
+            continue
+        append(fd, "".join(f"{mid}\n" for mid in ids))
+        k += batch
+        next_at += interval
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            pause(delay)
+        else:
+            next_at = time.monotonic()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
