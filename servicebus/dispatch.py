@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from .clock import BusClock, wall_ms
 from .config import BusConfig
@@ -40,8 +41,8 @@ __all__ = ["Dispatcher", "Incoming", "incoming_record"]
 log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
-T = TypeVar("T")
 RUN = 16  # ready messages a worker takes at once, at most
+RECENT = 1000  # finishing writes kept to redo after a reopen (see _record); a few would do
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 # Incoming record layout in the store (a list, for compactness):
@@ -84,6 +85,7 @@ class Dispatcher:
         self._known: set[str] = set()  # queued, running or waiting for a retry
         self._reserved: set[str] = set()  # being stored by the engine (see reserve)
         self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
+        self._recent: OrderedDict[str, Callable[[Any], None]] = OrderedDict()  # see _record
         self._overflow = False
         self._overflow_gen = 0
         self._refilling = False
@@ -150,26 +152,42 @@ class Dispatcher:
             batch.clear()
         return batch
 
-    def _record(self, build: Callable[[Any], T]) -> T:
+    def _record(self, build: Callable[[Any], None], finished: str | None = None,
+                nxt: Incoming | None = None) -> bool:
         """Write what a handler's run did (done, failed, dead-lettered): ``build(batch)``
         fills a batch, whose write is tried until it succeeds. It happened: if the write
         fails (a full disk, the store being reopened), the handler must not run again while
         the process lives, so the message stays in memory meanwhile. The batch is built
         again each time (one made before a reopen belongs to the closed handle). Only
         closing the bus gives up (the message then runs again after the next start, as
-        after a crash). Returns what ``build`` returned."""
+        after a crash). With ``nxt``, the same write marks that message's run as started;
+        returns whether it did.
+
+        ``finished``: the id of a message this write takes out of the incoming store. Such
+        writes are not fsynced, and one that LevelDB appended just after a write that
+        failed (a full disk) is dropped when the store is reopened: the message is then
+        found stored again. The last few such writes are kept, so that the scan after a
+        reopen writes them again instead of running their handlers a second time."""
         delay = 0.05
         while True:
             try:
                 batch = self._scratch()
-                result = build(batch)
+                build(batch)
+                marked = self._with_marker(batch, nxt)
                 self._store.write(batch, sync=False)
-                return result
+                break
             except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
                 if self._closing or self._store.closed:
                     raise StoreError(f"closing before a handler's run was recorded: {exc}") from exc
                 self._store.wait_writable(delay)
                 delay = min(delay * 2, 1.0)
+        if finished is not None:
+            with self._cv:
+                recent = self._recent
+                recent[finished] = build
+                if len(recent) > RECENT:
+                    recent.popitem(last=False)
+        return marked
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -298,6 +316,17 @@ class Dispatcher:
 
     def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                       now_ms: int, now: float) -> bool:
+        redos: list[tuple[str, Callable[[Any], None]]] = []
+        try:
+            return self._scan_stored(only, strict, damaged, now_ms, now, redos)
+        finally:
+            for message_id, redo in redos:  # finished here, but the write was dropped
+                log.warning("message %s: its finishing write was lost with a failed write; "
+                            "writing it again (its handler does not run again)", message_id)
+                self._record(redo, message_id)
+
+    def _scan_stored(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
+                     now_ms: int, now: float, redos: list) -> bool:
         for message_id, record in self._store.incoming(damaged):
             if only is not None and (record[0], record[1]) != only:
                 continue
@@ -311,6 +340,10 @@ class Dispatcher:
                 # The iterator reads a snapshot: a message finished since it was taken is
                 # gone from the store (finishing deletes it before leaving _known).
                 if not self._store.has_incoming(message_id):
+                    continue
+                redo = self._recent.get(message_id)
+                if redo is not None:
+                    redos.append((message_id, redo))
                     continue
                 try:
                     runstate = self._store.get_runstate(message_id)
@@ -485,12 +518,11 @@ class Dispatcher:
                 self._record(lambda b: b.put_runstate(item.id, [attempts, done, last_error, 0]))
 
         if error is None:
-            def completed(batch: Any) -> bool:
+            def completed(batch: Any) -> None:
                 batch.complete_incoming(item.id, self._clock.now())
                 self._journal.record(batch, [_event("handled", item, attempts)])
-                return self._with_marker(batch, nxt)
 
-            premarked = self._record(completed)
+            premarked = self._record(completed, item.id, nxt)
             self.handled += 1
             return None, premarked
         self.failed += 1
@@ -500,12 +532,11 @@ class Dispatcher:
             return None, False
         delay = backoff(attempts, config.retry_initial, config.retry_max)
 
-        def retried(batch: Any) -> bool:
+        def retried(batch: Any) -> None:
             batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
             self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
-            return self._with_marker(batch, nxt)
 
-        return time.monotonic() + delay, self._record(retried)
+        return time.monotonic() + delay, self._record(retried, None, nxt)
 
     def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
                      nxt: Incoming | None = None) -> bool:
@@ -528,12 +559,11 @@ class Dispatcher:
         reply_record = [message.reply_to, message.topic, message.correlation_id, body]
         events.append(_event("handled", item, message.attempt))
 
-        def replied(batch: Any) -> bool:
+        def replied(batch: Any) -> None:
             batch.complete_with_reply(item.id, self._clock.now(), reply_record)
             self._journal.record(batch, events)
-            return self._with_marker(batch, nxt)
 
-        premarked = self._record(replied)
+        premarked = self._record(replied, item.id, nxt)
         self.handled += 1
         self._on_reply(item.id, reply_record)
         return premarked
@@ -560,7 +590,7 @@ class Dispatcher:
             batch.complete_incoming(item.id, self._clock.now())
             self._journal.record(batch, [_event("handled", item, 1)])
 
-        self._record(completed)
+        self._record(completed, item.id)
         return None
 
     def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
@@ -582,7 +612,7 @@ class Dispatcher:
             self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
             batch.deadletter_incoming(item.id, letter)
 
-        self._record(deadlettered)
+        self._record(deadlettered, item.id)
         self.deadlettered += 1
         log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
                   error or reason)
