@@ -28,13 +28,14 @@ T = TypeVar("T")
 
 
 class _Entry(Generic[T]):
-    __slots__ = ("batch", "result", "done", "error", "wake")
+    __slots__ = ("batch", "result", "done", "error", "lead", "wake")
 
     def __init__(self, batch: Batch, result: T) -> None:
         self.batch = batch
         self.result = result
         self.done = False
         self.error: BaseException | None = None
+        self.lead = False  # handed the lead of the next group
         # Released once: when the entry's group is committed, or when it is to lead the
         # next group. A bare lock per caller: a Condition shared by all of them costs a
         # wake-up of every waiter per commit (measured: a third of the publishing CPU).
@@ -54,50 +55,84 @@ class GroupCommit:
 
     def commit(self, build: Callable[[Batch], T]) -> T:
         """Run ``build(batch)`` under the commit lock, then make the batch durable (shared
-        with concurrent callers) and return what ``build`` returned."""
+        with concurrent callers) and return what ``build`` returned.
+
+        Exception-safe: whatever is raised where (the write, ``on_commit``, a
+        KeyboardInterrupt while waiting or leading), the lead passes on or is given up, so
+        a later caller never waits for a leader that is gone."""
         with self._mutex:
             batch = self._store.batch()
             entry = _Entry(batch, build(batch))
             self._queue.append(entry)
             follow, self._leading = self._leading, True
-        if follow:
-            entry.wake.acquire()
-            if entry.done:
-                if entry.error is not None:
-                    raise entry.error
-                return entry.result
-            # not done: the last leader handed over; this thread commits the next group
-        if self._last_group > 1:
-            # Callers of the last group are just waking up and will publish again at once:
-            # give them the GIL to join this group, or each waits a whole fsync more.
-            os.sched_yield()  # releases the GIL; unlike time.sleep(0), no clock involved
-        with self._mutex:
-            group, self._queue = self._queue, []
-            self._last_group = len(group)
+        leading = not follow
+        try:
+            if follow:
+                entry.wake.acquire()
+                if entry.done:
+                    if entry.error is not None:
+                        raise entry.error
+                    return entry.result
+                # not done: the last leader handed over; this thread commits the next group
+                leading = True
+            if self._last_group > 1:
+                # Callers of the last group are just waking up and will publish again at
+                # once: give them the GIL to join this group, or each waits a fsync more.
+                os.sched_yield()  # releases the GIL; unlike time.sleep(0), no clock involved
+            with self._mutex:
+                group, self._queue = self._queue, []
+                self._last_group = len(group)
+        except BaseException:
+            if not entry.done:
+                self._withdraw(entry, leading)
+            raise
         error: BaseException | None = None
         try:
             self._store.write_many([e.batch for e in group], sync=True)
         except BaseException as exc:  # noqa: BLE001 - every caller of the group gets it
             error = exc
         nxt = None
-        with self._mutex:
-            try:
+        try:
+            with self._mutex:
                 if error is None:
                     self.fsyncs += 1
-                    self._on_commit([e.result for e in group])
-            finally:
+                    try:
+                        self._on_commit([e.result for e in group])
+                    except BaseException as exc:  # noqa: BLE001 - written, but not reported
+                        error = exc
                 for e in group:
                     e.done = True
                     e.error = error
-                if self._queue:
-                    nxt = self._queue[0]  # queued during this write: it leads next
-                else:
-                    self._leading = False
-        for e in group:
-            if e is not entry:
-                e.wake.release()
-        if nxt is not None:
-            nxt.wake.release()
+                nxt = self._pass_lead()
+        finally:
+            for e in group:
+                if e is not entry:
+                    e.wake.release()
+            if nxt is not None:
+                nxt.wake.release()
         if error is not None:
             raise error
         return entry.result
+
+    def _pass_lead(self) -> _Entry | None:
+        """Under the mutex: the entry that leads next (queued during this write), marked so,
+        or None and nobody leads."""
+        if self._queue:
+            nxt = self._queue[0]
+            nxt.lead = True
+            return nxt
+        self._leading = False
+        return None
+
+    def _withdraw(self, entry: _Entry, leading: bool) -> None:
+        """The caller of ``entry`` was interrupted (a KeyboardInterrupt) before its group
+        was taken: its batch is not written, and if the lead was its own, or was being
+        handed to it, the next caller gets it."""
+        nxt = None
+        with self._mutex:
+            if entry in self._queue:
+                self._queue.remove(entry)
+            if leading or entry.lead:
+                nxt = self._pass_lead()
+        if nxt is not None:
+            nxt.wake.release()
