@@ -55,8 +55,10 @@ class BusProcess:
                "--out", str(self.out), "--ids", str(self.ids), "--marker", str(self.marker),
                *self.args, *extra]
         logf = open(self.log, "ab")
+        # Its own process group: faketime forks the bus instead of exec'ing it, so kill and
+        # stop signal the group, or the bus would outlive the test.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=logf,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
         logf.close()
         if wait_ready:
             self.wait_ready()
@@ -73,12 +75,12 @@ class BusProcess:
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:

@@ -102,7 +102,10 @@ class Node:
         else:
             cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet)]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, env=env)
+            # Its own process group: faketime forks the bus rather than exec'ing it, so every
+            # signal goes to the group (the wrapper and the bus), never to the wrapper alone.
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, env=env,
+                                         start_new_session=True)
         return self.wait_ready() if wait else True
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
@@ -121,17 +124,21 @@ class Node:
 
     def signal(self, sig: int) -> None:
         if self.alive():
-            os.kill(self.pid, sig)
+            os.killpg(self.proc.pid, sig)
 
     @property
     def pid(self) -> int:
-        # With a prefix (ip netns exec, faketime) the python process is exec'd in place.
-        return self.proc.pid
+        """The bus's own pid (the one its handler runs record), as its ready file says;
+        under faketime it is the wrapper's child, not the process we started."""
+        try:
+            return int(self.ready.read_text())
+        except (OSError, ValueError):
+            return self.proc.pid
 
     def kill(self) -> None:
         if self.alive():
             self.killed.add(self.pid)
-            self.proc.send_signal(signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
     def stop(self, timeout: float = 30.0) -> None:
