@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,43 @@ def probe(datadir: str | os.PathLike) -> tuple[LockOwner | None, bool]:
     return owner, False
 
 
+PROBE_GRACE = 0.2  # seconds a starting bus retries a lock that may be a probe's
+
+
+def _flock_ex(fd: int) -> None:
+    """Take the exclusive flock, or raise BlockingIOError if a live owner holds it.
+    ``probe()`` takes the lock shared for a few microseconds: a bus starting at that
+    instant retries for a moment rather than fail with LockedError."""
+    deadline = time.monotonic() + PROBE_GRACE
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
+_held: "weakref.WeakSet[DataDirLock]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A fork()ed child shares the parent's open file description, and so its flock: if
+    the parent died, the child would keep the data directory locked. The child closes
+    its copy (the parent's lock stays) and owns no lock."""
+    for lock in list(_held):
+        if lock._fd >= 0:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = -1
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class DataDirLock:
     """Holds DATADIR/LOCK for the lifetime of one bus."""
 
@@ -87,7 +125,7 @@ class DataDirLock:
             except OSError as exc:
                 raise StoreError(f"cannot create lock file {path}: {exc.strerror}") from exc
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_ex(fd)
             except BlockingIOError:
                 os.close(fd)
                 owner = read_owner(datadir)
@@ -112,6 +150,7 @@ class DataDirLock:
             log.warning("recovered a stale lock on %s left by %s", datadir, previous.describe())
         owner = LockOwner(os.getpid(), socket.gethostname(), address, time.time())
         lock = cls(path, fd, owner, text if previous is not None else "")
+        _held.add(lock)
         try:
             lock.update(address)
         except BaseException:
