@@ -285,13 +285,13 @@ class Bus:
         engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id, future))
         return self._wait(future, None) if wait else future
 
-    def handle(self, command: str, handler: Handler | None = None) -> Any:
+    def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None) -> Any:
         """Handle ``command``: ``handler(payload, message)``; its return value is the reply
         to ``request``. One handler per command (``ValueError`` for a second). Also a
         decorator. For a plain ``send`` a raising handler is retried, then dead-lettered;
         for a ``request`` the exception goes back to the caller as ``RemoteError``."""
         validate_topic(command, "command")
-        return self._register(Kind.COMMAND, command, handler)
+        return self._register(Kind.COMMAND, command, handler, name)
 
     def request_async(self, address: str, command: str, payload: Any,
                       timeout: float = 30.0) -> Future:
@@ -359,23 +359,26 @@ class Bus:
 
     # --- handlers ----------------------------------------------------------------------
 
-    def every(self, topic: str, handler: Handler | None = None) -> Any:
+    def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None) -> Any:
         """Run ``handler(payload, message)`` for each ``topic`` event (also a decorator).
 
         Returning marks the message done; raising retries it with backoff, then moves it
-        to the dead letters. Several handlers on one topic: done when all returned.
+        to the dead letters. Several handlers on one topic: done when all returned; each
+        needs a name that is stable across restarts and distinct (``name``, by default the
+        function's module and qualified name; a ``functools.partial`` or a second lambda
+        needs ``name``), as the names of the finished ones are stored with the message.
         """
         validate_topic(topic)
-        return self._register(Kind.EVENT, topic, handler)
+        return self._register(Kind.EVENT, topic, handler, name)
 
-    def _register(self, kind: Kind, topic: str, handler: Handler | None) -> Any:
+    def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None) -> Any:
         """Register now, or return a decorator that does (``every`` and ``handle``)."""
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._dispatcher.register(kind, topic, fn)
+            self._dispatcher.register(kind, topic, fn, name)
             return fn
 
         return register if handler is None else register(handler)

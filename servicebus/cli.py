@@ -320,6 +320,7 @@ def replay(datadir: Path = DATADIR,
     with _offline_store(datadir, writing=True, command="replay") as store:
         with _progress("replaying", None) as step:
             rows = M.replay(store, ids or None, topic, step)
+        flush_datadir(store, datadir)  # its journal events, for an audit run next
     _emit(rows, as_json, [("id", lambda r: r["id"]), ("result", lambda r: r["result"]),
                           ("where / why", lambda r: r.get("to") or r.get("detail", ""))], "replay")
 
@@ -351,6 +352,7 @@ def purge(datadir: Path = DATADIR,
         with _progress("purging", None) as step:
             removed = M.purge(store, outgoing=outgoing_, incoming=incoming_,
                               deadletters=deadletters_, subscriber=subscriber, progress=step)
+        flush_datadir(store, datadir)  # its journal events, for an audit run next
     if as_json:
         print(json.dumps({"removed": removed}))
     else:
@@ -405,6 +407,8 @@ def _check(datadir: Path, repair: bool) -> list[R.Problem]:
         store = Store.open(path, create=False, check_format=False)
         with _progress("checking", None) as step:
             return R.check(store, repair, step, datadir)
+    except LockedError as exc:  # a live process has the store open: never repair under it
+        raise CliError(f"{exc}; stop it first", EXIT_LOCKED) from None
     except StoreError as exc:
         if store is not None:
             store.close()  # LevelDB's repair needs the store closed (its own lock)

@@ -33,6 +33,14 @@ class BusConfig:
     max_batch: int = 200
     #: largest encoded payload accepted for sending or off the wire
     max_payload: int = 1 << 20
+    #: a reply the caller has not acknowledged within this long becomes a dead letter
+    #: (reason ``expired``): the caller's request timed out, or the caller is gone for good.
+    #: Keep it above your longest request timeout
+    reply_ttl: float = 300.0
+    #: an address nothing is owed to in either direction (no message stored or in flight for
+    #: it, no subscription, no subscribe intent) is forgotten after this long: its socket is
+    #: closed and its delivery record deleted; the next send to it connects again
+    peer_expiry: float = 600.0
     #: how long ``close()`` waits for running handlers
     close_timeout: float = 10.0
     #: peers are pinged this often; silent for ``peer_timeout`` means down

@@ -95,7 +95,7 @@ class Consumer:
     """Delivery state of one peer on one stream. Owned by the engine thread."""
 
     __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
-                 "exhausted", "dirty", "last_ack")
+                 "exhausted", "dirty", "last_ack", "scan")
 
     def __init__(self, peer: str, stream: str, floor: str | None,
                  acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
@@ -110,6 +110,7 @@ class Consumer:
         self.exhausted = False  # True when pos is at the end of the stream
         self.dirty = False
         self.last_ack: float | None = None
+        self.scan: str | None = None  # where the TTL scan of a peer that is down got to
 
     # --- window ------------------------------------------------------------------------
 
@@ -134,6 +135,13 @@ class Consumer:
             return False
         self._advance()
         return True
+
+    def settle(self, message_id: str) -> None:
+        """Count a message as done without it being sent (expired while its receiver was
+        down): in flight, it is acked; not read into the window yet, it is skipped when read."""
+        if not self.ack(message_id) and (self.pos is None or message_id > self.pos):
+            self.skip.add(message_id)
+            self.dirty = True
 
     def _advance(self) -> None:
         order, inflight = self.order, self.inflight

@@ -17,6 +17,7 @@ on this module owns their ``n/`` and ``r/`` records:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import OrderedDict
@@ -43,6 +44,7 @@ log = logging.getLogger("servicebus")
 Handler = Callable[[Any, Message], Any]
 RUN = 16  # ready messages a worker takes at once, at most
 RECENT = 1000  # finishing writes kept to redo after a reopen (see _record); a few would do
+UNNAMED = "<handler>"  # the one handler of a topic, whose name never needs storing
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 # Incoming record layout in the store (a list, for compactness):
@@ -67,6 +69,20 @@ def _event(name: str, item: "Incoming", attempts: int, error: str | None = None)
             attempts, error)
 
 
+def handler_name(handler: Handler) -> str | None:
+    """A name for ``handler`` that is the same after a restart: module and qualified
+    name. None when there is none (a ``functools.partial``, whose repr holds a memory
+    address); a lambda's or a bound method's is stable but may be shared, which
+    ``register`` refuses when it matters."""
+    if isinstance(handler, functools.partial):
+        return None
+    qualname = getattr(handler, "__qualname__", None)
+    if qualname is None:  # a callable object: its class's __call__
+        qualname = getattr(type(handler), "__qualname__", None)
+    module = getattr(handler, "__module__", None) or getattr(type(handler), "__module__", "?")
+    return None if qualname is None else f"{module}.{qualname}"
+
+
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
                  requests: PendingRequests, on_reply: Callable[[str, list], None],
@@ -86,9 +102,11 @@ class Dispatcher:
         self._reserved: set[str] = set()  # being stored by the engine (see reserve)
         self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
         self._recent: OrderedDict[str, Callable[[Any], None]] = OrderedDict()  # see _record
+        self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
         self._overflow_gen = 0
         self._refilling = False
+        self._refill_pending = False  # a refill was asked for while one ran
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._tls = threading.local()
@@ -137,7 +155,11 @@ class Dispatcher:
     @property
     def idle(self) -> bool:
         with self._cv:
-            return not self._known and not self._parked and not self._overflow
+            return self._idle()
+
+    def _idle(self) -> bool:
+        return not (self._known or self._parked or self._overflow or self._refilling
+                    or self._refill_pending)
 
     def counts(self) -> dict[str, int]:
         with self._cv:
@@ -191,31 +213,34 @@ class Dispatcher:
 
     # --- handlers ----------------------------------------------------------------------
 
-    def register(self, kind: Kind, topic: str, handler: Handler) -> None:
-        base = f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', repr(handler))}"
+    def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None) -> None:
+        """Add ``handler``. With several handlers on one topic, the names of the ones that
+        finished are stored with the message so that a restart reruns only the others:
+        they must be stable across restarts and distinct, so a second handler on a topic
+        needs every handler there to have one (``name=``, or a function's qualified
+        name); ``ValueError`` otherwise."""
+        if name is None:
+            name = handler_name(handler)
+        elif not isinstance(name, str) or not name.strip():
+            raise ValueError(f"handler name must be a non-empty str, not {name!r}")
         key = (int(kind), topic)
         with self._cv:
             existing = self._handlers.get(key, [])
             if kind is Kind.COMMAND and existing:
                 # A command has one owner: its handler's return value is the reply.
                 raise ValueError(f"command {topic!r} already has a handler ({existing[0][0]})")
-            names = {n for n, _ in existing}
-            name, n = base, 1
-            while name in names:  # the same function twice: give each its own completion
-                n += 1
-                name = f"{base}#{n}"
-            self._handlers[key] = existing + [(name, handler)]
+            if existing:
+                names = [None if n == UNNAMED else n for n, _ in existing] + [name]
+                if None in names or len(set(names)) != len(names):
+                    shown = ", ".join(n or "<no stable name>" for n in names)
+                    raise ValueError(
+                        f"several handlers on {topic!r} need stable, distinct names ({shown}): "
+                        "pass every(topic, handler, name=...)")
+            self._handlers[key] = existing + [(name or UNNAMED, handler)]
             was_parked = key in self._parked
             self._parked.discard(key)
-            # Messages of this topic waiting only for their TTL to pass can run now.
-            woken = False
-            for i, (due, seq, item) in enumerate(self._heap):
-                if due and (item.record[0], item.record[1]) == key and not (item.runstate and item.runstate[3]):
-                    self._heap[i] = (0.0, seq, item)
-                    woken = True
-            if woken:
-                heapq.heapify(self._heap)
-                self._cv.notify_all()
+            if was_parked:
+                self._refill_pending = True  # not idle until its messages are read
         if was_parked:
             self._refill(only=key)
 
@@ -258,32 +283,45 @@ class Dispatcher:
                 # needless wake-up is a context switch and a turn at the GIL.
                 self._cv.notify(min(self._config.workers, -(-added // RUN)))
 
+    def _wake_parked_at(self, expires_ms: int) -> None:
+        """A parked message expires then: a scan at that time dead-letters it. Under _cv."""
+        due = time.monotonic() + max(0, expires_ms - wall_ms()) / 1000 + 0.001
+        if self._parked_expiry is None or due < self._parked_expiry:
+            self._parked_expiry = due
+            self._cv.notify()
+
     def _push(self, item: Incoming, due: float) -> None:
         self._known.add(item.id)
         heapq.heappush(self._heap, (due, next(self._seq), item))
 
     def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
         """Read stored incoming messages that are not in memory yet (restart, overflow, a
-        handler registered late)."""
+        handler registered late, a parked message's TTL). One refill runs at a time; a
+        request made meanwhile makes it scan once more (everything) before it ends, so
+        no request is lost and ``idle`` stays False until then."""
         with self._cv:
+            self._refill_pending = True
             if self._refilling:
                 return
             self._refilling = True
         try:
             while True:
                 with self._cv:
+                    self._refill_pending = False
                     gen = self._overflow_gen
                 filled = self._scan(only, strict)
                 with self._cv:
-                    if only is not None:
-                        return
-                    # Something was turned away while we scanned: its record may sort
-                    # before where the scan had got to, so scan again once there is room.
-                    self._overflow = not filled or gen != self._overflow_gen
+                    if only is None:
+                        # Something was turned away while we scanned: its record may sort
+                        # before where the scan had got to, so scan again once there is room.
+                        self._overflow = not filled or gen != self._overflow_gen
                     again = (self._overflow and not self._closing
                              and len(self._known) < self._config.dispatch_queue // 2)
-                if not again:
-                    return
+                    if self._refill_pending and not self._closing:
+                        again, only = True, None
+                    if not again:
+                        self._refill_pending = False
+                        return
         except StoreError:
             if not self._closing:
                 raise
@@ -337,6 +375,18 @@ class Dispatcher:
                     continue
                 if len(self._known) >= self._config.dispatch_queue:
                     return False
+                key = (record[0], record[1])
+                if record[0] != Kind.REPLY and key not in self._handlers and (
+                        record[6] is None or record[6] > now_ms):
+                    # Nobody handles it yet: it waits in the store, not in the queue, or
+                    # enough of them would fill the queue on every scan and keep the
+                    # messages after them from their handlers. register() reads them.
+                    self._parked.add(key)
+                    if record[6] is not None:
+                        self._wake_parked_at(record[6])
+                    if strict:  # at start every record is checked (rule 9), its run state too
+                        self._store.get_runstate(message_id)
+                    continue
                 # The iterator reads a snapshot: a message finished since it was taken is
                 # gone from the store (finishing deletes it before leaving _known).
                 if not self._store.has_incoming(message_id):
@@ -365,14 +415,21 @@ class Dispatcher:
 
     def _next_run(self) -> list[Incoming] | None:
         """The next ready messages for one worker: a fair share of what is ready (so slow,
-        I/O-bound handlers still spread over all workers), at most RUN."""
+        I/O-bound handlers still spread over all workers), at most RUN. An empty list when
+        a parked message's TTL passed: the worker scans the store for it."""
         with self._cv:
             while True:
                 if self._closing:
                     return None
+                parked = self._parked_expiry
+                if parked is not None and parked <= time.monotonic():
+                    self._parked_expiry = None
+                    return []
                 if self._heap:
                     now = time.monotonic()
                     due = self._heap[0][0]
+                    if parked is not None:
+                        due = min(due, parked)
                     if due <= now:
                         ready = sum(1 for d, _, _ in self._heap[:RUN * 8] if d <= now)
                         take = max(1, min(RUN, ready // self._config.workers))
@@ -381,6 +438,8 @@ class Dispatcher:
                             run.append(heapq.heappop(self._heap)[2])
                         return run
                     self._cv.wait(due - now)
+                elif parked is not None:
+                    self._cv.wait(parked - time.monotonic())
                 else:
                     self._cv.wait()
 
@@ -389,6 +448,9 @@ class Dispatcher:
             run = self._next_run()
             if run is None:
                 return
+            if not run:
+                self._refill()  # a parked message expired: the scan queues it to dead-letter
+                continue
             marked = False  # whether run[i]'s "started" marker was written with run[i-1]
             for i, item in enumerate(run):
                 nxt = run[i + 1] if i + 1 < len(run) else None
@@ -421,7 +483,7 @@ class Dispatcher:
                 self._cv.notify()
             else:
                 self._known.discard(item.id)
-            idle = not self._known and not self._parked and not self._overflow
+            idle = self._idle()
             refill = self._overflow and not self._refilling and \
                 len(self._known) < self._config.dispatch_queue // 2
         if refill and not self._closing:
@@ -442,6 +504,8 @@ class Dispatcher:
         if record[6] is not None and wall_ms() > record[6]:
             return None
         attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        if attempts >= self._config.max_attempts:
+            return None  # it will not run again: _run dead-letters it
         return [attempts + 1, list(done), last_error, 0]
 
     def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
@@ -470,14 +534,22 @@ class Dispatcher:
             return None, False
         handlers = self._handlers.get((kind, topic))
         if not handlers:
-            if expires is not None:
-                # Kept until a handler registers or the TTL passes, whichever is first.
-                return time.monotonic() + (expires - now_ms) / 1000 + 0.001, False
+            # Kept in the store until a handler registers or its TTL passes, if it has one.
             with self._cv:
                 self._parked.add((kind, topic))
+                if expires is not None:
+                    self._wake_parked_at(expires)
             return None, False
 
         attempts += 1
+        if attempts > config.max_attempts:
+            # Every run so far started and none ended, not even by raising: the handler
+            # ends the process (os._exit, a segfault, the OOM killer). Checked before it
+            # runs, or the service would crash-loop on this message forever.
+            self._deadletter(item, "handler_crashed", last_error or (
+                f"the process ended during each of its {attempts - 1} run(s) of the handler"),
+                attempts - 1)
+            return None, False
         if not marked:
             try:
                 batch = self._scratch()

@@ -55,6 +55,7 @@ __all__ = ["Engine", "open_router", "open_admin"]
 
 log = logging.getLogger("servicebus")
 
+FRAME_BYTES = 1 << 20  # payload bytes per frame, at most (one message alone may be bigger)
 READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
 TICK = 0.1  # seconds between timer checks when idle
 GC_INTERVAL = 0.5
@@ -64,7 +65,10 @@ CLOCK_SAVE = 5.0  # the bus clock is carried to the store this often (clock.py)
 RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
 INTENT_RETRY = 1.0
 DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
-WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts)
+WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts),
+WAITING_FAST = 2.0  # ... for this long after it went down; then at DOWN_PING again
+EXPIRY_INTERVAL = 1.0  # TTLs of messages waiting for a peer that is down, idle peers: checked this often
+EXPIRY_SCAN = 1000  # stored messages read per consumer per check
 
 
 
@@ -129,6 +133,9 @@ class Peer:
     last_pong: float | None = None
     last_ping: float = 0.0
     consumers: list[Consumer] = field(default_factory=list)
+    down_since: float = field(default_factory=time.monotonic)
+    max_payload: int | None = None  # the largest payload it accepts, as its pongs say
+    idle_since: float | None = None  # since when nothing is owed to or by it (peer_expiry)
 
 
 @dataclass(eq=False)
@@ -242,6 +249,8 @@ class Engine(threading.Thread):
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()
         self._stopping = False
+        self._shut = False  # _shutdown has emptied the queue for good
+        self._submit_lock = threading.Lock()
         self.failure: BaseException | None = None
 
         self.poller = zmq.Poller()
@@ -282,6 +291,7 @@ class Engine(threading.Thread):
         self.counters: Counter[str] = Counter()
 
         self._next_gc = 0.0
+        self._next_expiry = 0.0
         self._next_prune = 0.0
         self._next_clock_save = 0.0
         self._waiting_peers = False  # some down peer has messages waiting
@@ -309,9 +319,12 @@ class Engine(threading.Thread):
     def submit(self, command: Any) -> None:
         if self.failure is not None:
             raise self.broken()
-        if self._stopping or not self.is_alive() and self.ident is not None:
-            raise BusClosedError("the bus is closed")
-        self._queue.append(command)
+        # Under the lock _shutdown empties the queue with: a command is either in the
+        # queue before that (and failed by it) or refused here, never left in a dead queue.
+        with self._submit_lock:
+            if self._stopping or self._shut or not self.is_alive() and self.ident is not None:
+                raise BusClosedError("the bus is closed")
+            self._queue.append(command)
         self.wake()
 
     def broken(self) -> BusBrokenError:
@@ -397,16 +410,16 @@ class Engine(threading.Thread):
                 consumer = Consumer(subscriber, stream, record["since"])
             else:
                 consumer = Consumer.from_record(subscriber, stream, state)
-            self._add_consumer(consumer)
+            self._load_consumer(consumer)
         for (peer, stream), state in list(states.items()):
             if is_command_stream(stream):
-                self._add_consumer(Consumer.from_record(peer, stream, state))
+                self._load_consumer(Consumer.from_record(peer, stream, state))
                 del states[(peer, stream)]
         for stream in self.store.stream_names():
             # Commands whose delivery state is missing (an edited or repaired store) are
             # still owed to their address: deliver them rather than leave them stranded.
             if is_command_stream(stream) and (stream[2:], stream) not in self.consumers:
-                self._add_consumer(Consumer(stream[2:], stream, ""))
+                self._load_consumer(Consumer(stream[2:], stream, ""))
         for peer, stream in states:
             log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
             self._batch.delete_delivery(peer, stream)
@@ -414,14 +427,27 @@ class Engine(threading.Thread):
             self._queue.append(QueueReply(command_id, reply))
         for publisher, topic, record in self.store.intents():
             intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"])
+            try:
+                self._peer(publisher)
+            except ValueError as exc:
+                log.error("subscribe intent for %s at %s kept but not sent: %s", topic, publisher, exc)
+                continue
             self.intents[(publisher, topic)] = intent
             self._intent_ids[intent.id] = intent
-            self._peer(publisher)
+
+    def _load_consumer(self, consumer: Consumer) -> None:
+        try:
+            self._add_consumer(consumer)
+        except ValueError as exc:
+            # Stored by an older version that let such an address in: its messages stay
+            # in the store for an operator (servicebus purge --subscriber) to deal with.
+            log.error("not delivering to %s: %s", consumer.peer, exc)
 
     def _add_consumer(self, consumer: Consumer) -> None:
+        peer = self._peer(consumer.peer)  # first: a failure to connect leaves nothing behind
         self.consumers[(consumer.peer, consumer.stream)] = consumer
         self.by_stream[consumer.stream].append(consumer)
-        self._peer(consumer.peer).consumers.append(consumer)
+        peer.consumers.append(consumer)
         self._update_stream_peers(consumer.stream)
 
     def _remove_consumer(self, consumer: Consumer) -> None:
@@ -444,14 +470,21 @@ class Engine(threading.Thread):
         self._stream_peers = peers
 
     def _peer(self, address: str) -> Peer:
+        """The peer at ``address``, connecting to it first if needed. ``ValueError`` if it
+        cannot be connected (libzmq refuses the address): callers call this before they
+        change any other state, so such an address leaves nothing half-registered."""
         peer = self.peers.get(address)
         if peer is None:
             sock = self.ctx.socket(zmq.DEALER)
-            _tune(sock, self.config, hwm=10_000)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.connect(address)
+            try:
+                _tune(sock, self.config, hwm=10_000)
+                sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
+                sock.setsockopt(zmq.RECONNECT_IVL, 100)
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise ValueError(f"cannot connect to {address}: {exc}") from exc
             peer = Peer(address, sock)
             self.peers[address] = peer
             self._sock_peer[sock] = peer
@@ -496,6 +529,8 @@ class Engine(threading.Thread):
         for peer in self.peers.values():
             if peer.up or not any(not c.exhausted or c.inflight for c in peer.consumers):
                 continue
+            if now - peer.down_since > WAITING_FAST:
+                continue  # down a while: the DOWN_PING timer is enough, no busy pinging
             waiting = True
             if now - peer.last_ping >= WAITING_PING:
                 peer.last_ping = now
@@ -684,7 +719,7 @@ class Engine(threading.Thread):
             if isinstance(frame, P.Batch):
                 self._on_batch(ident, frame)
             elif isinstance(frame, P.Ping):
-                self._send_router(ident, P.encode_pong(self.node_id, self.boot))
+                self._send_router(ident, P.encode_pong(self.node_id, self.boot, self.config.max_payload))
             elif isinstance(frame, P.Subscribe):
                 self._on_subscribe(ident, frame)
             elif isinstance(frame, P.Unsubscribe):
@@ -746,7 +781,7 @@ class Engine(threading.Thread):
             elif isinstance(frame, P.Pong):
                 self._on_pong(peer, frame, now)
             elif isinstance(frame, P.Nack):
-                log.warning("peer %s refused %d message(s): %s", peer.address, len(frame.ids), frame.reason)
+                self._on_nack(peer, frame)
             else:
                 self.malformed["unexpected_kind"] += 1
 
@@ -755,6 +790,10 @@ class Engine(threading.Thread):
         acks = self._acks.setdefault(ident, [])
         kind = int(frame.kind)
         stored = False
+        if frame.oversize:
+            self._send_router(ident, P.encode_nack(frame.oversize, (
+                f"payload larger than this bus's max_payload ({self.config.max_payload} bytes)")))
+            self.counters["refused_oversize"] += len(frame.oversize)
         jon, jev, ts, kname = self._jon, self._jevents, wall_ms(), KIND_NAMES[kind]
         known = store.seen_many([env.id for env in frame.messages])
         # TTLs arrive in the sender's clock. What is left of them counts on ours from now
@@ -783,6 +822,11 @@ class Engine(threading.Thread):
     def _on_subscribe(self, ident: bytes, frame: P.Subscribe) -> None:
         key = (frame.address, frame.topic)
         if key not in self.subscriptions:
+            try:
+                self._peer(frame.address)
+            except ValueError as exc:
+                self._malformed(P.ProtocolError("bad_address", str(exc)))
+                return
             record = {"since": self.ids.next(), "created": wall_ms(), "node": frame.sender}
             self.subscriptions[key] = record
             self._batch.put_subscription(frame.address, frame.topic, record)
@@ -800,6 +844,8 @@ class Engine(threading.Thread):
             stream = event_stream(frame.topic)
             consumer = self.consumers.get((frame.address, stream))
             if consumer is not None:
+                if self._jon:
+                    self._journal_dropped(consumer, frame.topic, "unsubscribed")
                 self._remove_consumer(consumer)
             self._batch.delete_subscription(frame.address, frame.topic)
             self._batch.delete_delivery(frame.address, stream)
@@ -808,6 +854,20 @@ class Engine(threading.Thread):
             log.info("%s unsubscribed from %s", frame.address, frame.topic)
         self._batch.sync = True
         self._acks.setdefault(ident, []).append(frame.id)
+
+    def _journal_dropped(self, consumer: Consumer, topic: str, why: str) -> None:
+        """Journal every message ``consumer`` was still owed as dropped (the audit must not
+        take them for lost): those in flight and those stored after its cursor."""
+        ts, peer, jev = wall_ms(), consumer.peer, self._jevents
+        owed = list(consumer.inflight)
+        after = consumer.pos
+        while True:
+            ids = self.store.stream_ids(consumer.stream, after=after, limit=10_000)
+            owed += [mid for mid in ids if mid not in consumer.skip]
+            if len(ids) < 10_000:
+                break
+            after = ids[-1]
+        jev.extend(("dropped_at_sender", ts, mid, topic, "event", peer, 0, why) for mid in owed)
 
     def _on_ack(self, peer: Peer, ids: tuple[str, ...]) -> None:
         consumers = peer.consumers
@@ -827,9 +887,50 @@ class Engine(threading.Thread):
                     break
         self.counters["acked"] += len(ids)
 
+    def _on_nack(self, peer: Peer, nack: P.Nack) -> None:
+        """The peer refused these messages for good (too large for it): each becomes a dead
+        letter here, with the peer's reason, and its place in the window is freed."""
+        log.warning("peer %s refused %d message(s): %s", peer.address, len(nack.ids), nack.reason)
+        for mid in nack.ids:
+            for consumer in peer.consumers:
+                if mid in consumer.inflight:
+                    data = self.store.get_outgoing(consumer.stream, mid)
+                    record = None if data is None else self._outgoing_record(consumer, mid, data)
+                    if record is not None:
+                        self._refuse(consumer, mid, record, "refused", nack.reason)
+                    else:
+                        consumer.settle(mid)
+                    break
+
+    def _refuse(self, consumer: Consumer, mid: str, record: OutgoingRecord, reason: str,
+                error: str) -> None:
+        """A message its receiver cannot take: a dead letter at the sender (replayable with
+        ``servicebus replay`` once the receiver's ``max_payload`` allows it)."""
+        consumer.settle(mid)
+        kind = Kind(record.kind).name.lower()
+        self._batch.put_deadletter(mid, {
+            "origin": "outgoing", "reason": reason, "error": error, "at": wall_ms(),
+            "peer": consumer.peer, "stream": consumer.stream, "kind": kind,
+            "topic": record.topic, "record": list(record),
+        })
+        self.counters["refused"] += 1
+        if self._jon:
+            self._jevents.append(("deadlettered_at_sender", wall_ms(), mid, record.topic, kind,
+                                  consumer.peer, 0, reason))
+        log.error("%s %s to %s: %s; dead letter", kind, mid, consumer.peer, error)
+
+    def _too_large(self, consumer: Consumer, mid: str, record: OutgoingRecord) -> bool:
+        limit = self.peers[consumer.peer].max_payload
+        if limit is None or len(record.body) <= limit:
+            return False
+        self._refuse(consumer, mid, record, "too_large",
+                     f"payload of {len(record.body)} bytes; the receiver's max_payload is {limit}")
+        return True
+
     def _on_pong(self, peer: Peer, pong: P.Pong, now: float) -> None:
         restarted = peer.boot is not None and peer.boot != pong.boot
         peer.last_pong = now
+        peer.max_payload = pong.max_payload
         peer.boot = pong.boot
         if not peer.up or restarted:
             peer.up = True
@@ -906,9 +1007,15 @@ class Engine(threading.Thread):
 
     def _queue_reply(self, cmd: QueueReply) -> None:
         reply_to, command, corr, body = cmd.reply
-        stream = self._command_consumer(reply_to)
+        try:
+            stream = self._command_consumer(reply_to)
+        except ValueError as exc:  # checked on receipt; only an older store gets here
+            log.error("reply to %s cannot be sent: %s; dropped", reply_to, exc)
+            self._batch.delete_reply(cmd.command_id)
+            return
         mid = self.ids.next()
-        record = pack_outgoing(Kind.REPLY, command, wall_ms(), body, None, corr, None)
+        sent = wall_ms()
+        record = pack_outgoing(Kind.REPLY, command, sent, body, sent + int(self.config.reply_ttl * 1000), corr, None)
         # The reply moves from "pending" to the outgoing stream in one write. No fsync of
         # its own: the request's completion was not fsynced either, and the log keeps
         # their order, so a crash loses both (the request runs again) or neither.
@@ -920,6 +1027,7 @@ class Engine(threading.Thread):
             self._jevents.append(("published", wall_ms(), mid, command, "reply", reply_to, 0, None))
 
     def _cmd_subscribe(self, cmd: SubscribeCmd) -> None:
+        self._peer(cmd.publisher)  # ValueError to the caller, before anything is stored
         key = (cmd.publisher, cmd.topic)
         old = self.intents.get(key)
         if old is not None:
@@ -933,7 +1041,6 @@ class Engine(threading.Thread):
         self._intent_ids[intent.id] = intent
         self._batch.put_intent(cmd.publisher, cmd.topic, intent.record())
         self._batch.sync = True
-        self._peer(cmd.publisher)
         self._after.append((cmd.future, intent.id))
         self._next_tick = 0.0
 
@@ -966,6 +1073,8 @@ class Engine(threading.Thread):
         if record.expires is not None and record.expires < wall_ms():
             self._expire(consumer, mid, record, flight.attempt)
             return
+        if self._too_large(consumer, mid, record):
+            return
         out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
         if self._jon:
             self._jevents.append(("sent", wall_ms(), mid, record.topic, KIND_NAMES[record.kind],
@@ -977,7 +1086,7 @@ class Engine(threading.Thread):
         try:
             return unpack_outgoing(data)
         except Exception as exc:  # noqa: BLE001 - a damaged record must not stop the engine
-            consumer.ack(mid)
+            consumer.settle(mid)
             self._batch.put_deadletter(mid, {
                 "origin": "outgoing", "reason": "damaged", "at": wall_ms(), "peer": consumer.peer,
                 "stream": consumer.stream, "error": f"undecodable record ({type(exc).__name__})",
@@ -990,7 +1099,7 @@ class Engine(threading.Thread):
 
     def _expire(self, consumer: Consumer, mid: str, record: Any, attempt: int) -> None:
         """A message whose TTL passed before its receiver acked it: a dead letter here."""
-        consumer.ack(mid)
+        consumer.settle(mid)
         self._batch.put_deadletter(mid, {
             "origin": "outgoing", "reason": "expired", "error": None, "at": wall_ms(),
             "peer": consumer.peer, "stream": consumer.stream, "kind": Kind(record.kind).name.lower(),
@@ -1033,10 +1142,7 @@ class Engine(threading.Thread):
             peer = self.peers[consumer.peer]
             room = consumer.room(window)
             if not peer.up:
-                # Learn whether anything is pending at all (drain and status need it).
-                if not self.store.stream_ids(consumer.stream, after=consumer.pos, limit=1):
-                    consumer.exhausted = True
-                continue
+                continue  # _check_down_consumers learns whether anything waits for it
             if room <= 0:
                 continue
             items = self.store.iter_stream(consumer.stream, after=consumer.pos, limit=room)
@@ -1068,6 +1174,8 @@ class Engine(threading.Thread):
                 if record.expires is not None and record.expires < now_ms:
                     self._expire(consumer, mid, record, flight.attempt)
                     continue
+                if self._too_large(consumer, mid, record):
+                    continue
                 flight.attempt += 1
                 flight.deadline = now + backoff(flight.attempt - 1, cfg.ack_timeout, cfg.resend_max)
                 consumer.dirty = True
@@ -1083,7 +1191,6 @@ class Engine(threading.Thread):
         if not self._outbox:
             return
         outbox, self._outbox = self._outbox, {}
-        size = self.config.max_batch
         for peer, items in outbox.items():
             if not items or not peer.up:
                 continue  # what is in flight is resent when the peer comes back
@@ -1091,14 +1198,31 @@ class Engine(threading.Thread):
             for kind, env in items:
                 by_kind.setdefault(kind, []).append(env)
             for kind, envs in by_kind.items():
-                for start in range(0, len(envs), size):
-                    frames = P.encode_batch(Kind(kind), self.node_id, self.address,
-                                            envs[start:start + size], wall_ms())
+                for chunk in self._frames(envs):
+                    frames = P.encode_batch(Kind(kind), self.node_id, self.address, chunk, wall_ms())
                     if not self._send_peer(peer, frames):
                         break
-                    self.counters["sent"] += len(frames) and min(size, len(envs) - start)
+                    self.counters["sent"] += len(chunk)
                 if not peer.up:
                     break
+
+    def _frames(self, envs: list[P.Envelope]) -> list[list[P.Envelope]]:
+        """Split into frames of at most ``max_batch`` messages and FRAME_BYTES of payload
+        (one message alone may be bigger): a frame above the receiver's ZeroMQ message
+        size limit would make libzmq drop the connection, and only resends recover."""
+        count = self.config.max_batch
+        chunks: list[list[P.Envelope]] = []
+        chunk: list[P.Envelope] = []
+        size = 0
+        for env in envs:
+            if chunk and (len(chunk) >= count or size + len(env.body) > FRAME_BYTES):
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(env)
+            size += len(env.body)
+        if chunk:
+            chunks.append(chunk)
+        return chunks
 
     def _send_peer(self, peer: Peer, frames: list[bytes]) -> bool:
         try:
@@ -1109,6 +1233,7 @@ class Engine(threading.Thread):
             # was in flight is resent when it answers a ping again.
             if peer.up:
                 log.info("peer %s is down (cannot send)", peer.address)
+                peer.down_since = time.monotonic()
             peer.up = False
             return False
 
@@ -1129,6 +1254,7 @@ class Engine(threading.Thread):
             if peer.up and peer.last_pong is not None and now - peer.last_pong > cfg.peer_timeout:
                 log.info("peer %s is down (no answer for %.1fs)", peer.address, now - peer.last_pong)
                 peer.up = False
+                peer.down_since = now
             interval = cfg.heartbeat if peer.up else DOWN_PING
             if now - peer.last_ping >= interval:
                 peer.last_ping = now
@@ -1141,6 +1267,11 @@ class Engine(threading.Thread):
             self._send_peer(self.peers[intent.publisher],
                             encode(intent.id, intent.topic, self.address, self.node_id))
         self._resend_due(now)
+        self._check_down_consumers()
+        if now >= self._next_expiry:
+            self._next_expiry = now + EXPIRY_INTERVAL
+            self._expire_waiting(now)
+            self._forget_idle_peers(now)
         self.requests.expire(now)
         if now >= self._next_prune:
             # While ids are due faster than one batch a second, go on next turn.
@@ -1149,6 +1280,83 @@ class Engine(threading.Thread):
         if now >= self._next_clock_save:
             self._next_clock_save = now + CLOCK_SAVE
             self._batch.put_clock(self.clock)
+
+    def _check_down_consumers(self) -> None:
+        """Whether anything waits for peers that are down (drain and status need it): one
+        seek per consumer per tick, not per turn."""
+        for consumer in self.consumers.values():
+            if not consumer.exhausted and not self.peers[consumer.peer].up:
+                if not self.store.stream_ids(consumer.stream, after=consumer.pos, limit=1):
+                    consumer.exhausted = True
+
+    def _expire_waiting(self, now: float) -> None:
+        """TTLs pass while a receiver is down too: commands and replies waiting for a peer
+        that is down become dead letters when they expire, not when it comes back. (Only
+        command streams carry TTLs.) Reads at most EXPIRY_SCAN stored messages per
+        consumer per call, resuming where the last call stopped."""
+        now_ms = wall_ms()
+        for consumer in list(self.consumers.values()):
+            if not is_command_stream(consumer.stream) or self.peers[consumer.peer].up:
+                continue
+            for mid, flight in list(consumer.inflight.items()):
+                data = self.store.get_outgoing(consumer.stream, mid)
+                record = None if data is None else self._outgoing_record(consumer, mid, data)
+                if record is not None and record.expires is not None and record.expires < now_ms:
+                    self._expire(consumer, mid, record, flight.attempt)
+            start = max(consumer.scan or "", consumer.pos or "")
+            items = self.store.iter_stream(consumer.stream, after=start or None, limit=EXPIRY_SCAN)
+            consumer.scan = items[-1][0] if len(items) == EXPIRY_SCAN else None  # else: from the start
+            # Expired messages right after the cursor are read into the window and settled
+            # there, so the cursor moves past them (drain and garbage collection see them
+            # gone); ones behind a message still alive are skipped when the cursor gets there.
+            leading = start == (consumer.pos or "")
+            for mid, data in items:
+                if mid in consumer.skip:
+                    if leading and consumer.room(self.config.window) > 0:
+                        consumer.admit(mid, now, self.config.ack_timeout)
+                    continue
+                try:
+                    record: OutgoingRecord | None = unpack_outgoing(data)
+                except Exception:  # noqa: BLE001 - damaged: _outgoing_record dead-letters it
+                    record = None
+                if record is not None and (record.expires is None or record.expires >= now_ms):
+                    leading = False
+                    continue
+                if leading and consumer.room(self.config.window) > 0:
+                    consumer.admit(mid, now, self.config.ack_timeout)
+                if record is None:
+                    self._outgoing_record(consumer, mid, data)
+                else:
+                    self._expire(consumer, mid, record, 0)
+
+    def _forget_idle_peers(self, now: float) -> None:
+        """Bound per-address state: an address nothing is owed to, either way, for
+        ``peer_expiry`` loses its socket, consumers and delivery records. Subscribers and
+        publishers we have a subscription or intent with are never idle."""
+        publishers = {intent.publisher for intent in self.intents.values()}
+        for address, peer in list(self.peers.items()):
+            idle = address not in publishers and all(
+                is_command_stream(c.stream) and c.idle for c in peer.consumers)
+            if not idle:
+                peer.idle_since = None
+                continue
+            if peer.idle_since is None:
+                peer.idle_since = now
+                continue
+            if now - peer.idle_since < self.config.peer_expiry:
+                continue
+            if any(self.store.stream_ids(c.stream, limit=1) for c in peer.consumers):
+                continue  # acknowledged messages not collected yet: next time
+            for consumer in list(peer.consumers):
+                self._remove_consumer(consumer)
+                self._batch.delete_delivery(consumer.peer, consumer.stream)
+            self.poller.unregister(peer.sock)
+            del self._sock_peer[peer.sock]
+            del self.peers[address]
+            self._outbox.pop(peer, None)
+            peer.sock.close(linger=0)
+            self.counters["peers_forgotten"] += 1
+            log.info("forgot peer %s: nothing owed either way for %.0fs", address, now - peer.idle_since)
 
     def _collect_garbage(self) -> None:
         """Delete stream messages every consumer of the stream has acknowledged."""
@@ -1244,8 +1452,10 @@ class Engine(threading.Thread):
         err: BusError = BusClosedError("the bus closed before this call completed")
         if self.failure is not None:
             err = self.broken()
-        while self._queue:
-            cmd = self._queue.popleft()
+        with self._submit_lock:
+            self._shut = True
+            queued, self._queue = list(self._queue), deque()
+        for cmd in queued:
             if cmd.future is not None and not cmd.future.done():
                 cmd.future.set_exception(err)
         for fut in self._drains:

@@ -37,11 +37,15 @@ __all__ = ["Journal", "EVENTS", "flush_datadir"]
 log = logging.getLogger("servicebus")
 
 EVENTS = ("published", "sent", "acked", "received", "handled", "handler_failed", "retried",
-          "deadlettered", "expired", "replayed")
+          "deadlettered", "expired", "replayed", "dropped")
 # Internal event names -> (event, role) in the segment files.
 ROLES = {
     "published": ("published", "sender"), "sent": ("sent", "sender"), "acked": ("acked", "sender"),
     "expired_at_sender": ("expired", "sender"), "replayed_at_sender": ("replayed", "sender"),
+    # no longer owed, and not delivered: an operator's purge, or the receiver unsubscribed
+    # (the error says which); a dead letter made at the sender (too large, damaged, purged
+    # subscriber)
+    "dropped_at_sender": ("dropped", "sender"), "deadlettered_at_sender": ("deadlettered", "sender"),
     "received": ("received", "receiver"), "handled": ("handled", "receiver"),
     "handler_failed": ("handler_failed", "receiver"), "retried": ("retried", "receiver"),
     "deadlettered": ("deadlettered", "receiver"), "expired": ("expired", "receiver"),

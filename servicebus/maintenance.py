@@ -70,8 +70,7 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
     for c in views.values():
         subscribers_of.setdefault(c.stream, set()).add(c.peer)
     gen = IdGenerator(after=store.highest_own_id())  # above every cursor, whatever the clock
-    node, address = store.get_meta("node"), store.get_meta("address")
-    journal = Journal(store, Path("."), (node or b"").decode(), (address or b"").decode())
+    journal = _journal(store)
     writer = _Writer(store, progress)
     for mid, rec in letters:
         batch = writer.batch
@@ -118,10 +117,33 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
 # --- purge ---------------------------------------------------------------------------------
 
 
+def _journal(store: Store) -> Journal:
+    """The journal of the bus that owns ``store``, for events of changes made here (it
+    moves them to segment files at its next start, or ``servicebus journal flush``)."""
+    node, address = store.get_meta("node"), store.get_meta("address")
+    return Journal(store, Path("."), (node or b"").decode(), (address or b"").decode())
+
+
+def _journal_owed(store: Store, writer: "_Writer", peer: str | None, event: str, why: str) -> None:
+    """Journal every message still owed to ``peer`` (every peer if None) as ended by an
+    operator: the audit counts it as ``event``, not as lost."""
+    journal = _journal(store)
+    for c in consumers(store):
+        if peer is not None and c.peer != peer:
+            continue
+        kind = "command" if is_command_stream(c.stream) else "event"
+        topic = None if kind == "command" else c.stream[2:]
+        for mid in c.pending_ids(store):
+            journal.record(writer.batch, [(event, wall_ms(), mid, topic, kind, c.peer, 0, why)])
+            writer.step()
+
+
 def _delete_keyspaces(store: Store, names: tuple[str, ...], progress: Progress) -> dict[str, int]:
     counts = {name: 0 for name in names}
     prefixes = {KEYSPACES[name]: name for name in names}
     writer = _Writer(store, progress)
+    if "outgoing" in names:
+        _journal_owed(store, writer, None, "dropped_at_sender", "purged")
     for key, _value in store.scan_raw():
         name = prefixes.get(key[:2])
         if name is None:
@@ -157,21 +179,33 @@ def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[s
     ``subscriber_removed``) rather than vanishing: they can be exported or inspected."""
     mine = [c for c in consumers(store) if c.peer == address]
     writer = _Writer(store, progress)
+    journal = _journal(store)
+    moved = 0
     for c in mine:
         for mid in c.pending_ids(store):
             data = store.get_outgoing(c.stream, mid)
             if data is None:
                 continue
             rec = unpack_outgoing(data)
+            kind = Kind(rec.kind).name.lower()
             writer.batch.put_deadletter(mid, {
                 "origin": "outgoing", "reason": "subscriber_removed", "error": None, "at": wall_ms(),
-                "peer": address, "stream": c.stream, "kind": Kind(rec.kind).name.lower(),
+                "peer": address, "stream": c.stream, "kind": kind,
                 "topic": rec.topic, "record": list(rec),
             })
+            journal.record(writer.batch, [("deadlettered_at_sender", wall_ms(), mid, rec.topic, kind,
+                                           address, 0, "subscriber_removed")])
+            moved += 1
             writer.step()
         writer.batch.delete_delivery(c.peer, c.stream)
+        if is_command_stream(c.stream):
+            # Its stream is this address's alone: without its delivery state, the next start
+            # would deliver all of it again from the start, acknowledged commands included.
+            for mid in list(store.stream_ids(c.stream)):
+                writer.batch.delete_outgoing(c.stream, mid)
+                writer.step()
     subs = [(s, t) for s, t, _ in store.subscriptions() if s == address]
     for s, t in subs:
         writer.batch.delete_subscription(s, t)
     writer.close()
-    return {"subscriptions": len(subs), "deliveries": len(mine), "moved_to_deadletters": writer.done}
+    return {"subscriptions": len(subs), "deliveries": len(mine), "moved_to_deadletters": moved}

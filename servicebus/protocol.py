@@ -99,6 +99,9 @@ class Batch(NamedTuple):
     # The sender's wall clock when it sent the frame (header "now", optional): lets the
     # receiver turn ``expires`` into its own clock's terms, whatever the skew between them.
     sent_at: int | None = None
+    # Ids of messages whose payload exceeds the receiver's max_payload: not in
+    # ``messages``; the receiver NACKs them (the rest of the frame is fine).
+    oversize: tuple[str, ...] = ()
 
 
 class Ack(NamedTuple):
@@ -132,6 +135,9 @@ class Ping(NamedTuple):
 class Pong(NamedTuple):
     sender: str
     boot: str
+    # The largest payload the answering bus accepts (header "max", optional): a sender
+    # dead-letters a bigger message instead of sending what would be refused.
+    max_payload: int | None = None
 
 
 Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
@@ -161,6 +167,9 @@ def decode_payload(body: bytes) -> Any:
 
 _TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})$")
 _IPC = re.compile(r"^ipc://(?P<path>[^\x00-\x1f\x7f]+)$")
+# A Unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL on Linux):
+# libzmq refuses longer ones at connect(), which must never be where we find out.
+MAX_IPC_PATH_BYTES = 107
 
 
 def validate_address(address: object, *, what: str = "address") -> str:
@@ -182,7 +191,12 @@ def validate_address(address: object, *, what: str = "address") -> str:
         if match.group("host") in ("*", "0.0.0.0", "[::]"):
             raise ValueError(f"{what} {address!r} is a wildcard; peers need a reachable host")
         return address
-    if _IPC.match(address):
+    match = _IPC.match(address)
+    if match:
+        size = len(match.group("path").encode("utf-8", "surrogatepass"))
+        if size > MAX_IPC_PATH_BYTES:
+            raise ValueError(f"{what} {address[:60]!r}...: an ipc path is at most "
+                             f"{MAX_IPC_PATH_BYTES} bytes (the OS limit for socket paths), not {size}")
         return address
     raise ValueError(f"{what} {address!r} is not of the form tcp://host:port or ipc://path")
 
@@ -232,8 +246,11 @@ def encode_ping(sender: str, boot: str) -> list[bytes]:
     return _control(Kind.PING, {"sender": sender, "boot": boot})
 
 
-def encode_pong(sender: str, boot: str) -> list[bytes]:
-    return _control(Kind.PONG, {"sender": sender, "boot": boot})
+def encode_pong(sender: str, boot: str, max_payload: int | None = None) -> list[bytes]:
+    header: dict[str, Any] = {"sender": sender, "boot": boot}
+    if max_payload is not None:
+        header["max"] = max_payload
+    return _control(Kind.PONG, header)
 
 
 # --- decoding ------------------------------------------------------------------------------
@@ -331,8 +348,11 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
             _str(header["sender"], "sender", MAX_NAME_LEN),
         )
     _require(header, "sender", "boot")
-    cls = Ping if kind is Kind.PING else Pong
-    return cls(_str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN))
+    sender, boot = _str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN)
+    if kind is Kind.PING:
+        return Ping(sender, boot)
+    limit = header.get("max")
+    return Pong(sender, boot, None if limit is None else _int(limit, "max", 1))
 
 
 def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> Batch:
@@ -351,14 +371,16 @@ def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> 
     if not isinstance(bodies, list) or len(bodies) != len(metas):
         raise ProtocolError("bad_body", "body must be a list with one payload per message")
     out = []
+    oversize = []
     for meta, body in zip(metas, bodies):
         if not isinstance(meta, list) or len(meta) != 7:
             raise ProtocolError("bad_field", "each message header must be a 7-item array")
         if not isinstance(body, bytes):
             raise ProtocolError("bad_body", "payloads must be msgpack bin")
-        if len(body) > max_payload:
-            raise ProtocolError("oversize", f"payload of {len(body)} bytes")
         mid, topic, sent, attempt, expires, corr, headers = meta
+        if len(body) > max_payload:
+            oversize.append(_str(mid, "id", MAX_ID_LEN))  # refused by id, the rest accepted
+            continue
         if headers is not None and not isinstance(headers, dict):
             raise ProtocolError("bad_field", "headers must be a map")
         try:
@@ -378,4 +400,4 @@ def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> 
                 headers or None,
             )
         )
-    return Batch(kind, sender, reply_to, tuple(out), sent_at)
+    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize))

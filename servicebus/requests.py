@@ -27,11 +27,14 @@ class PendingRequests:
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[Future, float, str]] = {}
+        self._closed: BaseException | None = None
 
     def new(self, timeout: float, what: str) -> tuple[str, Future]:
         corr = f"{self.boot}-{next(self._counter)}"
         future: Future = Future()
         with self._lock:
+            if self._closed is not None:  # nobody would ever complete or expire it
+                raise type(self._closed)(str(self._closed))
             self._waiting[corr] = (future, time.monotonic() + timeout, what)
         return corr, future
 
@@ -69,7 +72,9 @@ class PendingRequests:
                 future.set_exception(RequestTimeout(f"no reply to {what} ({corr}) in time"))
 
     def close(self, exc: BaseException) -> None:
+        """Fail every waiting request with ``exc``, and every later ``new``."""
         with self._lock:
+            self._closed = exc
             entries, self._waiting = list(self._waiting.values()), {}
         for future, _deadline, _what in entries:
             if not future.done():

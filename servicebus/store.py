@@ -39,7 +39,7 @@ import plyvel
 
 from .clock import BusClock
 from . import schema
-from .errors import CorruptRecordError, StoreError, StoreWriteError
+from .errors import CorruptRecordError, LockedError, StoreError, StoreWriteError
 from .schema import REPAIR_HINT
 
 __all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION"]
@@ -102,6 +102,10 @@ def _open_db(path: Path, **options: Any) -> Any:
     try:
         return plyvel.DB(str(path), **options)
     except plyvel.IOError as exc:
+        if "lock" in str(exc).lower():
+            # LevelDB's own lock: another process has this store open right now (one that
+            # does not hold DATADIR/LOCK, or got in first). Never a reason to repair it.
+            raise LockedError(f"store {path} is in use by another process ({exc})") from exc
         raise StoreError(f"cannot open store {path}: {exc}") from exc
     except plyvel.Error as exc:
         raise StoreError(f"cannot open store {path}: {exc}; {REPAIR_HINT}") from exc
@@ -305,6 +309,7 @@ class Store:
         self._write_cv = threading.Condition(threading.Lock())
         self._tickets = itertools.count()
         self._inflight: set[int] = set()  # writes inside LevelDB now
+        self._unsynced = False  # an unsynced write was made since opening
         self._waiting = 0  # writes waiting for the outcome of others
         self.generation = 0  # bumped by reopen(): batches of an older handle are copied
 
@@ -387,6 +392,13 @@ class Store:
             self._cv.notify_all()  # writers waiting in wait_writable()
             self._cv.wait_for(lambda: self._active == 0)
         if self._db is not None:
+            if self._unsynced and self._failure is None:
+                # Writes made after the owner's last sync (a handler finishing while the bus
+                # closed) are made durable too: closing LevelDB does not fsync its log.
+                try:
+                    self._db.write_batch(sync=True).write()
+                except plyvel.Error as exc:
+                    log.error("the last sync at close failed: %s", exc)
             self._db.close()
 
     # --- failed writes and reopening ----------------------------------------------------
@@ -497,6 +509,8 @@ class Store:
             raise
         with cv:
             inflight.discard(ticket)
+            if not sync:
+                self._unsynced = True  # close() syncs once more (cheaper than knowing if it must)
             if self._waiting:
                 cv.notify_all()  # someone waits for this write's outcome
             # Writes that may have gone into the log before this one, whose outcome a

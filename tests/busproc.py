@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--out", help="handler log file")
     ap.add_argument("--die-at", type=int, help="SIGKILL self inside the handler of payload n, once")
     ap.add_argument("--marker", help="file that records that --die-at already happened")
+    ap.add_argument("--die-always-at", type=int, help="SIGKILL self inside the handler of payload n, every time")
+    ap.add_argument("--max-attempts", type=int, default=5)
     ap.add_argument("--publish", help="topic to publish to once a subscriber is there")
     ap.add_argument("--count", type=int, default=0)
     ap.add_argument("--first", type=int, default=0, help="payload n of the first message")
@@ -60,7 +62,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()}] %(asctime)s %(threadName)s %(message)s")
     bus = Bus(args.bind, args.datadir, workers=args.workers, ack_timeout=args.ack_timeout,
-              retry_initial=args.retry_initial, retry_max=args.retry_max)
+              retry_initial=args.retry_initial, retry_max=args.retry_max,
+              max_attempts=args.max_attempts)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -69,6 +72,8 @@ def main() -> None:
         append(args.out, f"start {message.id} {n} {message.attempt}")
         if args.fail_first and message.attempt == 1:
             raise RuntimeError("failing the first attempt, as asked")
+        if args.die_always_at is not None and n == args.die_always_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.die_at is not None and n == args.die_at and not os.path.exists(args.marker):
             append(args.marker, "died")
             os.kill(os.getpid(), signal.SIGKILL)

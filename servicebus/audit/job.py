@@ -13,6 +13,8 @@ classified, in this order:
 - ``handled_more_than_once``: more than one ``handled`` event (a duplicate reached a handler)
 - ``handled``: exactly one
 - ``deadlettered``: dead-lettered or expired, at the sender or the receiver
+- ``dropped``: no longer owed and not delivered: the receiver unsubscribed, or an operator
+  purged it (``servicebus purge``); the event's error says which
 - ``in_flight``: stored at the receiver and not handled yet, or published less than
   ``--grace`` before the sender's latest journal event
 - ``lost``: published to that receiver, older than the grace, never received, handled or
@@ -45,7 +47,7 @@ from typing import Any
 
 SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
           "kind STRING, peer STRING, attempt INT, role STRING, error STRING")
-CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "lost")
+CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
 PROBLEMS = ("lost", "handled_more_than_once")
 SHOW_IDS = 20
 
@@ -206,6 +208,7 @@ def reconcile(events, *, grace_ms: int, since_ms: int | None):
         count_of("received").alias("received"),
         count_of("handled").alias("handled_count"),
         count_of("deadlettered", "expired").alias("deadlettered"),
+        count_of("dropped").alias("dropped"),
         F.first(when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event"))),
                 ignorenulls=True).alias("deadletter_reason"),
         count_of("retried").alias("retries"),
@@ -224,6 +227,7 @@ def reconcile(events, *, grace_ms: int, since_ms: int | None):
     klass = (when(col("handled_count") > 1, "handled_more_than_once")
              .when(col("handled_count") == 1, "handled")
              .when(col("deadlettered") > 0, "deadlettered")
+             .when(col("dropped") > 0, "dropped")
              .when(col("received") > 0, "in_flight")
              .when(col("age_ms") < F.lit(grace_ms), "in_flight")
              .otherwise("lost"))

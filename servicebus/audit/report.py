@@ -9,7 +9,7 @@ import io
 from datetime import datetime, timezone
 from typing import Any
 
-CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "lost")
+CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
 
 
 def _png(fig) -> str:

@@ -111,3 +111,23 @@ def test_durations_and_since_parse():
     assert job.parse_since("1h", 10_000_000) == 10_000_000 - 3_600_000
     with pytest.raises(job.AuditError):
         job.parse_duration("soon")
+
+
+def test_messages_dropped_by_an_unsubscribe_or_an_operator_are_not_reported_lost(spark, tmp_path):
+    journal = tmp_path / "fleet" / "pub" / "journal"
+    journal.mkdir(parents=True)
+    old, now = 1_790_000_000_000, 1_790_000_000_000 + 86_400_000
+    lines = []
+    for n, (end, error) in enumerate([("dropped", "unsubscribed"), ("dropped", "purged"),
+                                      ("deadlettered", "subscriber_removed")]):
+        base = {"ts": old, "node": "pub", "address": "tcp://10.0.0.1:1", "id": f"{n:022d}",
+                "topic": TOPIC, "kind": "event", "peer": "tcp://10.0.0.2:1", "attempt": 0,
+                "role": "sender"}
+        lines.append({**base, "event": "published"})
+        lines.append({**base, "event": end, "error": error, "ts": old + 1})
+    lines.append({**base, "id": "9" * 22, "event": "published", "ts": now})
+    (journal / "pub-000000000001.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = job.run(spark, [str(tmp_path / "fleet")], str(tmp_path / "audit"), grace_ms=60_000,
+                      write=False)
+    assert summary["classes"]["lost"] == 0
+    assert summary["classes"]["dropped"] == 2 and summary["classes"]["deadlettered"] == 1

@@ -100,3 +100,41 @@ def test_a_restarted_bus_never_overwrites_an_earlier_segment(tmp_path):
     events = journal_lines(tmp_path / "node")
     assert [e["event"] for e in events].count("published") == 3
     assert len(list((tmp_path / "node" / "journal").glob("*.jsonl"))) == 3
+
+
+def test_every_way_a_message_stops_being_owed_is_journaled(tmp_path):
+    import zmq
+
+    from servicebus import protocol as P
+
+    pub_dir = tmp_path / "pub"
+    with Bus(free_address(), pub_dir) as pub:
+        subscribers = []
+        for name in ("kept", "leaving"):
+            with Bus(free_address(), tmp_path / name) as sub:
+                sub.subscribe(pub.address, TOPIC, wait=10)
+                subscribers.append(sub.address)
+        kept, leaving = subscribers  # both down now: what follows is owed to them
+        events_ids = pub.publish_many(TOPIC, [1, 2])
+        commands = [pub.send(kept, "work", n) for n in range(3)]
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pub.address)
+        try:  # the leaving subscriber's UNSUBSCRIBE, as it would send it
+            sock.send_multipart(P.encode_unsubscribe("u1", TOPIC, leaving, "leaving"))
+            assert sock.poll(10_000), "no ack for the unsubscribe"
+        finally:
+            sock.close(linger=0)
+        wait_until(lambda: pub.status().subscriptions == 1, 10)
+    removed = subprocess.run([CLI, "purge", str(pub_dir), "--subscriber", kept, "--yes"],
+                             capture_output=True, text=True, timeout=60)
+    assert removed.returncode == 0, removed.stderr
+    events = journal_lines(pub_dir)
+    owed = {(e["id"], e["peer"]) for e in events if e["event"] == "published"}
+    ended = {(e["id"], e["peer"]): e for e in events
+             if e["event"] in ("acked", "expired", "deadlettered", "dropped")}
+    assert owed == set(ended)
+    assert {ended[(mid, leaving)]["event"] for mid in events_ids} == {"dropped"}
+    assert {ended[(mid, leaving)]["error"] for mid in events_ids} == {"unsubscribed"}
+    assert {ended[(mid, kept)]["event"] for mid in events_ids + commands} == {"deadlettered"}
+    assert {ended[(mid, kept)]["error"] for mid in events_ids + commands} == {"subscriber_removed"}

@@ -93,11 +93,23 @@ def test_fields_are_validated():
     assert reason(batch_with(ok, reply_to="inproc://x")) == "bad_address"
 
 
-def test_oversize_payloads_are_refused():
+def test_oversize_payloads_are_refused_by_id_and_the_rest_of_the_frame_is_accepted():
     big = env(body=P.encode_payload(b"x" * 2000))
-    with pytest.raises(ProtocolError) as info:
-        P.decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big]), max_payload=1000)
-    assert info.value.reason == "oversize"
+    small = env(body=P.encode_payload(b"y"))._replace(id="small-1")
+    frame = P.decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big, small]), max_payload=1000)
+    assert frame.oversize == (big.id,)
+    assert [m.id for m in frame.messages] == ["small-1"]
+
+
+def test_a_pong_carries_the_largest_payload_its_bus_accepts():
+    assert P.decode(P.encode_pong("n", "b", 4096), max_payload=1) == P.Pong("n", "b", 4096)
+    assert P.decode(P.encode_pong("n", "b"), max_payload=1) == P.Pong("n", "b", None)
+
+
+def test_an_ipc_path_longer_than_a_socket_path_can_be_is_refused():
+    P.validate_address("ipc:///" + "x" * 106)
+    with pytest.raises(ValueError, match="at most 107 bytes"):
+        P.validate_address("ipc:///" + "x" * 107)
 
 
 @pytest.mark.parametrize("address", [

@@ -90,10 +90,12 @@ def test_a_closed_store_raises_store_error(tmp_path):
         s.write(s.batch(), sync=True)
 
 
-def test_two_opens_of_one_store_fail_with_store_error(tmp_path):
+def test_a_second_open_of_a_store_in_use_fails_with_locked_error(tmp_path):
+    from servicebus.errors import LockedError
+
     s = Store.open(tmp_path / "s")
     try:
-        with pytest.raises(StoreError):
+        with pytest.raises(LockedError, match="in use by another process"):
             Store.open(tmp_path / "s")
     finally:
         s.close()
