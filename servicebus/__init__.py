@@ -5,6 +5,7 @@ import logging
 from .bus import Bus
 from .config import BusConfig
 from .errors import (
+    AdminUnavailable,
     BusBrokenError,
     BusClosedError,
     BusError,
@@ -19,7 +20,7 @@ from .errors import (
     SubscribeTimeout,
     TransportError,
 )
-from .records import BusStatus, Message, PeerStatus
+from .records import BusStatus, DeadLetter, Message, PeerStatus
 
 __all__ = [
     "Bus",
@@ -27,7 +28,9 @@ __all__ = [
     "Message",
     "BusStatus",
     "PeerStatus",
+    "DeadLetter",
     "BusError",
+    "AdminUnavailable",
     "BusClosedError",
     "BusBrokenError",
     "StoreError",

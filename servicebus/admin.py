@@ -23,8 +23,8 @@ from typing import Any
 import msgpack
 
 from .clock import wall_ms
-from .delivery import is_command_stream, unpack_outgoing
-from .errors import BusError
+from .delivery import event_stream, is_command_stream, stream_target, unpack_outgoing
+from .errors import AdminUnavailable
 from .ids import id_millis
 from .lockfile import probe
 from .protocol import KIND_NAMES
@@ -37,9 +37,6 @@ __all__ = [
 
 ENDPOINT_FILE = "admin.endpoint"
 
-
-class AdminUnavailable(BusError):
-    """A live bus holds the data directory but did not answer on its admin endpoint."""
 
 
 
@@ -82,7 +79,7 @@ class ConsumerView:
 
     @property
     def topic(self) -> str:
-        return self.stream[2:]
+        return stream_target(self.stream)
 
     def owes(self, message_id: str) -> bool:
         return (self.floor is None or message_id > self.floor) and message_id not in self.acked
@@ -106,7 +103,7 @@ def consumers(store: Store) -> list[ConsumerView]:
         views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
                                              dict(rec.get("attempts") or {}), rec.get("last_ack"))
     for sub, topic, rec in store.subscriptions():
-        key = (sub, "e:" + topic)
+        key = (sub, event_stream(topic))
         if key not in views:
             views[key] = ConsumerView(sub, key[1], rec.get("since"))
     return sorted(views.values(), key=lambda c: (c.peer, c.stream))
@@ -181,7 +178,7 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
         if subscriber and subscriber not in (c.peer for c in cs):
             continue
         floors = [c.floor for c in cs]
-        after = None if None in floors else min(floors)
+        after = None if None in floors else min(f for f in floors if f is not None)
         while True:
             chunk = store.iter_stream(stream, after=after, limit=1000)
             for mid, data in chunk:
@@ -272,21 +269,21 @@ def export_rows(store: Store) -> Iterator[dict]:
         while True:
             chunk = store.iter_stream(stream, after=after, limit=1000)
             for mid, data in chunk:
-                rec = unpack_outgoing(data)
-                yield {"type": "outgoing", "stream": stream, "id": mid, "kind": KIND_NAMES.get(rec.kind),
-                       "topic": rec.topic, "sent": rec.sent, "expires": rec.expires,
-                       "correlation_id": rec.correlation_id, "headers": jsonable(rec.headers),
-                       "payload": payload_of(rec.body), "body": b64(rec.body)}
+                out = unpack_outgoing(data)
+                yield {"type": "outgoing", "stream": stream, "id": mid, "kind": KIND_NAMES.get(out.kind),
+                       "topic": out.topic, "sent": out.sent, "expires": out.expires,
+                       "correlation_id": out.correlation_id, "headers": jsonable(out.headers),
+                       "payload": payload_of(out.body), "body": b64(out.body)}
             if len(chunk) < 1000:
                 break
             after = chunk[-1][0]
     now = wall_ms()
-    for mid, rec in store.incoming():
-        row = _incoming_row(mid, rec, store.get_runstate(mid), now)
-        yield {"type": "incoming", **row, "sent": rec[4], "body": b64(rec[9])}
-    for mid, rec in store.replies():
-        yield {"type": "reply", "request_id": mid, "reply_to": rec[0], "command": rec[1],
-               "correlation_id": rec[2], "payload": payload_of(rec[3]), "body": b64(rec[3])}
+    for mid, inc in store.incoming():
+        row = _incoming_row(mid, inc, store.get_runstate(mid), now)
+        yield {"type": "incoming", **row, "sent": inc[4], "body": b64(inc[9])}
+    for mid, reply in store.replies():
+        yield {"type": "reply", "request_id": mid, "reply_to": reply[0], "command": reply[1],
+               "correlation_id": reply[2], "payload": payload_of(reply[3]), "body": b64(reply[3])}
     for mid, rec in store.deadletters():
         inner = rec.get("record") or []
         body = inner[-1] if inner and isinstance(inner[-1], bytes) else b""

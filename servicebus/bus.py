@@ -31,7 +31,7 @@ from .admin import ENDPOINT_FILE
 from .journal import Journal
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address
-from .records import BusStatus, Message
+from .records import BusStatus, DeadLetter, Message
 from .requests import PendingRequests
 from .store import Store
 from .topics import validate_topic
@@ -77,9 +77,10 @@ class Bus:
         self._closed = False
         self._close_lock = threading.Lock()
         self._lock: DataDirLock | None = None
-        self._store: Store | None = None
+        # Set by _open; a Bus whose opening failed is never handed out.
+        self._store: Store
+        self._dispatcher: Dispatcher
         self._engine: E.Engine | None = None
-        self._dispatcher: Dispatcher | None = None
         # Everything opened is closed by this stack, in reverse: a failure at any step of
         # opening closes exactly what was opened before it, and close() is the same unwind.
         self._resources = ExitStack()
@@ -186,8 +187,11 @@ class Bus:
     def _reply_ready(self, command_id: str, reply: list) -> None:
         # Called on a worker thread once a request's reply is stored. If the engine has
         # stopped, the stored reply is queued by the next start instead.
+        engine = self._engine
+        if engine is None:
+            return
         try:
-            self._engine.submit(E.QueueReply(command_id, reply))
+            engine.submit(E.QueueReply(command_id, reply))
         except BusClosedError:
             pass
 
@@ -312,8 +316,9 @@ class Bus:
             raise
 
         def on_stored(f: Future) -> None:
-            if f.exception() is not None:
-                self._requests.fail(corr, f.exception())
+            exc = f.exception()
+            if exc is not None:
+                self._requests.fail(corr, exc)
 
         stored.add_done_callback(on_stored)
         return future
@@ -440,6 +445,21 @@ class Bus:
             lock=dict(self._lock.owner.__dict__) if self._lock else {},
             store_error=snap["store_error"],
         )
+
+    def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
+        """The dead letters in the store, oldest id first (at most ``limit``): what an
+        operator would replay or purge (``servicebus deadletters`` shows the payloads)."""
+        self._check_open()
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit must be an int >= 0, not {limit!r}")
+        out: list[DeadLetter] = []
+        for mid, rec in self._store.deadletters():
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(DeadLetter(mid, rec.get("origin", "?"), rec.get("reason", "?"), rec.get("error"),
+                                  rec.get("topic"), rec.get("kind"), rec.get("attempts"),
+                                  rec.get("peer"), int(rec.get("at") or 0)))
+        return out
 
     def counters(self) -> dict[str, int]:
         """Engine counters since start (published, sent, received, acked, fsyncs, ...)."""

@@ -30,6 +30,7 @@ __all__ = [
     "event_stream",
     "command_stream",
     "is_command_stream",
+    "stream_target",
     "OutgoingRecord",
 ]
 
@@ -45,6 +46,11 @@ def command_stream(address: str) -> str:
 
 def is_command_stream(stream: str) -> bool:
     return stream.startswith("c:")
+
+
+def stream_target(stream: str) -> str:
+    """The topic of an event stream, the address of a command stream."""
+    return stream[2:]
 
 
 def backoff(attempt: int, initial: float, cap: float, jitter: float = 0.2) -> float:

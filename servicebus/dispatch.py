@@ -110,9 +110,6 @@ class Dispatcher:
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._tls = threading.local()
-        self.handled = 0
-        self.failed = 0
-        self.deadlettered = 0
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -160,10 +157,6 @@ class Dispatcher:
     def _idle(self) -> bool:
         return not (self._known or self._parked or self._overflow or self._refilling
                     or self._refill_pending)
-
-    def counts(self) -> dict[str, int]:
-        with self._cv:
-            return {"queued": len(self._known), "parked_topics": len(self._parked)}
 
     def _scratch(self) -> Any:
         """This thread's write batch, emptied: one per message was measurable."""
@@ -512,9 +505,10 @@ class Dispatcher:
         """Put the next message's start marker in ``batch``: the write that finishes one
         message also records that the next one started, saving a write per message."""
         marker = self._marker(nxt)
-        if marker is not None:
-            batch.put_runstate(nxt.id, marker)
-        return marker is not None
+        if marker is None or nxt is None:
+            return False
+        batch.put_runstate(nxt.id, marker)
+        return True
 
     def _run(self, item: Incoming, marked: bool = False,
              nxt: Incoming | None = None) -> tuple[float | None, bool]:
@@ -523,7 +517,8 @@ class Dispatcher:
         record = item.record
         kind, topic = record[0], record[1]
         if kind == Kind.REPLY:
-            return self._run_reply(item), False
+            self._run_reply(item)
+            return None, False
         attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
         done = list(done)
         store, config = self._store, self._config
@@ -595,9 +590,7 @@ class Dispatcher:
                 self._journal.record(batch, [_event("handled", item, attempts)])
 
             premarked = self._record(completed, item.id, nxt)
-            self.handled += 1
             return None, premarked
-        self.failed += 1
         failed = _event("handler_failed", item, attempts, error)
         if attempts >= config.max_attempts:
             self._deadletter(item, "handler_failed", error, attempts, [failed])
@@ -636,7 +629,6 @@ class Dispatcher:
             self._journal.record(batch, events)
 
         premarked = self._record(replied, item.id, nxt)
-        self.handled += 1
         self._on_reply(item.id, reply_record)
         return premarked
 
@@ -685,6 +677,5 @@ class Dispatcher:
             batch.deadletter_incoming(item.id, letter)
 
         self._record(deadlettered, item.id)
-        self.deadlettered += 1
         log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
                   error or reason)

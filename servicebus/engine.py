@@ -37,6 +37,7 @@ from .delivery import (
     envelope_from_record,
     event_stream,
     is_command_stream,
+    stream_target,
     pack_outgoing,
     unpack_outgoing,
     OutgoingRecord,
@@ -74,7 +75,7 @@ EXPIRY_SCAN = 1000  # stored messages read per consumer per check
 
 def _stream_topic(stream: str) -> tuple[str | None, str]:
     """(topic, kind name) an ack on ``stream`` refers to, as far as the stream tells."""
-    return (stream[2:], "event") if stream.startswith("e:") else (None, "command")
+    return (None, "command") if is_command_stream(stream) else (stream_target(stream), "event")
 
 
 def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
@@ -211,14 +212,6 @@ class Drain:
 
 @dataclass
 class Snapshot:
-    future: Future
-
-
-@dataclass
-class Call:
-    """Run a function on the engine thread (tests and admin tools)."""
-
-    fn: Any
     future: Future
 
 
@@ -418,8 +411,8 @@ class Engine(threading.Thread):
         for stream in self.store.stream_names():
             # Commands whose delivery state is missing (an edited or repaired store) are
             # still owed to their address: deliver them rather than leave them stranded.
-            if is_command_stream(stream) and (stream[2:], stream) not in self.consumers:
-                self._load_consumer(Consumer(stream[2:], stream, ""))
+            if is_command_stream(stream) and (stream_target(stream), stream) not in self.consumers:
+                self._load_consumer(Consumer(stream_target(stream), stream, ""))
         for peer, stream in states:
             log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
             self._batch.delete_delivery(peer, stream)
@@ -498,7 +491,7 @@ class Engine(threading.Thread):
             while not self._stopping:
                 timeout = 0 if self._queue else self._poll_timeout()
                 poller = self.poller if self._degraded is None else self._degraded_poller
-                events = dict(poller.poll(timeout * 1000))
+                events = dict(poller.poll(int(timeout * 1000)))
                 self._turn(events)
             self._next_gc = 0.0  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
@@ -728,9 +721,12 @@ class Engine(threading.Thread):
                 self.malformed["unexpected_kind"] += 1
 
     def _read_admin(self) -> None:
+        admin, pool = self.admin, self._admin_pool
+        if admin is None or pool is None:
+            return
         for _ in range(100):
             try:
-                frames = self.admin.recv_multipart(zmq.NOBLOCK)
+                frames = admin.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             ident = frames[0]
@@ -739,11 +735,12 @@ class Engine(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - junk on the admin socket
                 self._queue.append(AdminReply(ident, A.encode_reply(error=f"bad request: {exc}")))
                 continue
-            self._admin_pool.submit(self._run_view, ident, view, args)
+            pool.submit(self._run_view, ident, view, args)
 
     def _run_view(self, ident: bytes, view: str, args: dict) -> None:
         try:
-            data = A.encode_reply(A.run_view(self.store, self.datadir, view, args, {"pid": os.getpid()}))
+            data = A.encode_reply(A.run_view(self.store, self.datadir or Path("."), view, args,
+                                             {"pid": os.getpid()}))
         except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
             data = A.encode_reply(error=f"{type(exc).__name__}: {exc}")
         try:
@@ -752,6 +749,8 @@ class Engine(threading.Thread):
             pass
 
     def _send_admin(self, cmd: AdminReply) -> None:
+        if self.admin is None:
+            return
         try:
             self.admin.send_multipart([cmd.ident, b"", cmd.data], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -827,10 +826,11 @@ class Engine(threading.Thread):
             except ValueError as exc:
                 self._malformed(P.ProtocolError("bad_address", str(exc)))
                 return
-            record = {"since": self.ids.next(), "created": wall_ms(), "node": frame.sender}
+            since = self.ids.next()
+            record = {"since": since, "created": wall_ms(), "node": frame.sender}
             self.subscriptions[key] = record
             self._batch.put_subscription(frame.address, frame.topic, record)
-            consumer = Consumer(frame.address, event_stream(frame.topic), record["since"])
+            consumer = Consumer(frame.address, event_stream(frame.topic), since)
             consumer.exhausted = True  # it starts at the end of the stream
             consumer.dirty = True
             self._add_consumer(consumer)
@@ -973,8 +973,6 @@ class Engine(threading.Thread):
                     self._drains.append(cmd.future)
                 elif isinstance(cmd, Snapshot):
                     cmd.future.set_result(self._snapshot(now))
-                elif isinstance(cmd, Call):
-                    cmd.future.set_result(cmd.fn(self))
                 else:
                     raise TypeError(f"unknown engine command {cmd!r}")
             except Exception as exc:  # a bad command fails its caller, not the engine
@@ -1298,6 +1296,7 @@ class Engine(threading.Thread):
         for consumer in list(self.consumers.values()):
             if not is_command_stream(consumer.stream) or self.peers[consumer.peer].up:
                 continue
+            record: OutgoingRecord | None
             for mid, flight in list(consumer.inflight.items()):
                 data = self.store.get_outgoing(consumer.stream, mid)
                 record = None if data is None else self._outgoing_record(consumer, mid, data)
@@ -1316,7 +1315,7 @@ class Engine(threading.Thread):
                         consumer.admit(mid, now, self.config.ack_timeout)
                     continue
                 try:
-                    record: OutgoingRecord | None = unpack_outgoing(data)
+                    record = unpack_outgoing(data)
                 except Exception:  # noqa: BLE001 - damaged: _outgoing_record dead-letters it
                     record = None
                 if record is not None and (record.expires is None or record.expires >= now_ms):
@@ -1363,7 +1362,7 @@ class Engine(threading.Thread):
         batch, budget = self._batch, 5000
         for stream, consumers in list(self.by_stream.items()):
             floors = [c.floor for c in consumers]
-            floor = min(floors) if floors and None not in floors else None
+            floor = min(f for f in floors if f is not None) if floors and None not in floors else None
             if floor is None or self._gc_floor.get(stream) == floor:
                 continue
             ids = self.store.stream_ids(stream, upto=floor, limit=budget)
@@ -1468,6 +1467,7 @@ class Engine(threading.Thread):
         self.requests.close(err)
         if self._admin_pool is not None:
             self._admin_pool.shutdown(wait=True, cancel_futures=True)
+        if self.admin is not None:
             self.admin.close(linger=0)
         for peer in self.peers.values():
             peer.sock.close(linger=0)

@@ -65,6 +65,10 @@ class LockedError(BusError):
         self.owner = owner or {}
 
 
+class AdminUnavailable(BusError):
+    """A live bus holds the data directory but did not answer on its admin endpoint."""
+
+
 class TransportError(BusError):
     """A socket could not be bound or used (address in use, bad address, ...)."""
 

@@ -50,7 +50,9 @@ class IdGenerator:
 def id_millis(message_id: str | None) -> int:
     """The milliseconds encoded in an id (the sender's clock when it was made, unless that
     clock was behind an earlier id); 0 if it is not one of ours."""
+    if message_id is None:
+        return 0
     try:
         return int(message_id[:12], 16)
-    except (TypeError, ValueError):
+    except ValueError:
         return 0

@@ -32,12 +32,10 @@ import msgpack
 from .clock import BusClock
 from .store import Store
 
-__all__ = ["Journal", "EVENTS", "flush_datadir"]
+__all__ = ["Journal", "flush_datadir"]
 
 log = logging.getLogger("servicebus")
 
-EVENTS = ("published", "sent", "acked", "received", "handled", "handler_failed", "retried",
-          "deadlettered", "expired", "replayed", "dropped")
 # Internal event names -> (event, role) in the segment files.
 ROLES = {
     "published": ("published", "sender"), "sent": ("sent", "sender"), "acked": ("acked", "sender"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .clock import wall_ms
 from .admin import consumers
-from .delivery import is_command_stream, pack_outgoing, unpack_outgoing
+from .delivery import is_command_stream, pack_outgoing, stream_target, unpack_outgoing
 from .ids import IdGenerator
 from .journal import Journal
 from .protocol import Kind
@@ -86,8 +86,12 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
             journal.record(batch, [("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3], 0, None)])
             row.update(result="replayed", to="incoming")
         elif origin == "outgoing":
-            stream, peer = rec.get("stream"), rec.get("peer")
-            if is_command_stream(stream or ""):
+            stream, peer = str(rec.get("stream") or ""), str(rec.get("peer") or "")
+            if not stream or not peer:
+                row.update(result="skipped", detail="the letter names no stream or receiver")
+                report.append(row)
+                continue
+            if is_command_stream(stream):
                 if (peer, stream) not in views:
                     batch.put_delivery(peer, stream, {"floor": "", "acked": [], "attempts": {}})
                     views[(peer, stream)] = None  # type: ignore[assignment]
@@ -132,7 +136,7 @@ def _journal_owed(store: Store, writer: "_Writer", peer: str | None, event: str,
         if peer is not None and c.peer != peer:
             continue
         kind = "command" if is_command_stream(c.stream) else "event"
-        topic = None if kind == "command" else c.stream[2:]
+        topic = None if kind == "command" else stream_target(c.stream)
         for mid in c.pending_ids(store):
             journal.record(writer.batch, [(event, wall_ms(), mid, topic, kind, c.peer, 0, why)])
             writer.step()

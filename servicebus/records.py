@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import NamedTuple
 
-__all__ = ["Message", "BusStatus", "PeerStatus", "EMPTY"]
+__all__ = ["Message", "BusStatus", "PeerStatus", "DeadLetter", "EMPTY"]
 
 EMPTY: Mapping = MappingProxyType({})
 
@@ -84,3 +84,25 @@ class BusStatus:
     # set, nothing is received, acked or sent, publish raises StoreWriteError, and the bus
     # retries by itself. Counts read from the store are -1 while it cannot be read either.
     store_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A message that will not be delivered or handled without an operator (``servicebus
+    replay`` puts it back). ``origin`` is ``incoming`` (received here: its handler failed,
+    crashed or it expired) or ``outgoing`` (it could not be delivered from here: expired,
+    too large, refused, its subscriber removed)."""
+
+    id: str
+    origin: str
+    reason: str  # handler_failed, handler_crashed, expired, too_large, refused, damaged, ...
+    error: str | None  # the exception's type and text, or the receiver's reason
+    topic: str | None  # the event topic or command name
+    kind: str | None  # event, command or reply
+    attempts: int | None  # handler runs (incoming)
+    peer: str | None  # the receiver it was for (outgoing)
+    at_ms: int  # when it became a dead letter, ms since the epoch (wall clock)
+
+    @property
+    def at(self) -> datetime:
+        return datetime.fromtimestamp(self.at_ms / 1000, tz=timezone.utc)

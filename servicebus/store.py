@@ -32,7 +32,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import plyvel
@@ -274,7 +274,7 @@ class _Guard:
                 raise StoreWriteError(f"the store is being reopened after: {store._failure}")
             store._active += 1
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         store = self._store
         with store._lock:
             store._active -= 1
@@ -492,16 +492,16 @@ class Store:
                 except plyvel.Error as exc:
                     raise _WriteFailed(exc) from exc  # not the guard's "damaged files" error
         except _WriteFailed as failed:
-            exc = failed.__cause__
+            cause = failed.__cause__
             with cv:
                 inflight.discard(ticket)
                 first = self._failure is None
-                self._failure = f"store write failed: {exc}"
+                self._failure = f"store write failed: {cause}"
                 self._failures += 1
                 cv.notify_all()
             if first:
                 log.error("%s; the store refuses writes until it is reopened", self._failure)
-            raise StoreWriteError(self._failure) from exc
+            raise StoreWriteError(self._failure) from cause
         except BaseException:
             with cv:
                 inflight.discard(ticket)

@@ -92,7 +92,10 @@ class BusProcess:
     def lines(self, kind: str) -> list[list[str]]:
         if not self.out.exists():
             return []
-        return [line.split() for line in self.out.read_text().splitlines() if line.startswith(kind + " ")]
+        text = self.out.read_text()
+        # Only whole lines: the process may be appending one while we read.
+        text = text[:text.rfind("\n") + 1]
+        return [line.split() for line in text.splitlines() if line.startswith(kind + " ")]
 
     def done_counts(self) -> Counter:
         return Counter(int(parts[2]) for parts in self.lines("done"))

@@ -2,6 +2,7 @@
 by real buses (most of them killed with SIGKILL)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ CLI = str(Path(sys.executable).parent / "servicebus")
 
 
 def cli(*args, input=None):
+    # A fixed width: rich reads COLUMNS, and the one-line checks must not depend on the
+    # terminal the suite happens to run in.
     return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=60,
-                          input=input)
+                          input=input, env={**os.environ, "COLUMNS": "80"})
 
 
 def cli_json(*args):

@@ -347,6 +347,9 @@ def test_a_message_larger_than_the_receiver_accepts_is_dead_lettered_and_the_res
     wait_until(lambda: got == [10, 20], 15, message="the small one after the big ones")
     wait_until(lambda: sender.status().deadletters == 2, 10)
     assert sender.drain(10)
+    letters = sender.deadletters()
+    assert [(d.origin, d.reason, d.peer) for d in letters] == [("outgoing", "too_large", receiver.address)] * 2
+    assert "max_payload is 65536" in letters[0].error and sender.deadletters(limit=1) == letters[:1]
 
 
 def test_a_receiver_refuses_an_oversize_message_in_a_frame_with_a_nack(make_bus):
