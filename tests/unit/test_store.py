@@ -225,3 +225,13 @@ def test_a_message_completing_while_a_resend_is_checked_still_counts_as_seen(sto
         assert store.seen_many(["m1"]) == [True]
     finally:
         store._db = real
+
+
+def test_the_size_on_disk_skips_a_file_compaction_deletes_while_it_is_counted(store, monkeypatch):
+    from pathlib import Path
+
+    ghost = store.path / "000999.ldb"  # listed, then deleted by compaction before its stat
+    real_iterdir, real_is_file = Path.iterdir, Path.is_file
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([*real_iterdir(self), ghost]))
+    monkeypatch.setattr(Path, "is_file", lambda self: True if self == ghost else real_is_file(self))
+    assert store.size_on_disk() > 0
