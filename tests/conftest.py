@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,22 @@ from servicebus import Bus
 from servicebus.testing import free_address, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def counting_handler(bus: Bus, topic: str, each=None) -> Counter:
+    """Handle ``topic`` on ``bus`` counting runs per payload ``n``; ``each(payload, message)``
+    runs too, under the same lock. Returns the live Counter."""
+    got: Counter = Counter()
+    lock = threading.Lock()
+
+    @bus.every(topic)
+    def handler(payload, message):
+        with lock:
+            got[payload["n"]] += 1
+            if each is not None:
+                each(payload, message)
+
+    return got
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 snapshot) must not lose or duplicate anything: buses under libfaketime."""
 
 import shutil
-import threading
 from collections import Counter
 
 import pytest
@@ -11,31 +10,17 @@ from servicebus.clock import wall_ms
 from servicebus.admin import query_live
 from servicebus.testing import free_address, wait_until
 
-from ..conftest import faketime
+from ..conftest import counting_handler, faketime
 
 pytestmark = pytest.mark.slow
 
 TOPIC = "user.signup"
 
 
-def counting_handler(bus, topic=TOPIC, sent: dict | None = None):
-    got: Counter = Counter()
-    lock = threading.Lock()
-
-    @bus.every(topic)
-    def handler(payload, message):
-        with lock:
-            got[payload["n"]] += 1
-            if sent is not None:
-                sent[payload["n"]] = message.sent_ms
-
-    return got
-
-
 def test_messages_published_after_a_restart_with_the_clock_set_back_are_delivered(make_bus, bus_process):
     sub = make_bus("sub")
     sent: dict[int, int] = {}
-    got = counting_handler(sub, sent=sent)
+    got = counting_handler(sub, TOPIC, lambda p, m: sent.__setitem__(p["n"], m.sent_ms))
     pub = bus_process("pub", "--publish", TOPIC, "--batch", "10")
     sub.subscribe(pub.address, TOPIC)
     pub.start("--count", "100")

@@ -2,7 +2,6 @@
 small tmpfs, filled and freed while real buses run on it."""
 
 from collections import Counter
-import threading
 
 import pytest
 
@@ -10,6 +9,7 @@ from servicebus import Bus, StoreError
 from servicebus.errors import StoreWriteError
 from servicebus.testing import free_address, wait_until
 
+from ..conftest import counting_handler
 from ..faults import SmallDisk, cannot_mount
 
 pytestmark = pytest.mark.slow
@@ -26,24 +26,10 @@ def disk(tmp_path):
         yield small
 
 
-def counting(bus, topic=TOPIC, also=None):
-    got: Counter = Counter()
-    lock = threading.Lock()
-
-    @bus.every(topic)
-    def handler(payload, message):
-        with lock:
-            got[payload["n"]] += 1
-        if also is not None:
-            also(payload)
-
-    return got
-
-
 def test_publish_on_a_full_disk_raises_and_the_bus_resumes_by_itself_when_space_returns(disk, make_bus):
     pub = make_bus("pub", datadir=disk.path / "pub", journal=False)
     sub = make_bus("sub")
-    got = counting(sub)
+    got = counting_handler(sub, TOPIC)
     sub.subscribe(pub.address, TOPIC, wait=10)
     returned = pub.publish_many(TOPIC, [{"n": n} for n in range(100)])
     disk.fill()
@@ -69,7 +55,7 @@ def test_publish_on_a_full_disk_raises_and_the_bus_resumes_by_itself_when_space_
 def test_a_subscriber_on_a_full_disk_stops_acking_and_handles_everything_once_when_space_returns(disk, make_bus):
     pub = make_bus("pub")
     sub = make_bus("sub", datadir=disk.path / "sub", journal=False)
-    got = counting(sub)
+    got = counting_handler(sub, TOPIC)
     sub.subscribe(pub.address, TOPIC, wait=10)
     pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
     wait_until(lambda: len(got) == 50, 10)
@@ -93,7 +79,7 @@ def test_a_handler_that_ran_is_not_run_again_when_its_completion_cannot_be_writt
         if payload["n"] == 0:
             disk.fill()  # the disk is full before the bus writes that this one is done
 
-    got = counting(sub, also=fill_once)
+    got = counting_handler(sub, TOPIC, lambda p, m: fill_once(p))
     sub.subscribe(pub.address, TOPIC, wait=10)
     pub.publish_many(TOPIC, [{"n": n, "pad": "x" * 2000} for n in range(200)])
     wait_until(lambda: sub.status().store_error is not None, 20, message="the completion write to fail")

@@ -1,6 +1,5 @@
 """Buses in real subprocesses, killed with SIGKILL at the awkward moments."""
 
-import threading
 import time
 from collections import Counter
 
@@ -9,21 +8,11 @@ import pytest
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
 
+from ..conftest import counting_handler
+
 pytestmark = pytest.mark.slow
 
 TOPIC = "user.signup"
-
-
-def counting_handler(bus, topic=TOPIC):
-    got = Counter()
-    lock = threading.Lock()
-
-    @bus.every(topic)
-    def handler(payload, message):
-        with lock:
-            got[payload["n"]] += 1
-
-    return got
 
 
 def test_message_published_while_subscriber_down_arrives_after_restart(make_bus, bus_process):
@@ -44,7 +33,7 @@ def test_message_published_while_subscriber_down_arrives_after_restart(make_bus,
 def test_publisher_killed_right_after_publish_returned_delivers_after_restart(make_bus, bus_process):
     address = free_address()
     sub = make_bus("sub")
-    got = counting_handler(sub)
+    got = counting_handler(sub, TOPIC)
     sub.subscribe(address, TOPIC)  # the publisher is not running yet
     pub = bus_process("pub", address=address)
     pub.start("--publish", TOPIC, "--count", "300", "--kill-after-publish", wait_ready=False)
@@ -80,7 +69,7 @@ def test_subscriber_killed_inside_a_handler_reruns_it_and_handles_the_rest_once(
 def test_subscribe_while_publisher_down_completes_when_it_starts(make_bus, bus_process):
     address = free_address()
     sub = make_bus("sub")
-    got = counting_handler(sub)
+    got = counting_handler(sub, TOPIC)
     sub.subscribe(address, TOPIC)
     assert sub.status().intents_unconfirmed == 1
     pub = bus_process("pub", "--publish", TOPIC, "--count", "200", "--batch", "50", address=address)
@@ -96,7 +85,7 @@ def test_a_subscriber_down_for_the_whole_test_does_not_hold_up_another(make_bus,
     dead.start()
     dead.kill()
     live = make_bus("live")
-    got = counting_handler(live)
+    got = counting_handler(live, TOPIC)
     live.subscribe(pub.address, TOPIC, wait=10)
     for start in range(0, 2000, 100):
         pub.publish_many(TOPIC, [{"n": n} for n in range(start, start + 100)])
