@@ -32,6 +32,7 @@ from .config import BusConfig
 from .delivery import backoff
 from .errors import CorruptRecordError, StoreError
 from .journal import Journal
+from .letters import incoming_letter
 from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
 from .records import Message
 from .requests import PendingRequests
@@ -661,16 +662,7 @@ class Dispatcher:
                     events: list | None = None) -> None:
         record = item.record
         name = "expired" if reason == "expired" else "deadlettered"
-        letter = {
-            "origin": "incoming",
-            "reason": reason,
-            "error": error,
-            "attempts": attempts,
-            "at": wall_ms(),
-            "kind": KIND_NAMES.get(record[0], "event"),
-            "topic": record[1],
-            "record": record,
-        }
+        letter = incoming_letter(reason, error, attempts, record)
 
         def deadlettered(batch: Any) -> None:
             self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])

@@ -47,6 +47,7 @@ from .dispatch import Dispatcher, Incoming, incoming_record
 from .errors import BusBrokenError, BusClosedError, BusError, StoreError, StoreWriteError, TransportError
 from .ids import IdGenerator
 from .journal import Journal
+from .letters import damaged_letter, outgoing_letter
 from .protocol import KIND_NAMES, Kind
 from .records import PeerStatus
 from .requests import PendingRequests
@@ -908,11 +909,8 @@ class Engine(threading.Thread):
         ``servicebus replay`` once the receiver's ``max_payload`` allows it)."""
         consumer.settle(mid)
         kind = Kind(record.kind).name.lower()
-        self._batch.put_deadletter(mid, {
-            "origin": "outgoing", "reason": reason, "error": error, "at": wall_ms(),
-            "peer": consumer.peer, "stream": consumer.stream, "kind": kind,
-            "topic": record.topic, "record": list(record),
-        })
+        self._batch.put_deadletter(mid, outgoing_letter(reason, error, record, consumer.peer,
+                                                        consumer.stream))
         self.counters["refused"] += 1
         if self._jon:
             self._jevents.append(("deadlettered_at_sender", wall_ms(), mid, record.topic, kind,
@@ -1085,24 +1083,19 @@ class Engine(threading.Thread):
             return unpack_outgoing(data)
         except Exception as exc:  # noqa: BLE001 - a damaged record must not stop the engine
             consumer.settle(mid)
-            self._batch.put_deadletter(mid, {
-                "origin": "outgoing", "reason": "damaged", "at": wall_ms(), "peer": consumer.peer,
-                "stream": consumer.stream, "error": f"undecodable record ({type(exc).__name__})",
-                "raw": data,
-            })
+            self._batch.put_deadletter(mid, damaged_letter(
+                "outgoing", f"undecodable record ({type(exc).__name__})", data, consumer.peer,
+                consumer.stream))
             self.counters["damaged"] += 1
             log.error("message %s to %s: its stored record is damaged (%s); moved to the dead "
                       "letters with its raw bytes", mid, consumer.peer, type(exc).__name__)
             return None
 
-    def _expire(self, consumer: Consumer, mid: str, record: Any, attempt: int) -> None:
+    def _expire(self, consumer: Consumer, mid: str, record: OutgoingRecord, attempt: int) -> None:
         """A message whose TTL passed before its receiver acked it: a dead letter here."""
         consumer.settle(mid)
-        self._batch.put_deadletter(mid, {
-            "origin": "outgoing", "reason": "expired", "error": None, "at": wall_ms(),
-            "peer": consumer.peer, "stream": consumer.stream, "kind": Kind(record.kind).name.lower(),
-            "topic": record.topic, "record": list(record),
-        })
+        self._batch.put_deadletter(mid, outgoing_letter("expired", None, record, consumer.peer,
+                                                        consumer.stream))
         self.counters["expired"] += 1
         if self._jon:
             self._jevents.append(("expired_at_sender", wall_ms(), mid, record.topic,

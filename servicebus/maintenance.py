@@ -17,6 +17,7 @@ from .admin import consumers
 from .delivery import is_command_stream, pack_outgoing, stream_target, unpack_outgoing
 from .ids import IdGenerator
 from .journal import Journal
+from .letters import outgoing_letter
 from .protocol import Kind
 from .store import KEYSPACES, Store
 
@@ -192,11 +193,8 @@ def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[s
                 continue
             rec = unpack_outgoing(data)
             kind = Kind(rec.kind).name.lower()
-            writer.batch.put_deadletter(mid, {
-                "origin": "outgoing", "reason": "subscriber_removed", "error": None, "at": wall_ms(),
-                "peer": address, "stream": c.stream, "kind": kind,
-                "topic": rec.topic, "record": list(rec),
-            })
+            writer.batch.put_deadletter(mid, outgoing_letter("subscriber_removed", None, rec, address,
+                                                             c.stream))
             journal.record(writer.batch, [("deadlettered_at_sender", wall_ms(), mid, rec.topic, kind,
                                            address, 0, "subscriber_removed")])
             moved += 1

@@ -29,7 +29,7 @@ from . import schema
 from .delivery import command_stream, event_stream, is_command_stream, unpack_outgoing
 from .errors import CorruptRecordError
 from .journal import FLUSH_CHUNK, ROLES
-from .protocol import Kind
+from .letters import outgoing_letter
 from .store import FORMAT_VERSION, KEYSPACES, SEP, Store
 from .clock import wall_ms
 
@@ -232,9 +232,7 @@ def _orphans_to_deadletters(store: Store, stream: str, fix: _Fixes) -> None:
                 rec = unpack_outgoing(data)
             except Exception:  # noqa: BLE001 - already reported by the scan
                 continue
-            letter = {"origin": "outgoing", "reason": "no_subscriber", "error": None, "at": wall_ms(),
-                      "peer": None, "stream": stream, "kind": Kind(rec.kind).name.lower(),
-                      "topic": rec.topic, "record": list(rec)}
+            letter = outgoing_letter("no_subscriber", None, rec, None, stream)
             fix(lambda b, m=mid, r=letter: (b.put_deadletter(m, r), b.delete_outgoing(stream, m)))
         if len(chunk) < 1000:
             return

@@ -40,6 +40,7 @@ import plyvel
 from .clock import BusClock
 from . import schema
 from .errors import CorruptRecordError, LockedError, StoreError, StoreWriteError
+from .letters import damaged_letter
 from .schema import REPAIR_HINT
 
 __all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION"]
@@ -219,8 +220,7 @@ class Batch:
         """Move an incoming record that does not decode to the dead letters, raw bytes kept."""
         self._delete(key)
         self._delete(_R + key[len(_N):])
-        self._put(_X + key[len(_N):], _pack({"origin": "incoming", "reason": "damaged",
-                                              "error": error, "raw": raw}))
+        self._put(_X + key[len(_N):], _pack(damaged_letter("incoming", error, raw)))
 
     def deadletter_incoming(self, message_id: str, record: dict) -> None:
         key = message_id.encode()

@@ -20,3 +20,18 @@ def test_message_converts_times_and_headers_when_read_and_cannot_be_changed():
 def test_message_without_ttl_or_headers():
     m = Message("id1", "t", "node", "tcp://127.0.0.1:1", 0, 1)
     assert m.expires is None and dict(m.headers) == {} and m.kind == "event"
+
+
+def test_every_dead_letter_has_origin_reason_error_and_time_and_what_replay_needs():
+    from servicebus.delivery import OutgoingRecord
+    from servicebus.letters import damaged_letter, incoming_letter, outgoing_letter
+
+    out = outgoing_letter("expired", None, OutgoingRecord(2, "charge", 1, 2, "c1", None, b"\x01"),
+                          "tcp://10.0.0.1:1", "c:tcp://10.0.0.1:1")
+    inc = incoming_letter("handler_failed", "ValueError: x", 5, [1, "t", "n", "a", 1, 1, None, None, None, b"\x01"])
+    bad = damaged_letter("outgoing", "undecodable record", b"\xc1", "tcp://10.0.0.1:1", "e:t")
+    for letter in (out, inc, bad):
+        assert {"origin", "reason", "error", "at"} <= set(letter) and letter["at"] > 0
+    assert (out["kind"], out["topic"], out["record"][1], out["peer"]) == ("command", "charge", "charge", "tcp://10.0.0.1:1")
+    assert (inc["kind"], inc["attempts"], inc["record"][1]) == ("event", 5, "t")
+    assert bad["raw"] == b"\xc1" and "record" not in bad and bad["stream"] == "e:t"
