@@ -44,7 +44,10 @@ log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 RUN = 16  # ready messages a worker takes at once, at most
-RECENT = 1000  # finishing writes kept to redo after a reopen (see _record); a few would do
+# Finishing writes kept to redo after a reopen (see _record). Only those that returned
+# between a failed write and its failure being recorded can be dropped: a few per worker.
+# Dead letters and replies keep their payload, so this also bounds that memory.
+RECENT = 64
 UNNAMED = "<handler>"  # the one handler of a topic, whose name never needs storing
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
@@ -586,11 +589,8 @@ class Dispatcher:
                 self._record(lambda b: b.put_runstate(item.id, [attempts, done, last_error, 0]))
 
         if error is None:
-            def completed(batch: Any) -> None:
-                batch.complete_incoming(item.id, self._clock.now())
-                self._journal.record(batch, [_event("handled", item, attempts)])
-
-            premarked = self._record(completed, item.id, nxt)
+            premarked = self._record(self._completion(item.id, _event("handled", item, attempts)),
+                                     item.id, nxt)
             return None, premarked
         failed = _event("handler_failed", item, attempts, error)
         if attempts >= config.max_attempts:
@@ -603,6 +603,14 @@ class Dispatcher:
             self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
 
         return time.monotonic() + delay, self._record(retried, None, nxt)
+
+    def _completion(self, mid: str, event: tuple) -> Callable[[Any], None]:
+        """The write that finishes a handled message. Holds the id and its journal event
+        only, not the message (``_record`` keeps the last few of these)."""
+        def completed(batch: Any) -> None:
+            batch.complete_incoming(mid, self._clock.now())
+            self._journal.record(batch, [event])
+        return completed
 
     def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
                      nxt: Incoming | None = None) -> bool:
@@ -651,11 +659,7 @@ class Dispatcher:
                             "the incoming store", item.id, corr)
                 return None
             log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
-        def completed(batch: Any) -> None:
-            batch.complete_incoming(item.id, self._clock.now())
-            self._journal.record(batch, [_event("handled", item, 1)])
-
-        self._record(completed, item.id)
+        self._record(self._completion(item.id, _event("handled", item, 1)), item.id)
         return None
 
     def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
