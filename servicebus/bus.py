@@ -20,9 +20,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-import zmq
 
 from . import engine as E
+from .sockets import Sockets
 from .clock import wall_ms
 from .config import BusConfig
 from .dispatch import Dispatcher
@@ -111,10 +111,10 @@ class Bus:
         self.node_id = node
         clock = store.bus_clock()
 
-        ctx = zmq.Context()
-        stack.callback(self._destroy_context, ctx)  # closes every socket it made, then terms
-        router, endpoint = E.open_router(ctx, bind, self.config)
-        admin, admin_endpoint = E.open_admin(ctx, self.datadir)
+        sockets = Sockets(self.config)
+        stack.callback(self._destroy_sockets, sockets)  # closes every socket it made, then terms
+        endpoint = sockets.bind_router(bind)
+        admin_endpoint = sockets.bind_admin(self.datadir)
         self.address = self.config.advertise or endpoint
         lock.update(self.address)
         batch = store.batch()
@@ -130,9 +130,9 @@ class Bus:
             store, self.config, on_idle=self._wake, requests=self._requests,
             on_reply=self._reply_ready, journal=journal, clock=clock)
         self._engine = engine = E.Engine(
-            config=self.config, store=store, clock=clock, context=ctx, router=router,
+            config=self.config, store=store, clock=clock, sockets=sockets,
             address=self.address, node_id=self.node_id, dispatcher=dispatcher,
-            requests=self._requests, journal=journal, admin=admin, datadir=self.datadir)
+            requests=self._requests, journal=journal, datadir=self.datadir)
         stack.callback(self._stop_engine, engine)
         (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
         stack.callback(self._remove_endpoint_files)
@@ -168,10 +168,10 @@ class Bus:
         except Exception as exc:  # noqa: BLE001 - they stay in LevelDB for the next start
             log.error("journal flush at close failed: %s", exc)
 
-    def _destroy_context(self, ctx: zmq.Context) -> None:
+    def _destroy_sockets(self, sockets: Sockets) -> None:
         if self._engine is not None and self._engine.is_alive():
             return  # its sockets belong to a thread that is still running: never close them under it
-        ctx.destroy(linger=0)  # every socket it made, including ones a failed open left
+        sockets.destroy()  # every socket it made, including ones a failed open left
 
     def _close_store(self, store: Store) -> None:
         try:

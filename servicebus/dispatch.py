@@ -25,10 +25,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 from .clock import BusClock, wall_ms
 from .config import BusConfig
+from .core.state import Incoming, incoming_record
 from .delivery import backoff
 from .errors import CorruptRecordError, StoreError
 from .journal import Journal
@@ -52,21 +53,6 @@ UNNAMED = "<handler>"  # the one handler of a topic, whose name never needs stor
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 # Incoming record layout in the store (a list, for compactness):
-# [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
-
-
-def incoming_record(kind: int, sender: str, reply_to: str, env: Any) -> list:
-    return [kind, env.topic, sender, reply_to, env.sent, env.attempt, env.expires,
-            env.correlation_id, env.headers, env.body]
-
-
-class Incoming(NamedTuple):
-    id: str
-    record: list
-    runstate: list | None  # [attempts, done_handler_names, last_error, next_ms] or None
-
-
-
 def _event(name: str, item: "Incoming", attempts: int, error: str | None = None) -> tuple:
     record = item.record
     return (name, wall_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],

@@ -150,14 +150,14 @@ def test_after_a_failed_write_the_store_refuses_writes_until_reopened_and_loses_
 
 def test_an_engine_that_stopped_on_an_error_makes_every_later_call_name_it(make_bus, monkeypatch):
     from servicebus import BusBrokenError
-    from servicebus import engine as E
+    from servicebus.core.machine import Core
 
     bus = make_bus("node")
 
     def boom(self, now):
         raise RuntimeError("injected fault in the engine")
 
-    monkeypatch.setattr(E.Engine, "_timers", boom)  # its next tick (every 0.1 s) raises
+    monkeypatch.setattr(Core, "_timers", boom)  # its next tick (every 0.1 s) raises
     wait_until(lambda: not bus._engine.is_alive(), 10)
     for call in (lambda: bus.publish(TOPIC, 1), lambda: bus.send(free_address(), "c", 2),
                  bus.status, lambda: bus.drain(1)):

@@ -75,7 +75,7 @@ def test_a_subscribe_off_the_wire_naming_an_unconnectable_address_is_counted_mal
 def test_a_peer_whose_connect_fails_does_not_stop_the_engine(make_bus, monkeypatch):
     bus = make_bus("a")
     engine = bus._engine
-    real = engine.ctx.socket
+    real = engine.sockets.ctx.socket
 
     class Refusing:
         def __init__(self, sock):
@@ -87,7 +87,7 @@ def test_a_peer_whose_connect_fails_does_not_stop_the_engine(make_bus, monkeypat
         def __getattr__(self, name):
             return getattr(self._sock, name)
 
-    monkeypatch.setattr(engine.ctx, "socket", lambda kind: Refusing(real(kind)))
+    monkeypatch.setattr(engine.sockets.ctx, "socket", lambda kind: Refusing(real(kind)))
     with pytest.raises(ValueError, match="cannot connect"):
         bus.send(free_address(), "c", 1)
     monkeypatch.undo()

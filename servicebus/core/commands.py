@@ -1,0 +1,53 @@
+"""Work user threads hand to the core (through the engine's queue).
+
+Each carries the caller to release: an opaque token (a ``concurrent.futures.Future`` in a
+running bus) that the core puts in ``Effects.release`` with the result once the batch
+holding the change is written, or that the shell fails with the error the command raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Published", "SendCmd", "QueueReply", "SubscribeCmd"]
+
+
+@dataclass
+class Published:
+    """Messages a user thread has just made durable in ``stream`` (in id order)."""
+
+    stream: str
+    items: list[tuple[str, bytes]]  # (id, packed outgoing record)
+    future: Any = None  # nobody waits: the publish returned already
+
+
+@dataclass
+class SendCmd:
+    """A command (or a request, with a correlation id) to one address."""
+
+    address: str
+    command: str
+    body: bytes
+    expires: int | None
+    headers: dict | None
+    correlation_id: str | None
+    future: Any
+
+
+@dataclass
+class QueueReply:
+    """A handled request's reply, stored by a worker, to be queued for sending."""
+
+    command_id: str
+    reply: list  # [reply_to, command, correlation_id, body]
+    future: Any = None
+
+
+@dataclass
+class SubscribeCmd:
+    publisher: str
+    topic: str
+    op: str  # "subscribe" | "unsubscribe"
+    future: Any  # released when the intent is stored
+    confirmed: Any = None  # released when the publisher confirmed

@@ -1,0 +1,153 @@
+"""Both sides of the subscribe handshake.
+
+Subscriber side: ``subscribe()`` stores an intent (fsynced) and sends SUBSCRIBE (or
+UNSUBSCRIBE) every INTENT_RETRY until the publisher acks the intent's id; the ack
+confirms it durably. Publisher side: a SUBSCRIBE stores the subscription and a consumer
+starting at the end of the stream, then acks after the fsync; both sides are idempotent
+(a repeated SUBSCRIBE is acked again and changes nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import protocol as P
+from ..delivery import Consumer, event_stream
+from .commands import SubscribeCmd
+from .peers import Roster
+from .state import Intent, State
+
+__all__ = ["Handshake", "INTENT_RETRY"]
+
+log = logging.getLogger("servicebus")
+
+INTENT_RETRY = 1.0
+
+
+class Handshake:
+    def __init__(self, state: State, roster: Roster) -> None:
+        self.s = state
+        self.roster = roster
+
+    # --- subscriber side ---------------------------------------------------------------
+
+    def load_intent(self, publisher: str, topic: str, record: dict) -> None:
+        intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"])
+        try:
+            self.roster.peer(publisher)
+        except ValueError as exc:
+            log.error("subscribe intent for %s at %s kept but not sent: %s", topic, publisher, exc)
+            return
+        self.s.intents[(publisher, topic)] = intent
+        self.s.intent_ids[intent.id] = intent
+
+    def subscribe(self, cmd: SubscribeCmd) -> None:
+        s = self.s
+        self.roster.peer(cmd.publisher)  # ValueError to the caller, before anything is stored
+        key = (cmd.publisher, cmd.topic)
+        old = s.intents.get(key)
+        if old is not None:
+            s.intent_ids.pop(old.id, None)
+        intent = Intent(cmd.publisher, cmd.topic, cmd.op, s.ids.next(), False)
+        if old is not None and old.op == cmd.op:
+            intent.waiters = old.waiters
+        if cmd.confirmed is not None:
+            intent.waiters.append(cmd.confirmed)
+        s.intents[key] = intent
+        s.intent_ids[intent.id] = intent
+        s.out.batch.put_intent(cmd.publisher, cmd.topic, intent.record(s.wall()))
+        s.out.batch.sync = True
+        s.out.release.append((cmd.future, intent.id))
+        s.tick_due = True
+
+    def on_ack(self, mid: str) -> bool:
+        """Confirm the intent ``mid`` names; False if it names none."""
+        intent = self.s.intent_ids.pop(mid, None)
+        if intent is None:
+            return False
+        s = self.s
+        key = (intent.publisher, intent.topic)
+        if intent.op == "subscribe":
+            intent.confirmed = True
+            s.out.batch.put_intent(intent.publisher, intent.topic, intent.record(s.wall()))
+            log.info("subscription to %s at %s confirmed", intent.topic, intent.publisher)
+        else:
+            if s.intents.get(key) is intent:
+                del s.intents[key]
+            s.out.batch.delete_intent(intent.publisher, intent.topic)
+            log.info("unsubscribe from %s at %s confirmed", intent.topic, intent.publisher)
+        waiters, intent.waiters = intent.waiters, []
+        s.out.release.extend((fut, True) for fut in waiters)
+        return True
+
+    def peer_up(self, address: str) -> None:
+        for intent in self.s.intents.values():
+            if intent.publisher == address and not intent.confirmed:
+                intent.next_try = 0.0
+
+    def retry(self, now: float) -> None:
+        s = self.s
+        for intent in s.intents.values():
+            if intent.confirmed or now < intent.next_try:
+                continue
+            intent.next_try = now + INTENT_RETRY
+            encode = P.encode_subscribe if intent.op == "subscribe" else P.encode_unsubscribe
+            self.roster.send(s.peers[intent.publisher],
+                             encode(intent.id, intent.topic, s.address, s.node_id))
+
+    # --- publisher side ----------------------------------------------------------------
+
+    def on_subscribe(self, ident: bytes, frame: P.Subscribe) -> None:
+        s = self.s
+        key = (frame.address, frame.topic)
+        if key not in s.subscriptions:
+            try:
+                self.roster.peer(frame.address)
+            except ValueError as exc:
+                s.count_malformed("bad_address", str(exc))
+                return
+            since = s.ids.next()
+            record = {"since": since, "created": s.wall(), "node": frame.sender}
+            s.subscriptions[key] = record
+            s.out.batch.put_subscription(frame.address, frame.topic, record)
+            consumer = Consumer(frame.address, event_stream(frame.topic), since)
+            consumer.exhausted = True  # it starts at the end of the stream
+            consumer.dirty = True
+            self.roster.add_consumer(consumer)
+            log.info("%s subscribed to %s", frame.address, frame.topic)
+        s.out.batch.sync = True
+        s.out.acks.setdefault(ident, []).append(frame.id)
+
+    def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe) -> None:
+        s = self.s
+        key = (frame.address, frame.topic)
+        if s.subscriptions.pop(key, None) is not None:
+            stream = event_stream(frame.topic)
+            consumer = s.consumers.get((frame.address, stream))
+            if consumer is not None:
+                if s.journal_on:
+                    self._journal_dropped(consumer, frame.topic, "unsubscribed")
+                self.roster.remove_consumer(consumer)
+            s.out.batch.delete_subscription(frame.address, frame.topic)
+            s.out.batch.delete_delivery(frame.address, stream)
+            s.gc_floor.pop(stream, None)
+            s.orphans_due = True
+            log.info("%s unsubscribed from %s", frame.address, frame.topic)
+        s.out.batch.sync = True
+        s.out.acks.setdefault(ident, []).append(frame.id)
+
+    def _journal_dropped(self, consumer: Consumer, topic: str, why: str) -> None:
+        """Journal every message ``consumer`` was still owed as dropped (the audit must not
+        take them for lost): those in flight and those stored after its cursor."""
+        s = self.s
+        ts, peer = s.wall(), consumer.peer
+        owed = list(consumer.inflight)
+        after = consumer.pos
+        while True:
+            ids = s.store.stream_ids(consumer.stream, after=after, limit=10_000)
+            owed += [mid for mid in ids if mid not in consumer.skip]
+            if len(ids) < 10_000:
+                break
+            after = ids[-1]
+        for mid in owed:
+            s.journal("dropped_at_sender", ts, mid, topic, "event", peer, 0, why)

@@ -1,0 +1,155 @@
+"""Peers and their liveness: who we send to, whether they answer, and when to forget them.
+
+A peer is up from its first pong until a send to it fails or it stays silent for
+``peer_timeout``. Pings go every ``heartbeat`` while it is up, every DOWN_PING while it is
+down, and every WAITING_PING for a short while after it went down if messages wait for
+it (a new subscriber, a restart), so that they are not held for a whole ping period.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import protocol as P
+from ..delivery import Consumer, is_command_stream
+from .state import Peer, State
+
+__all__ = ["Roster", "DOWN_PING", "WAITING_PING", "WAITING_FAST"]
+
+log = logging.getLogger("servicebus")
+
+DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
+WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts),
+WAITING_FAST = 2.0  # ... for this long after it went down; then at DOWN_PING again
+
+
+class Roster:
+    def __init__(self, state: State) -> None:
+        self.s = state
+
+    # --- membership --------------------------------------------------------------------
+
+    def peer(self, address: str) -> Peer:
+        """The peer at ``address``, connecting to it first if needed. ``ValueError`` if it
+        cannot be connected: callers call this before they change any other state, so
+        such an address leaves nothing half-registered."""
+        peer = self.s.peers.get(address)
+        if peer is None:
+            self.s.links.connect(address)
+            peer = Peer(address, down_since=self.s.now)
+            self.s.peers[address] = peer
+        return peer
+
+    def add_consumer(self, consumer: Consumer) -> None:
+        s = self.s
+        peer = self.peer(consumer.peer)  # first: a failure to connect leaves nothing behind
+        s.consumers[(consumer.peer, consumer.stream)] = consumer
+        s.by_stream[consumer.stream].append(consumer)
+        peer.consumers.append(consumer)
+        self._update_stream_peers(consumer.stream)
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        s = self.s
+        s.consumers.pop((consumer.peer, consumer.stream), None)
+        s.by_stream[consumer.stream].remove(consumer)
+        if not s.by_stream[consumer.stream]:
+            del s.by_stream[consumer.stream]
+        s.peers[consumer.peer].consumers.remove(consumer)
+        self._update_stream_peers(consumer.stream)
+
+    def _update_stream_peers(self, stream: str) -> None:
+        if is_command_stream(stream):
+            return
+        peers = dict(self.s.stream_peers)
+        consumers = self.s.by_stream.get(stream)
+        if consumers:
+            peers[stream] = tuple(c.peer for c in consumers)
+        else:
+            peers.pop(stream, None)
+        self.s.stream_peers = peers
+
+    # --- liveness ----------------------------------------------------------------------
+
+    def send(self, peer: Peer, frames: list[bytes], count: int = 0) -> None:
+        self.s.out.to_peers.append((peer.address, frames, count))
+
+    def ping(self, peer: Peer, now: float) -> None:
+        peer.last_ping = now
+        self.send(peer, P.encode_ping(self.s.node_id, self.s.boot))
+
+    def unreachable(self, address: str, now: float) -> None:
+        """A send to ``address`` failed (not connected, or its queue is full): it is down;
+        what was in flight is resent when it answers a ping again."""
+        peer = self.s.peers.get(address)
+        if peer is None:
+            return
+        if peer.up:
+            log.info("peer %s is down (cannot send)", address)
+            peer.down_since = now
+        peer.up = False
+
+    def on_pong(self, peer: Peer, pong: P.Pong, now: float) -> bool:
+        """Record a pong; True if the peer just came up or restarted (a new boot id)."""
+        restarted = peer.boot is not None and peer.boot != pong.boot
+        peer.last_pong = now
+        peer.max_payload = pong.max_payload
+        peer.boot = pong.boot
+        if peer.up and not restarted:
+            return False
+        peer.up = True
+        log.info("peer %s is up%s", peer.address, " (restarted)" if restarted else "")
+        return True
+
+    def check(self, now: float) -> None:
+        """Every tick: mark silent peers down, ping whoever is due."""
+        cfg = self.s.config
+        for peer in self.s.peers.values():
+            if peer.up and peer.last_pong is not None and now - peer.last_pong > cfg.peer_timeout:
+                log.info("peer %s is down (no answer for %.1fs)", peer.address, now - peer.last_pong)
+                peer.up = False
+                peer.down_since = now
+            interval = cfg.heartbeat if peer.up else DOWN_PING
+            if now - peer.last_ping >= interval:
+                self.ping(peer, now)
+
+    def ping_waiting(self, now: float) -> None:
+        """Ping down peers that have messages waiting often, so that the first messages to
+        a new subscriber, or to one that restarted, are not held for a whole ping period."""
+        waiting = False
+        for peer in self.s.peers.values():
+            if peer.up or not any(not c.exhausted or c.inflight for c in peer.consumers):
+                continue
+            if now - peer.down_since > WAITING_FAST:
+                continue  # down a while: the DOWN_PING timer is enough, no busy pinging
+            waiting = True
+            if now - peer.last_ping >= WAITING_PING:
+                self.ping(peer, now)
+        self.s.waiting_peers = waiting
+
+    def forget_idle(self, now: float) -> None:
+        """Bound per-address state: an address nothing is owed to, either way, for
+        ``peer_expiry`` loses its connection, consumers and delivery records. Subscribers
+        and publishers we have a subscription or intent with are never idle."""
+        s = self.s
+        publishers = {intent.publisher for intent in s.intents.values()}
+        for address, peer in list(s.peers.items()):
+            idle = address not in publishers and all(
+                is_command_stream(c.stream) and c.idle for c in peer.consumers)
+            if not idle:
+                peer.idle_since = None
+                continue
+            if peer.idle_since is None:
+                peer.idle_since = now
+                continue
+            if now - peer.idle_since < s.config.peer_expiry:
+                continue
+            if any(s.store.stream_ids(c.stream, limit=1) for c in peer.consumers):
+                continue  # acknowledged messages not collected yet: next time
+            for consumer in list(peer.consumers):
+                self.remove_consumer(consumer)
+                s.out.batch.delete_delivery(consumer.peer, consumer.stream)
+            del s.peers[address]
+            s.outbox.pop(peer, None)
+            s.links.forget(address)
+            s.counters["peers_forgotten"] += 1
+            log.info("forgot peer %s: nothing owed either way for %.0fs", address, now - peer.idle_since)

@@ -1,0 +1,73 @@
+"""The receiver's side: dedupe, store, ack after the fsync, hand to the handlers.
+
+A message is acked only once it is durable here: stored as incoming in this turn's batch
+(which is then fsynced) or already stored, handled or dead-lettered (a resend: acked
+again, not handled again). Handled ids are remembered for ``dedupe_window``, counted on
+the bus clock (clock.py), then pruned.
+"""
+
+from __future__ import annotations
+
+from .. import protocol as P
+from ..protocol import KIND_NAMES
+from .state import Incoming, State, incoming_record
+
+__all__ = ["Receiver", "PRUNE_BATCH"]
+
+PRUNE_BATCH = 10_000  # handled ids past the dedupe window deleted per turn, at most
+
+
+class Receiver:
+    def __init__(self, state: State) -> None:
+        self.s = state
+
+    def on_batch(self, ident: bytes, frame: P.Batch) -> None:
+        s = self.s
+        batch, seen = s.out.batch, s.turn_ids
+        acks = s.out.acks.setdefault(ident, [])
+        kind = int(frame.kind)
+        stored = False
+        if frame.oversize:
+            s.out.to_router.append((ident, P.encode_nack(frame.oversize, (
+                f"payload larger than this bus's max_payload ({s.config.max_payload} bytes)"))))
+            s.counters["refused_oversize"] += len(frame.oversize)
+        jon, ts, kname = s.journal_on, s.wall(), KIND_NAMES[kind]
+        known = s.store.seen_many([env.id for env in frame.messages])
+        # TTLs arrive in the sender's clock. What is left of them counts on ours from now
+        # on: skew between the two machines does not shorten or stretch them.
+        skew = 0 if frame.sent_at is None else ts - frame.sent_at
+        handoff = s.out.handoff
+        for env, was_seen in zip(frame.messages, known):
+            if skew and env.expires is not None:
+                env = env._replace(expires=max(0, env.expires + skew))
+            mid = env.id
+            acks.append(mid)
+            if was_seen or mid in seen:
+                # Stored (and fsynced) or handled already: ack again, do not handle again.
+                s.counters["duplicates"] += 1
+                continue
+            seen.add(mid)
+            record = incoming_record(kind, frame.sender, frame.reply_to, env)
+            batch.put_incoming(mid, record)
+            handoff.append(Incoming(mid, record, None))
+            stored = True
+            if jon:
+                s.journal("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt)
+        s.counters["received"] += len(frame.messages)
+        if stored:
+            batch.sync = True  # the acks leave only after the fsync
+
+    def prune_handled(self) -> bool:
+        """Forget handled ids older than the dedupe window, counted on the bus clock from
+        when they were handled (not from the sender's id time, nor on the wall clock: a
+        clock stepped forward must not forget ids whose resends may still come). True if
+        there may be more to prune."""
+        s = self.s
+        cutoff = s.clock.now() - int(s.config.dedupe_window * 1000)
+        if cutoff <= 0:
+            return False
+        due = s.store.handled_before(cutoff, PRUNE_BATCH)
+        for mid, at in due:
+            s.out.batch.forget_handled(mid, at)
+        s.counters["dedupe_pruned"] += len(due)
+        return len(due) >= PRUNE_BATCH

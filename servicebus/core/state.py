@@ -1,0 +1,136 @@
+"""The delivery core's state and the effects one turn produces.
+
+``State`` is everything the core remembers between turns (peers, consumers,
+subscriptions, intents); ``Effects`` is what one turn asks the shell to do: the batch to
+write and whether it needs an fsync, journal events riding in it, callers to release,
+received messages to hand to handlers, acks and frames to send. The shell takes the
+effects in the order of DESIGN.md section 9 and starts the next turn with empty ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ..clock import BusClock
+from ..config import BusConfig
+from ..delivery import Consumer
+from ..ids import IdGenerator
+from ..protocol import Envelope
+from .ports import Links, StoreView, WriteBatch
+
+log = logging.getLogger("servicebus")
+
+__all__ = ["Peer", "Intent", "Incoming", "incoming_record", "Effects", "State", "JournalEvent"]
+
+# (event, ts_ms, message_id, topic, kind, peer, attempt, error): see journal.py
+JournalEvent = tuple[str, int, str, "str | None", str, "str | None", int, "str | None"]
+
+
+@dataclass(eq=False)
+class Peer:
+    """A bus we send to (through a connection the shell owns), and whether it answers."""
+
+    address: str
+    up: bool = False
+    boot: str | None = None
+    last_pong: float | None = None
+    last_ping: float = 0.0
+    consumers: list[Consumer] = field(default_factory=list)
+    down_since: float = 0.0
+    max_payload: int | None = None  # the largest payload it accepts, as its pongs say
+    idle_since: float | None = None  # since when nothing is owed to or by it (peer_expiry)
+
+
+@dataclass(eq=False)
+class Intent:
+    """A subscribe or unsubscribe this bus asked of a publisher, until confirmed."""
+
+    publisher: str
+    topic: str
+    op: str  # "subscribe" | "unsubscribe"
+    id: str
+    confirmed: bool
+    next_try: float = 0.0
+    waiters: list[Any] = field(default_factory=list)  # callers released when confirmed
+
+    def record(self, wall: int) -> dict:
+        return {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
+
+
+class Incoming(NamedTuple):
+    """A received message handed to the handlers (``record``: ``incoming_record``)."""
+
+    id: str
+    record: list
+    runstate: list | None  # [attempts, done_handler_names, last_error, next_ms] or None
+
+
+# [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
+def incoming_record(kind: int, sender: str, reply_to: str, env: Envelope) -> list:
+    return [kind, env.topic, sender, reply_to, env.sent, env.attempt, env.expires,
+            env.correlation_id, env.headers, env.body]
+
+
+@dataclass(eq=False)
+class Effects:
+    """What one turn asks of the shell. ``batch`` always exists: a write made after a
+    commit (a sender-side dead letter, a pruned id) belongs to the next turn's batch."""
+
+    batch: WriteBatch
+    journal: list[JournalEvent] = field(default_factory=list)
+    release: list[tuple[Any, Any]] = field(default_factory=list)  # (caller, value) once written
+    handoff: list[Incoming] = field(default_factory=list)  # to the handlers once written
+    acks: dict[bytes, list[str]] = field(default_factory=dict)  # router identity -> ids, once written
+    to_router: list[tuple[bytes, list[bytes]]] = field(default_factory=list)  # at once (pongs, nacks)
+    to_peers: list[tuple[str, list[bytes], int]] = field(default_factory=list)  # (address, frames, messages)
+
+
+@dataclass(eq=False)
+class State:
+    """Everything the core remembers between turns. One instance, shared by its parts."""
+
+    config: BusConfig
+    store: StoreView
+    links: Links
+    address: str
+    node_id: str
+    boot: str
+    ids: IdGenerator
+    clock: BusClock  # the bus clock: dedupe windows (clock.py)
+    wall: Callable[[], int]  # wall-clock ms: timestamps, TTLs
+    journal_on: bool
+    out: Effects
+    now: float = 0.0  # monotonic seconds, as of the event being handled
+    peers: dict[str, Peer] = field(default_factory=dict)
+    consumers: dict[tuple[str, str], Consumer] = field(default_factory=dict)
+    by_stream: defaultdict[str, list[Consumer]] = field(default_factory=lambda: defaultdict(list))
+    subscriptions: dict[tuple[str, str], dict] = field(default_factory=dict)
+    intents: dict[tuple[str, str], Intent] = field(default_factory=dict)
+    intent_ids: dict[str, Intent] = field(default_factory=dict)
+    # Event streams with consumers -> their peers. Replaced, never mutated, so that
+    # publishing threads can read it without a lock.
+    stream_peers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    new: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # written this turn
+    outbox: dict[Peer, list[tuple[int, Envelope]]] = field(default_factory=dict)
+    turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)
+    gc_floor: dict[str, str | None] = field(default_factory=dict)
+    orphans_due: bool = True
+    tick_due: bool = True  # run the timers at the next turn, whatever the time
+    new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon
+    waiting_peers: bool = False  # some down peer has messages waiting
+    counters: Counter[str] = field(default_factory=Counter)
+    malformed: Counter[str] = field(default_factory=Counter)
+
+    def count_malformed(self, reason: str, error: str) -> None:
+        self.malformed[reason] += 1
+        total = sum(self.malformed.values())
+        if total & (total - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... to stay readable
+            log.warning("dropped a malformed frame (%s); %d so far", error, total)
+
+    def journal(self, event: str, ts: int, mid: str, topic: str | None, kind: str,
+                peer: str | None, attempt: int = 0, error: str | None = None) -> None:
+        self.out.journal.append((event, ts, mid, topic, kind, peer, attempt, error))

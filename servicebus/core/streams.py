@@ -1,0 +1,140 @@
+"""What goes into the outgoing streams, and what comes out of them once acknowledged.
+
+Events are stored once per topic stream (``e:<topic>``) however many subscribers it has;
+commands and replies once per address stream (``c:<address>``). Messages every consumer of
+a stream has acknowledged are deleted; streams nobody consumes any more are emptied.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..delivery import Consumer, command_stream, event_stream, pack_outgoing
+from ..protocol import Kind
+from .commands import Published, QueueReply, SendCmd
+from .peers import Roster
+from .ports import WriteBatch
+from .state import JournalEvent, State
+
+__all__ = ["Streams", "GC_BUDGET"]
+
+log = logging.getLogger("servicebus")
+
+GC_BUDGET = 5000  # stream messages deleted per collection, at most
+
+
+class Streams:
+    def __init__(self, state: State, roster: Roster) -> None:
+        self.s = state
+        self.roster = roster
+
+    # --- in ----------------------------------------------------------------------------
+
+    def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes]
+                      ) -> tuple[str, list[str], list[tuple[str, bytes]], list[JournalEvent]]:
+        """Write ``bodies`` into ``batch`` for every subscriber of ``topic``. Runs on a
+        publishing thread under the group commit's lock, so ids are made in the order the
+        batches commit; reads only ``stream_peers``, which is replaced, never mutated."""
+        s = self.s
+        stream = event_stream(topic)
+        ids = s.ids.many(len(bodies))
+        peers = s.stream_peers.get(stream, ())
+        items: list[tuple[str, bytes]] = []
+        events: list[JournalEvent] = []
+        if peers:
+            sent = s.wall()
+            put = batch.put_outgoing
+            for mid, body in zip(ids, bodies):
+                record = pack_outgoing(Kind.EVENT, topic, sent, body)
+                put(stream, mid, record)
+                items.append((mid, record))
+            if s.journal_on:  # one event per (message, receiver): what the audit reconciles
+                events = [("published", sent, mid, topic, "event", peer, 0, None)
+                          for peer in peers for mid in ids]
+        return stream, ids, items, events
+
+    def published(self, cmd: Published) -> None:
+        s = self.s
+        if cmd.stream in s.by_stream:
+            s.new.setdefault(cmd.stream, []).extend(cmd.items)
+        else:
+            s.orphans_due = True  # unsubscribed while they were written
+
+    def _command_consumer(self, address: str) -> str:
+        stream = command_stream(address)
+        if (address, stream) not in self.s.consumers:
+            consumer = Consumer(address, stream, "")  # "" sorts before every id
+            consumer.exhausted = True
+            consumer.dirty = True
+            self.roster.add_consumer(consumer)
+        return stream
+
+    def send(self, cmd: SendCmd) -> None:
+        s = self.s
+        stream = self._command_consumer(cmd.address)
+        mid = s.ids.next()
+        record = pack_outgoing(Kind.COMMAND, cmd.command, s.wall(), cmd.body, cmd.expires,
+                               cmd.correlation_id, cmd.headers)
+        s.out.batch.put_outgoing(stream, mid, record)
+        s.new.setdefault(stream, []).append((mid, record))
+        s.out.batch.sync = True
+        s.counters["commands_sent"] += 1
+        if s.journal_on:
+            s.journal("published", s.wall(), mid, cmd.command, "command", cmd.address)
+        s.out.release.append((cmd.future, mid))
+
+    def queue_reply(self, cmd: QueueReply) -> None:
+        s = self.s
+        reply_to, command, corr, body = cmd.reply
+        try:
+            stream = self._command_consumer(reply_to)
+        except ValueError as exc:  # checked on receipt; only an older store gets here
+            log.error("reply to %s cannot be sent: %s; dropped", reply_to, exc)
+            s.out.batch.delete_reply(cmd.command_id)
+            return
+        mid = s.ids.next()
+        sent = s.wall()
+        record = pack_outgoing(Kind.REPLY, command, sent, body,
+                               sent + int(s.config.reply_ttl * 1000), corr, None)
+        # The reply moves from "pending" to the outgoing stream in one write. No fsync of
+        # its own: the request's completion was not fsynced either, and the log keeps
+        # their order, so a crash loses both (the request runs again) or neither.
+        s.out.batch.put_outgoing(stream, mid, record)
+        s.out.batch.delete_reply(cmd.command_id)
+        s.new.setdefault(stream, []).append((mid, record))
+        s.counters["replies_sent"] += 1
+        if s.journal_on:
+            s.journal("published", s.wall(), mid, command, "reply", reply_to)
+
+    # --- out ---------------------------------------------------------------------------
+
+    def collect_garbage(self) -> None:
+        """Delete stream messages every consumer of the stream has acknowledged."""
+        s = self.s
+        batch, budget = s.out.batch, GC_BUDGET
+        for stream, consumers in list(s.by_stream.items()):
+            floors = [c.floor for c in consumers]
+            floor = min(f for f in floors if f is not None) if floors and None not in floors else None
+            if floor is None or s.gc_floor.get(stream) == floor:
+                continue
+            ids = s.store.stream_ids(stream, upto=floor, limit=budget)
+            for mid in ids:
+                batch.delete_outgoing(stream, mid)
+            budget -= len(ids)
+            if budget > 0:
+                s.gc_floor[stream] = floor  # everything up to it is gone now
+            else:
+                return
+        if s.orphans_due and budget > 0:
+            # Streams nobody consumes any more (after an unsubscribe, or a removed
+            # subscription found at start): their messages are owed to no one.
+            for stream in s.store.stream_names():
+                if stream in s.by_stream:
+                    continue
+                ids = s.store.stream_ids(stream, limit=budget)
+                for mid in ids:
+                    batch.delete_outgoing(stream, mid)
+                budget -= len(ids)
+                if budget <= 0:
+                    return
+            s.orphans_due = False

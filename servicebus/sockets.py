@@ -1,0 +1,175 @@
+"""One owner for the ZeroMQ context and every socket of a bus.
+
+``Sockets`` makes the context, binds the ROUTER and the admin endpoint, opens one DEALER
+per peer (``connect``/``forget``: the core's ``Links``) and closes them all. Sockets are
+used by the engine thread only; ``close()`` runs on it at its end, ``destroy()`` on the
+thread that closes the bus, after the engine stopped (or never started): it closes
+whatever a failed open left and terminates the context without waiting (linger 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import zmq
+
+from .config import BusConfig
+from .errors import TransportError
+
+__all__ = ["Sockets"]
+
+log = logging.getLogger("servicebus")
+
+
+def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
+    """Options every socket of ours gets (DESIGN.md section 4). The store, not ZeroMQ's
+    queue, is the source of truth: no linger; a bounded frame size."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    sock.setsockopt(zmq.MAXMSGSIZE, config.max_payload * 2 + (1 << 20))
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+
+
+class Sockets:
+    def __init__(self, config: BusConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        self.router: zmq.Socket | None = None
+        self.admin: zmq.Socket | None = None
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._address_of: dict[zmq.Socket, str] = {}
+        self.poller = zmq.Poller()
+        # While the store cannot be written, only user commands and operators are served.
+        self.degraded_poller = zmq.Poller()
+
+    # --- opening -----------------------------------------------------------------------
+
+    def bind_router(self, bind: str) -> str:
+        """Bind this bus's ROUTER; return the endpoint it actually bound."""
+        router = self.ctx.socket(zmq.ROUTER)
+        _tune(router, self.config, hwm=100_000)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a vanished peer raise, not vanish
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            router.bind(bind.replace(":*", ":0") if bind.startswith("tcp://") else bind)
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            if exc.errno == zmq.EADDRINUSE:
+                raise TransportError(f"cannot bind {bind}: the address is already in use") from exc
+            raise TransportError(f"cannot bind {bind}: {exc}") from exc
+        self.router = router
+        self.poller.register(router, zmq.POLLIN)
+        return router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def bind_admin(self, datadir: Path) -> str:
+        """Bind the admin endpoint: a Unix socket in the data directory, or loopback TCP
+        when that path would exceed the OS limit for socket paths (~107 bytes)."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.admin = sock
+        self.poller.register(sock, zmq.POLLIN)
+        self.degraded_poller.register(sock, zmq.POLLIN)
+        path = (datadir / "admin.sock").resolve()
+        if len(str(path).encode()) < 100:
+            path.unlink(missing_ok=True)  # left by a killed bus; the data directory lock is ours
+            try:
+                sock.bind(f"ipc://{path}")
+                return f"ipc://{path}"
+            except zmq.ZMQError:
+                pass
+        sock.bind("tcp://127.0.0.1:0")
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def watch(self, fd: int) -> None:
+        """Wake the poll when ``fd`` (the engine's eventfd) is readable, in either mode."""
+        self.poller.register(fd, zmq.POLLIN)
+        self.degraded_poller.register(fd, zmq.POLLIN)
+
+    # --- peers (the core's Links) ------------------------------------------------------
+
+    def connect(self, address: str) -> None:
+        if address in self._dealers:
+            return
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            _tune(sock, self.config, hwm=10_000)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(f"cannot connect to {address}: {exc}") from exc
+        self._dealers[address] = sock
+        self._address_of[sock] = address
+        self.poller.register(sock, zmq.POLLIN)
+
+    def forget(self, address: str) -> None:
+        sock = self._dealers.pop(address, None)
+        if sock is None:
+            return
+        self.poller.unregister(sock)
+        del self._address_of[sock]
+        sock.close(linger=0)
+
+    def address_of(self, sock: object) -> str | None:
+        """The peer address a polled DEALER is connected to (None: not a DEALER of ours)."""
+        return self._address_of.get(sock)  # type: ignore[call-overload]
+
+    def dealer(self, address: str) -> zmq.Socket:
+        return self._dealers[address]
+
+    # --- sending -----------------------------------------------------------------------
+
+    def send_peer(self, address: str, frames: list[bytes]) -> bool:
+        """False if the peer cannot take it now: not connected (IMMEDIATE) or its queue is
+        full. The store keeps what was in flight; the core resends it later."""
+        sock = self._dealers.get(address)
+        if sock is None:
+            return False
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def send_router(self, ident: bytes, frames: list[bytes]) -> bool:
+        assert self.router is not None
+        try:
+            self.router.send_multipart([ident, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH (ROUTER_MANDATORY: the peer went away) or EAGAIN: the sender
+            # will resend and we will ack again.
+            log.debug("reply to a peer failed: %s", exc)
+            return False
+
+    def send_admin(self, ident: bytes, data: bytes) -> None:
+        if self.admin is None:
+            return
+        try:
+            self.admin.send_multipart([ident, b"", data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("admin reply not sent: %s", exc)
+
+    # --- closing -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every socket (on the thread that used them, when it is done)."""
+        for sock in self._dealers.values():
+            sock.close(linger=0)
+        self._dealers.clear()
+        self._address_of.clear()
+        if self.admin is not None:
+            self.admin.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=0)
+
+    def destroy(self) -> None:
+        """Close what is still open (a failed open) and terminate the context. With every
+        socket at linger 0, termination does not wait for anything."""
+        self.ctx.destroy(linger=0)
