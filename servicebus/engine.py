@@ -21,15 +21,15 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from . import admin as A
 from . import protocol as P
+from .adminserve import AdminReply, AdminServer
 from .clock import BusClock
 from .commit import GroupCommit
 from .config import BusConfig
@@ -43,19 +43,12 @@ from .requests import PendingRequests
 from .sockets import Sockets
 from .store import Batch, Store
 
-__all__ = ["Engine", "Drain", "Snapshot", "AdminReply", "SendCmd", "QueueReply", "SubscribeCmd"]
+__all__ = ["Engine", "Drain", "Snapshot", "SendCmd", "QueueReply", "SubscribeCmd"]
 
 log = logging.getLogger("servicebus")
 
 READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
 RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
-
-
-@dataclass
-class AdminReply:
-    ident: bytes
-    data: bytes
-    future: Future | None = None
 
 
 @dataclass
@@ -95,10 +88,10 @@ class Engine(threading.Thread):
         self._degraded: str | None = None  # why the store cannot be written, if it cannot
         self._next_recover = 0.0
         self._drains: list[Future] = []
-        self._admin_pool: ThreadPoolExecutor | None = None
+        self._admin: AdminServer | None = None
         if sockets.admin is not None:
-            # Views can take a while on a big store: they run beside the loop, not in it.
-            self._admin_pool = ThreadPoolExecutor(1, thread_name_prefix="servicebus-admin")
+            self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
+                                      lambda cmd: self._queue.append(cmd))  # _queue is replaced
 
         self.committer = GroupCommit(store, self._on_published)
         self._count_lock = threading.Lock()
@@ -272,8 +265,8 @@ class Engine(threading.Thread):
                 pass
         if sockets.router in events:
             self._read_router(now)
-        if sockets.admin is not None and sockets.admin in events:
-            self._read_admin()
+        if self._admin is not None and self._admin.sock in events:
+            self._admin.read()
         for sock in events:
             address = sockets.address_of(sock)
             if address is not None:
@@ -323,8 +316,8 @@ class Engine(threading.Thread):
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
                 pass
-        if self.sockets.admin is not None and self.sockets.admin in events:
-            self._read_admin()
+        if self._admin is not None and self._admin.sock in events:
+            self._admin.read()
         failed = StoreWriteError(f"the store cannot be written: {self._degraded}")
         queue = self._queue
         while queue:
@@ -385,34 +378,6 @@ class Engine(threading.Thread):
             frame = self._decode(frames)
             if frame is not None:
                 self.core.on_dealer(address, frame, now)
-
-    def _read_admin(self) -> None:
-        admin, pool = self.sockets.admin, self._admin_pool
-        if admin is None or pool is None:
-            return
-        for _ in range(100):
-            try:
-                frames = admin.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            ident = frames[0]
-            try:
-                view, args = A.decode_request(frames[-1])
-            except Exception as exc:  # noqa: BLE001 - junk on the admin socket
-                self._queue.append(AdminReply(ident, A.encode_reply(error=f"bad request: {exc}")))
-                continue
-            pool.submit(self._run_view, ident, view, args)
-
-    def _run_view(self, ident: bytes, view: str, args: dict) -> None:
-        try:
-            data = A.encode_reply(A.run_view(self.store, self.datadir or Path("."), view, args,
-                                             {"pid": os.getpid()}))
-        except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
-            data = A.encode_reply(error=f"{type(exc).__name__}: {exc}")
-        try:
-            self.submit(AdminReply(ident, data))
-        except BusClosedError:
-            pass
 
     # --- user commands -----------------------------------------------------------------
 
@@ -486,6 +451,6 @@ class Engine(threading.Thread):
             if not fut.done():
                 fut.set_exception(err)
         self.requests.close(err)
-        if self._admin_pool is not None:
-            self._admin_pool.shutdown(wait=True, cancel_futures=True)
+        if self._admin is not None:
+            self._admin.close()
         self.sockets.close()

@@ -1,0 +1,70 @@
+"""Serving the admin endpoint inside a running bus: requests are read on the engine
+thread, views run on one thread beside it (a view of a big store can take a while), and
+their replies go back through the engine's queue, since only the engine sends on sockets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from . import admin as A
+from .errors import BusClosedError
+from .store import Store
+
+__all__ = ["AdminServer", "AdminReply"]
+
+log = logging.getLogger("servicebus")
+
+READ_LIMIT = 100  # requests read per turn
+
+
+@dataclass
+class AdminReply:
+    ident: bytes
+    data: bytes
+    future: Future | None = None
+
+
+class AdminServer:
+    def __init__(self, sock: zmq.Socket, store: Store, datadir: Path,
+                 submit: Callable[[Any], None], queue: Callable[[Any], None]) -> None:
+        self.sock = sock
+        self.store = store
+        self.datadir = datadir
+        self._submit = submit  # from the view thread: refused once the engine stopped
+        self._queue = queue  # from the engine thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="servicebus-admin")
+
+    def read(self) -> None:
+        for _ in range(READ_LIMIT):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident = frames[0]
+            try:
+                view, args = A.decode_request(frames[-1])
+            except Exception as exc:  # noqa: BLE001 - junk on the admin socket
+                self._queue(AdminReply(ident, A.encode_reply(error=f"bad request: {exc}")))
+                continue
+            self._pool.submit(self._run_view, ident, view, args)
+
+    def _run_view(self, ident: bytes, view: str, args: dict) -> None:
+        try:
+            data = A.encode_reply(A.run_view(self.store, self.datadir, view, args, {"pid": os.getpid()}))
+        except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
+            data = A.encode_reply(error=f"{type(exc).__name__}: {exc}")
+        try:
+            self._submit(AdminReply(ident, data))
+        except BusClosedError:
+            pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
