@@ -1,0 +1,31 @@
+"""The LevelDB store: one database per data directory, split into keyspaces by prefix.
+
+Only this module touches plyvel. Other modules speak in records and ``Batch`` methods,
+never in raw keys. Every change that spans keyspaces goes through one ``Batch`` and so is
+atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
+
+    m/<name>                       meta (node id, format version)
+    s/<subscriber>\\0<topic>        subscriptions: who subscribed to me
+    i/<publisher>\\0<topic>         subscribe intents: whom I asked (and whether confirmed)
+    o/<stream>\\0<id>               outgoing messages, one log per stream (e:<topic>, ...)
+    d/<peer>\\0<stream>             delivery state of one peer on one stream (a cursor)
+    n/<id>                         incoming messages not yet handled
+    r/<id>                         run state of an incoming message (attempts, errors)
+    h/<id>                         handled ids, kept for the dedupe window (value: when, in
+                                   bus-clock ms, see clock.py)
+    t/<when, 8 bytes><id>          the same ids ordered by when they were handled (pruning)
+    x/<id>                         dead letters
+    y/<command id>                 replies of handled requests, not yet queued for sending
+    j/<seq, 8 bytes>               delivery journal records not yet moved to segment files
+    g/<segment file name>          when (bus-clock ms) a journal segment was written (retention)
+
+Outgoing messages are stored once per stream, however many subscribers there are; each
+subscriber's delivery state is a cursor into the stream (see ``delivery.py``). That keeps a
+fan-out to ten subscribers at one write per message.
+"""
+
+from .batch import Batch
+from .db import Store
+from .keys import FORMAT_VERSION, KEYSPACES, SEP
+
+__all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION", "SEP"]

@@ -1,0 +1,135 @@
+"""``Batch``: the writes of one atomic change, by record (never by raw key outside here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..clock import BusClock
+from ..letters import damaged_letter
+from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _R, _S, _T, _X, _Y, _pack, _pair
+
+__all__ = ["Batch"]
+
+
+class Batch:
+    """A set of writes applied atomically by ``Store.write``. Belongs to one thread."""
+
+    __slots__ = ("_wb", "ops", "sync", "generation")
+
+    def __init__(self, wb: Any, generation: int = 0) -> None:
+        self._wb = wb
+        self.ops = 0
+        self.sync = False  # set when something visible waits on this batch being durable
+        self.generation = generation  # of the store's database handle (see Store.reopen)
+
+    def clear(self) -> None:
+        """Empty the batch for reuse (cheaper than a new one per message)."""
+        self._wb.clear()
+        self.ops = 0
+        self.sync = False
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        self._wb.put(key, value)
+        self.ops += 1
+
+    def _delete(self, key: bytes) -> None:
+        self._wb.delete(key)
+        self.ops += 1
+
+    def put_meta(self, name: str, value: bytes) -> None:
+        self._put(_M + name.encode(), value)
+
+    def put_clock(self, clock: BusClock) -> None:
+        """Carry the bus clock over to the next start (clock.py)."""
+        self._put(_M + b"clock", str(clock.now()).encode())
+
+    def put_subscription(self, subscriber: str, topic: str, record: dict) -> None:
+        self._put(_pair(_S, subscriber, topic), _pack(record))
+
+    def delete_subscription(self, subscriber: str, topic: str) -> None:
+        self._delete(_pair(_S, subscriber, topic))
+
+    def put_intent(self, publisher: str, topic: str, record: dict) -> None:
+        self._put(_pair(_I, publisher, topic), _pack(record))
+
+    def delete_intent(self, publisher: str, topic: str) -> None:
+        self._delete(_pair(_I, publisher, topic))
+
+    def put_outgoing(self, stream: str, message_id: str, record: bytes) -> None:
+        """``record`` is already packed (see ``delivery.pack_outgoing``)."""
+        self._put(_pair(_O, stream, message_id), record)
+
+    def delete_outgoing(self, stream: str, message_id: str) -> None:
+        self._delete(_pair(_O, stream, message_id))
+
+    def put_delivery(self, peer: str, stream: str, record: dict) -> None:
+        self._put(_pair(_D, peer, stream), _pack(record))
+
+    def delete_delivery(self, peer: str, stream: str) -> None:
+        self._delete(_pair(_D, peer, stream))
+
+    def put_incoming(self, message_id: str, record: list) -> None:
+        self._put(_N + message_id.encode(), _pack(record))
+
+    def put_runstate(self, message_id: str, record: list) -> None:
+        self._put(_R + message_id.encode(), _pack(record))
+
+    def complete_incoming(self, message_id: str, handled_at: int) -> None:
+        """``handled_at``: bus-clock ms (clock.py), which the dedupe window counts from."""
+        key = message_id.encode()
+        self._delete(_N + key)
+        self._delete(_R + key)
+        self.put_handled(message_id, handled_at)
+
+    def put_handled(self, message_id: str, handled_at: int) -> None:
+        key, at = message_id.encode(), handled_at.to_bytes(8, "big")
+        self._put(_H + key, at)
+        self._put(_T + at + key, b"")
+
+    def complete_with_reply(self, message_id: str, handled_at: int, reply: list) -> None:
+        """Finish a request and keep its reply, in one write: a reply is never lost
+        after its request counts as handled, and never made for an unfinished one."""
+        self.complete_incoming(message_id, handled_at)
+        self._put(_Y + message_id.encode(), _pack(reply))
+
+    def delete_reply(self, message_id: str) -> None:
+        self._delete(_Y + message_id.encode())
+
+    def forget_handled(self, message_id: str, handled_at: int) -> None:
+        key = message_id.encode()
+        self._delete(_H + key)
+        self._delete(_T + handled_at.to_bytes(8, "big") + key)
+
+    def quarantine_incoming(self, key: bytes, raw: bytes, error: str) -> None:
+        """Move an incoming record that does not decode to the dead letters, raw bytes kept."""
+        self._delete(key)
+        self._delete(_R + key[len(_N):])
+        self._put(_X + key[len(_N):], _pack(damaged_letter("incoming", error, raw)))
+
+    def deadletter_incoming(self, message_id: str, record: dict) -> None:
+        key = message_id.encode()
+        self._delete(_N + key)
+        self._delete(_R + key)
+        self._put(_X + key, _pack(record))
+
+    def put_deadletter(self, message_id: str, record: dict) -> None:
+        self._put(_X + message_id.encode(), _pack(record))
+
+    def delete_deadletter(self, message_id: str) -> None:
+        self._delete(_X + message_id.encode())
+
+    def put_journal(self, seq: int, record: bytes) -> None:
+        self._put(_J + seq.to_bytes(8, "big"), record)
+
+    def delete_journal(self, seq: int) -> None:
+        self._delete(_J + seq.to_bytes(8, "big"))
+
+    def put_segment(self, name: str, written_at: int) -> None:
+        self._put(_G + name.encode(), written_at.to_bytes(8, "big"))
+
+    def delete_segment(self, name: str) -> None:
+        self._delete(_G + name.encode())
+
+    def delete_raw(self, key: bytes) -> None:
+        """Delete any key (repair of records that no longer decode)."""
+        self._delete(key)

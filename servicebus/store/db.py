@@ -1,0 +1,374 @@
+"""``Store``: opening, closing, writing and reopening the LevelDB database; its reads
+are in reads.py. Only this package touches plyvel."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import plyvel
+
+from ..errors import LockedError, StoreError, StoreWriteError
+from ..schema import REPAIR_HINT
+from .batch import Batch
+from .keys import FORMAT_VERSION, _H, _M
+from .reads import Reads
+
+__all__ = ["Store"]
+
+log = logging.getLogger("servicebus")
+
+
+def _has_leveldb_files(path: Path) -> bool:
+    """Whether ``path`` holds any of LevelDB's data files (tables, logs, manifests)."""
+    try:
+        names = [p.name for p in path.iterdir()]
+    except FileNotFoundError:
+        return False
+    return any(n.endswith((".ldb", ".sst", ".log")) or n.startswith("MANIFEST-") for n in names)
+
+
+def _room_to_reopen(path: Path) -> bool:
+    """Whether the file system holds enough free space for LevelDB to reopen the store: it
+    turns its log into a table first (about the log's size), then starts a new log."""
+    try:
+        logs = sum(p.stat().st_size for p in path.glob("*.log"))
+        st = os.statvfs(path)
+    except OSError:
+        return True  # cannot tell: try
+    return st.f_bavail * st.f_frsize > logs + (1 << 20)
+
+
+def _open_db(path: Path, **options: Any) -> Any:
+    try:
+        return plyvel.DB(str(path), **options)
+    except plyvel.IOError as exc:
+        if "lock" in str(exc).lower():
+            # LevelDB's own lock: another process has this store open right now (one that
+            # does not hold DATADIR/LOCK, or got in first). Never a reason to repair it.
+            raise LockedError(f"store {path} is in use by another process ({exc})") from exc
+        raise StoreError(f"cannot open store {path}: {exc}") from exc
+    except plyvel.Error as exc:
+        raise StoreError(f"cannot open store {path}: {exc}; {REPAIR_HINT}") from exc
+    except OSError as exc:
+        raise StoreError(f"cannot open store {path}: {exc}") from exc
+
+
+class _WriteFailed(Exception):
+    """A LevelDB write failed (carried past the guard, which would call it damage)."""
+
+
+class _Guard:
+    """Counts calls in progress so that ``close()`` and ``reopen()`` can wait for them, and
+    translates errors. While the database handle is being replaced, calls fail at once
+    (only a bus that cannot write reopens, and everything it does then retries)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: "Store") -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        store = self._store
+        with store._lock:  # the bare lock, not the Condition: this runs per plyvel call
+            if store._closed:
+                raise StoreError("the store is closed")
+            if store._reopening or store._db is None:
+                raise StoreWriteError(f"the store is being reopened after: {store._failure}")
+            store._active += 1
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        store = self._store
+        with store._lock:
+            store._active -= 1
+            if store._active == 0 and (store._closed or store._reopening):
+                store._cv.notify_all()
+        if exc_type is not None and issubclass(exc_type, plyvel.Error):
+            # Reads fail like this only on damaged files (writes handle their own errors).
+            raise StoreError(f"store error: {exc}; {REPAIR_HINT}") from exc
+        return False
+
+
+class Store(Reads):
+    """A LevelDB database in ``DATADIR/store``.
+
+    Thread-safe: plyvel calls are, and ``close()`` waits for calls in progress so that a
+    handler thread finishing late gets a ``StoreError`` instead of touching a closed DB.
+    """
+
+    def __init__(self, db: Any, path: Path, options: dict | None = None) -> None:
+        self._db = db
+        self.path = path
+        self._options = options or {}
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._active = 0
+        self._closed = False
+        self._reopening = False
+        self._guard = _Guard(self)
+        self._reopen_lock = threading.Lock()
+        self._failure: str | None = None  # why writes are refused, until reopen() works
+        self._failures = 0  # write failures so far (see _writing)
+        self._write_cv = threading.Condition(threading.Lock())
+        self._tickets = itertools.count()
+        self._inflight: set[int] = set()  # writes inside LevelDB now
+        self._unsynced = False  # an unsynced write was made since opening
+        self._waiting = 0  # writes waiting for the outcome of others
+        self.generation = 0  # bumped by reopen(): batches of an older handle are copied
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = True,
+             check_format: bool = True) -> "Store":
+        """Open the store, or create it (``create``) where there is none at all.
+
+        A directory holding LevelDB files but no ``CURRENT`` is refused: LevelDB would start
+        an empty database over it and delete the old files (rule 9: a store that exists is
+        never silently replaced). ``compression`` applies to blocks written from now on;
+        blocks written either way stay readable. ``check_format=False`` is for the repair
+        tool, which must open a store whose format record is damaged."""
+        path = Path(path)
+        has_current = (path / "CURRENT").exists()
+        if not has_current and _has_leveldb_files(path):
+            raise StoreError(f"store {path} holds LevelDB files but no CURRENT file: it is "
+                             f"damaged (opening it would start an empty store); {REPAIR_HINT}")
+        if not has_current and not create:
+            raise StoreError(f"no store at {path}")
+        options = dict(
+            paranoid_checks=True,
+            write_buffer_size=4 << 20,  # LevelDB default: bounds memtable memory
+            lru_cache_size=8 << 20,
+            bloom_filter_bits=10,
+            compression="snappy" if compression else None,
+        )
+        store = cls(_open_db(path, create_if_missing=not has_current, **options), path, options)
+        if not check_format:
+            return store
+        try:
+            version = store.meta("format")
+            if version is None:
+                batch = store.batch()
+                batch.put_meta("format", str(FORMAT_VERSION).encode())
+                store.write(batch, sync=True)
+            elif version == 1:
+                store._upgrade_from_1()
+            elif version != FORMAT_VERSION:
+                raise StoreError(f"store {path} has format {version}; this version reads "
+                                 f"{FORMAT_VERSION} (and upgrades 1)")
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _upgrade_from_1(self) -> None:
+        """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
+        every handled id as handled now, on the bus clock (so each is remembered for one
+        whole dedupe window more, never less)."""
+        now = int(self.get_meta("clock") or b"0")
+        batch, n = self.batch(), 0
+        for key, _value in self._iter(_H):
+            batch.put_handled(key[2:].decode(), now)
+            n += 1
+            if n % 10_000 == 0:
+                self.write(batch, sync=False)
+                batch = self.batch()
+        batch.put_meta("format", str(FORMAT_VERSION).encode())
+        self.write(batch, sync=True)
+
+    @staticmethod
+    def repair(path: str | os.PathLike) -> None:
+        """LevelDB's repair: rebuild the store from whatever table and log files it can
+        read (see maintenance.py for what ``check --repair`` does around it)."""
+        try:
+            # Without paranoid_checks, repair does not verify block checksums and keeps a
+            # damaged table as it is.
+            plyvel.repair_db(str(path), paranoid_checks=True)
+        except plyvel.Error as exc:
+            raise StoreError(f"repair of {path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()  # writers waiting in wait_writable()
+            self._cv.wait_for(lambda: self._active == 0)
+        if self._db is not None:
+            if self._unsynced and self._failure is None:
+                # Writes made after the owner's last sync (a handler finishing while the bus
+                # closed) are made durable too: closing LevelDB does not fsync its log.
+                try:
+                    self._db.write_batch(sync=True).write()
+                except plyvel.Error as exc:
+                    log.error("the last sync at close failed: %s", exc)
+            self._db.close()
+
+    # --- failed writes and reopening ----------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        return self._failure is None and not self._closed
+
+    @property
+    def failure(self) -> str | None:
+        """Why writes are refused (the first failed write's error), or None."""
+        return self._failure
+
+    def wait_writable(self, timeout: float) -> bool:
+        """Wait until writes are accepted again (or the store closes); True if they are."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._failure is None or self._closed, timeout)
+            return self.writable
+
+    def reopen(self, timeout: float = 1.0) -> bool:
+        """After a failed write: close the database and open it again, which recovers its
+        log (the failed write's partial record at its end is dropped) and starts a new one,
+        then check with a synced write that writing works. True if writes are accepted
+        again; False leaves them refused (try again later). Waits up to ``timeout`` for
+        calls in progress to finish; calls made meanwhile fail at once."""
+        with self._reopen_lock:
+            if self._failure is None or self._closed:
+                return not self._closed
+            if self._db is not None and not _room_to_reopen(self.path):
+                return False  # closing now would leave no handle at all until there is room
+            with self._cv:
+                self._reopening = True
+                if not self._cv.wait_for(lambda: self._active == 0, timeout):
+                    self._reopening = False
+                    self._cv.notify_all()
+                    return False
+            try:
+                if self._db is not None:
+                    self._db.close()
+                    self._db = None
+                try:
+                    db = _open_db(self.path, create_if_missing=False, **self._options)
+                except StoreError as exc:
+                    self._failure = str(exc)
+                    return False
+                self._db, self.generation = db, self.generation + 1
+                try:
+                    db.put(_M + b"sync", b"", sync=True)
+                except plyvel.Error as exc:
+                    self._failure = f"store write failed: {exc}"
+                    return False
+                with self._lock, self._write_cv:
+                    self._failure = None
+                return True
+            finally:
+                with self._cv:
+                    self._reopening = False
+                    self._cv.notify_all()
+
+    def _writing(self, batches: list[Batch], sync: bool) -> None:
+        """Apply ``batches`` atomically in one LevelDB write; ``StoreWriteError`` if it may
+        not survive, and for every write after a failed one until ``reopen``.
+
+        Why: when a write fails (ENOSPC) LevelDB leaves a partial record at the end of its
+        log, and appends the next write after it; at the next open its recovery takes the
+        partial record for a torn tail and silently drops everything after it, paranoid
+        checks or not (measured: a synced put that returned OK after an ENOSPC was gone
+        after a reopen). So no write may count as done if one that could have gone into the
+        log before it failed: a write waits, after LevelDB returned, for the outcome of
+        every write still in LevelDB at that moment, and fails if any of them failed.
+        Writes are not serialized in Python instead (measured: a fifth to a quarter of
+        e2e-batch throughput): LevelDB's own queue groups concurrent writes without the GIL."""
+        cv = self._write_cv
+        with cv:
+            if self._failure is not None:
+                raise StoreWriteError(f"the store refuses writes since one failed ({self._failure})")
+            failures = self._failures
+            ticket = next(self._tickets)
+            inflight = self._inflight
+            inflight.add(ticket)
+        try:
+            with self._op():
+                try:
+                    if len(batches) == 1 and not sync and batches[0].generation == self.generation:
+                        batches[0]._wb.write()  # the common case: nothing to copy
+                    else:
+                        merged = self._db.write_batch(sync=sync)
+                        for batch in batches:
+                            merged.append(batch._wb)
+                        merged.write()
+                except plyvel.Error as exc:
+                    raise _WriteFailed(exc) from exc  # not the guard's "damaged files" error
+        except _WriteFailed as failed:
+            cause = failed.__cause__
+            with cv:
+                inflight.discard(ticket)
+                first = self._failure is None
+                self._failure = f"store write failed: {cause}"
+                self._failures += 1
+                cv.notify_all()
+            if first:
+                log.error("%s; the store refuses writes until it is reopened", self._failure)
+            raise StoreWriteError(self._failure) from cause
+        except BaseException:
+            with cv:
+                inflight.discard(ticket)
+                cv.notify_all()
+            raise
+        with cv:
+            inflight.discard(ticket)
+            if not sync:
+                self._unsynced = True  # close() syncs once more (cheaper than knowing if it must)
+            if self._waiting:
+                cv.notify_all()  # someone waits for this write's outcome
+            # Writes that may have gone into the log before this one, whose outcome a
+            # synced write (it releases acks and publish calls) waits for. An unsynced one
+            # does not wait: what it holds is redone if it is dropped (a resend, a handler
+            # rerun), as after a power loss, and the wait is what costs (measured: making
+            # handler completions wait for the engine's writes halved e2e-batch).
+            before = set(inflight) if sync else ()
+            if before:
+                self._waiting += 1
+                try:
+                    while before & inflight:
+                        cv.wait()
+                finally:
+                    self._waiting -= 1
+            lost = self._failures != failures
+        if lost:
+            raise StoreWriteError(f"a write at the same time failed ({self._failure}): this one "
+                                  "may be dropped with it when the store is reopened, so it does not count")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _op(self) -> "_Guard":
+        """``with self._op():`` around every plyvel call (a small class, not a generator
+        context manager: this runs several times per message)."""
+        return self._guard
+
+    # --- writes ------------------------------------------------------------------------
+
+    def batch(self) -> Batch:
+        with self._op():
+            return Batch(self._db.write_batch(transaction=False), self.generation)
+
+    def write(self, batch: Batch, *, sync: bool) -> None:
+        """Apply ``batch`` atomically; with ``sync`` the log is fsynced before returning.
+        ``StoreWriteError`` if it fails, and for every write after that until ``reopen``."""
+        if batch.ops == 0 and not sync:
+            return
+        # A batch's sync flag is fixed when it is created (the engine only knows at commit
+        # time whether anything waits on durability), and a batch made before a reopen
+        # belongs to the old handle: both are copied into a new one when written.
+        self._writing([batch], sync)
+
+    def write_many(self, batches: list[Batch], *, sync: bool) -> None:
+        """Apply several batches as one atomic write (one fsync with ``sync``)."""
+        self._writing(batches, sync)
+
+    def sync(self) -> None:
+        """Make every earlier unsynced write durable (one fsync of the log)."""
+        batch = self.batch()
+        batch.put_meta("sync", b"")
+        self._writing([batch], True)

@@ -1,0 +1,311 @@
+"""The store's reads, each one guarded call (``Store._op``) with keys built here only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..clock import BusClock
+from .. import schema
+from ..errors import CorruptRecordError
+from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _R, _S, _T, _X, _Y, _end, _pair, _split
+
+if TYPE_CHECKING:
+    from .db import _Guard
+    from .batch import Batch
+
+__all__ = ["Reads"]
+
+
+class Reads:
+    """Read methods of ``Store`` (db.py), kept apart from opening, writing and reopening."""
+
+    _db: Any
+    path: Any
+
+    def _op(self) -> "_Guard":
+        raise NotImplementedError
+
+    def batch(self) -> "Batch":
+        raise NotImplementedError
+
+    def write(self, batch: "Batch", *, sync: bool) -> None:
+        raise NotImplementedError
+
+
+    def get_meta(self, name: str) -> bytes | None:
+        with self._op():
+            return self._db.get(_M + name.encode())
+
+    def meta(self, name: str) -> Any:
+        """A meta record, decoded and checked (``CorruptRecordError`` if damaged)."""
+        key = _M + name.encode()
+        value = self.get_meta(name)
+        return None if value is None else schema.decode("meta", key, value)
+
+    def bus_clock(self) -> BusClock:
+        """The bus clock, continuing from where the store last saved it (clock.py)."""
+        return BusClock(self.meta("clock") or 0)
+
+    def _decoded(self, keyspace: str, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
+        for key, value in self._iter(prefix):
+            yield key, schema.decode(keyspace, key, value)
+
+    def _iter(self, prefix: bytes, **kwargs: Any) -> Iterator[tuple[bytes, bytes]]:
+        with self._op():
+            it = self._db.iterator(prefix=prefix, **kwargs)
+            try:
+                yield from it
+            finally:
+                it.close()
+
+    def count(self, keyspace: str) -> int:
+        prefix = KEYSPACES[keyspace]
+        with self._op():
+            with self._db.iterator(prefix=prefix, include_value=False) as it:
+                return sum(1 for _ in it)
+
+    def subscriptions(self) -> Iterator[tuple[str, str, dict]]:
+        for key, record in self._decoded("subscriptions", _S):
+            sub, topic = _split(key, len(_S))
+            yield sub, topic, record
+
+    def intents(self) -> Iterator[tuple[str, str, dict]]:
+        for key, record in self._decoded("intents", _I):
+            pub, topic = _split(key, len(_I))
+            yield pub, topic, record
+
+    def deliveries(self) -> Iterator[tuple[str, str, dict]]:
+        for key, record in self._decoded("deliveries", _D):
+            peer, stream = _split(key, len(_D))
+            yield peer, stream, record
+
+    def stream_names(self) -> list[str]:
+        """Names of the outgoing streams that hold messages (one seek per stream)."""
+        names: list[str] = []
+        with self._op():
+            with self._db.iterator(prefix=_O, include_value=False) as it:
+                while True:
+                    key = next(it, None)
+                    if key is None:
+                        return names
+                    stream = key[len(_O):].partition(SEP)[0]
+                    names.append(stream.decode())
+                    it.seek(_O + stream + b"\x01")  # past every key of this stream
+
+    def last_stream_id(self, stream: str) -> str | None:
+        """The highest id in a stream (one seek)."""
+        prefix = _O + stream.encode() + SEP
+        with self._op():
+            with self._db.iterator(prefix=prefix, reverse=True, include_value=False) as it:
+                key = next(it, None)
+        return None if key is None else key[len(prefix):].decode()
+
+    def highest_own_id(self) -> str | None:
+        """The highest id this bus made that its store still refers to: the last message of
+        every outgoing stream, every delivery cursor (which outlive the messages they
+        passed), subscription starts and intents. New ids must sort above it (ids.py)."""
+        found: list[str] = []
+        for stream in self.stream_names():
+            last = self.last_stream_id(stream)
+            if last:
+                found.append(last)
+        for _peer, _stream, rec in self.deliveries():
+            if rec.get("floor"):
+                found.append(rec["floor"])
+            found.extend(rec.get("acked") or ())
+        found.extend(rec.get("since") or "" for _s, _t, rec in self.subscriptions())
+        found.extend(rec.get("id") or "" for _p, _t, rec in self.intents())
+        return max(found, default=None) or None
+
+    def iter_stream(
+        self, stream: str, after: str | None = None, limit: int | None = None
+    ) -> list[tuple[str, bytes]]:
+        """Up to ``limit`` (id, packed record) of a stream, in id order, after ``after``."""
+        prefix = _O + stream.encode() + SEP
+        out: list[tuple[str, bytes]] = []
+        with self._op():
+            if after is None:
+                it = self._db.iterator(prefix=prefix)
+            else:
+                it = self._db.iterator(
+                    start=prefix + after.encode(), include_start=False, stop=_end(prefix)
+                )
+            with it:
+                plen = len(prefix)
+                for key, value in it:
+                    out.append((key[plen:].decode(), value))
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
+
+    def stream_ids(self, stream: str, after: str | None = None, upto: str | None = None,
+                   limit: int | None = None) -> list[str]:
+        """Ids of a stream in (after, upto], without reading the payloads."""
+        prefix = _O + stream.encode() + SEP
+        kwargs: dict[str, Any] = {"include_value": False}
+        # None means "no bound"; "" is a real bound that sorts before every id.
+        kwargs["start"] = prefix if after is None else prefix + after.encode()
+        kwargs["include_start"] = after is None
+        kwargs["stop"] = _end(prefix) if upto is None else prefix + upto.encode()
+        kwargs["include_stop"] = upto is not None
+        out: list[str] = []
+        plen = len(prefix)
+        with self._op():
+            with self._db.iterator(**kwargs) as it:
+                for key in it:
+                    out.append(key[plen:].decode())
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
+
+    def count_stream(self, stream: str, after: str | None = None) -> int:
+        prefix = _O + stream.encode() + SEP
+        with self._op():
+            if after is None:
+                it = self._db.iterator(prefix=prefix, include_value=False)
+            else:
+                it = self._db.iterator(start=prefix + after.encode(), include_start=False,
+                                       stop=_end(prefix), include_value=False)
+            with it:
+                return sum(1 for _ in it)
+
+    def get_outgoing(self, stream: str, message_id: str) -> bytes | None:
+        with self._op():
+            return self._db.get(_pair(_O, stream, message_id))
+
+    def has_deadletter(self, message_id: str) -> bool:
+        with self._op():
+            return self._db.get(_X + message_id.encode()) is not None
+
+    def has_incoming(self, message_id: str) -> bool:
+        key = message_id.encode()
+        with self._op():
+            return self._db.get(_N + key) is not None
+
+    def seen_many(self, message_ids: list[str]) -> list[bool]:
+        """``seen`` for many ids in one guarded call (the engine checks whole frames).
+
+        The reads follow the order a message moves in (incoming, then handled or dead
+        letters, each move one write): read the other way round, a message completing
+        between two reads is found in neither, and its resend is handled again."""
+        out = []
+        with self._op():
+            get = self._db.get
+            for mid in message_ids:
+                key = mid.encode()
+                out.append(get(_N + key) is not None or get(_H + key) is not None
+                           or get(_X + key) is not None)
+        return out
+
+    def seen(self, message_id: str) -> bool:
+        """True if the id is stored as incoming, handled (dedupe window) or dead-lettered."""
+        return self.seen_many([message_id])[0]
+
+    def get_incoming(self, message_id: str) -> list | None:
+        key = _N + message_id.encode()
+        with self._op():
+            value = self._db.get(key)
+        return None if value is None else schema.decode("incoming", key, value)
+
+    def get_runstate(self, message_id: str) -> list | None:
+        key = _R + message_id.encode()
+        with self._op():
+            value = self._db.get(key)
+        return None if value is None else schema.decode("runstate", key, value)
+
+    def incoming(self, damaged: list | None = None) -> Iterator[tuple[str, list]]:
+        """Incoming messages, in id order. A damaged record raises ``CorruptRecordError``,
+        or, if ``damaged`` is a list, is appended to it as (key, raw value) and skipped."""
+        if damaged is None:
+            for key, record in self._decoded("incoming", _N):
+                yield key[len(_N):].decode(), record
+            return
+        for key, value in self._iter(_N):
+            try:
+                record = schema.decode("incoming", key, value)
+            except CorruptRecordError:
+                damaged.append((key, value))
+                continue
+            yield key[len(_N):].decode(), record
+
+    def handled_before(self, cutoff: int, limit: int) -> list[tuple[str, int]]:
+        """(id, handled_at) of handled ids handled before bus-clock ``cutoff``, oldest
+        first, at most ``limit``. A damaged index key is deleted on the way (it could
+        only ever make an id be remembered too long)."""
+        out, bad = [], []
+        with self._op():
+            with self._db.iterator(start=_T, stop=_T + cutoff.to_bytes(8, "big"),
+                                   include_value=False, fill_cache=False) as it:
+                for key in it:
+                    try:
+                        out.append((key[10:].decode(), int.from_bytes(key[2:10], "big")))
+                    except UnicodeDecodeError:
+                        bad.append(key)
+                    if len(out) + len(bad) >= limit:
+                        break
+        if bad:
+            batch = self.batch()
+            for key in bad:
+                batch.delete_raw(key)
+            self.write(batch, sync=False)
+        return out
+
+    def segments(self) -> list[tuple[str, int]]:
+        """(journal segment file name, bus-clock ms it was written at)."""
+        return [(key[2:].decode(), at) for key, at in self._decoded("segments", _G)]
+
+    def deadletters(self) -> Iterator[tuple[str, dict]]:
+        for key, record in self._decoded("deadletters", _X):
+            yield key[len(_X):].decode(), record
+
+    def replies(self) -> Iterator[tuple[str, list]]:
+        for key, record in self._decoded("replies", _Y):
+            yield key[len(_Y):].decode(), record
+
+    def journal_records(self, limit: int, max_bytes: int, after: int | None = None) -> list[tuple[int, bytes]]:
+        """The oldest journal records (seq, packed events), after seq ``after`` if given: at
+        most ``limit`` of them and about ``max_bytes`` (at least one). Read without filling
+        the block cache: each is read once, and caching them would grow the heap for nothing."""
+        out = []
+        size = 0
+        start = _J if after is None else _J + (after + 1).to_bytes(8, "big")
+        with self._op():
+            with self._db.iterator(start=start, stop=_end(_J), fill_cache=False) as it:
+                for key, value in it:
+                    out.append((int.from_bytes(key[2:], "big"), value))
+                    size += len(value)
+                    if len(out) >= limit or size >= max_bytes:
+                        break
+        return out
+
+    def last_journal_seq(self) -> int:
+        with self._op():
+            with self._db.iterator(prefix=_J, reverse=True, include_value=False) as it:
+                key = next(it, None)
+        return 0 if key is None else int.from_bytes(key[2:], "big")
+
+    def scan_raw(self, *, verify: bool = False) -> Iterator[tuple[bytes, bytes]]:
+        """Every key and value, undecoded. With ``verify``, LevelDB checks every block's
+        checksum as it reads (damaged files raise StoreError instead of yielding junk)."""
+        if verify:
+            yield from self._iter(b"", verify_checksums=True, fill_cache=False)
+        else:
+            yield from self._iter(b"")
+
+    def compact(self) -> None:
+        with self._op():
+            self._db.compact_range()
+
+    def size_on_disk(self) -> int:
+        """Bytes in the store's files. LevelDB's background compaction deletes files while
+        this runs (a CI run met one vanishing between the listing and its stat): those
+        count as gone."""
+        total = 0
+        for p in self.path.iterdir():
+            try:
+                if p.is_file():
+                    total += p.stat().st_size
+            except FileNotFoundError:
+                continue
+        return total
