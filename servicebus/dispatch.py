@@ -1,26 +1,18 @@
-"""Runs handlers on worker threads owned by the bus: retries, dead letters, parking.
+"""Hands received messages to worker threads owned by the bus: a bounded work queue,
+parking, refills from the store, and the workers themselves.
 
 The engine hands over incoming messages only after they are fsynced (and acked). From then
-on this module owns their ``n/`` and ``r/`` records:
-
-- Before a handler runs, the attempt count is written (unsynced; it survives SIGKILL), so a
-  message that crashes the process is eventually dead-lettered instead of looping forever.
-- The moment every handler for a message has returned, the message moves from incoming to
-  handled in one write from the worker thread itself (DESIGN.md section 9: deferring that
-  to the engine turns crashes into duplicate handling).
-- A handler that raises is retried with backoff; after ``max_attempts`` the message moves
-  to the dead letters with the exception type and text, atomically.
-- Messages without a handler yet stay in the store ("parked") and are dispatched when one
-  registers. At most ``dispatch_queue`` messages are held in memory; the rest wait in the
-  store and are read back as the queue empties.
+on the dispatcher owns their ``n/`` and ``r/`` records; ``runner.py`` runs one message
+(handlers, retries, dead letters, replies) and ``handlers.py`` holds who handles what.
+Messages without a handler yet stay in the store ("parked") and are dispatched when one
+registers. At most ``dispatch_queue`` messages are held in memory; the rest wait in the
+store and are read back as the queue empties.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
-from collections import OrderedDict
 import logging
 import threading
 import time
@@ -29,48 +21,20 @@ from typing import Any
 
 from .clock import BusClock, wall_ms
 from .config import BusConfig
-from .core.state import Incoming, incoming_record
-from .delivery import backoff
+from .core.state import Incoming
 from .errors import CorruptRecordError, StoreError
+from .handlers import Handler, Handlers
 from .journal import Journal
-from .letters import incoming_letter
-from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
-from .records import Message
+from .protocol import Kind
 from .requests import PendingRequests
+from .runner import Runner
 from .store import Store
 
-__all__ = ["Dispatcher", "Incoming", "incoming_record"]
+__all__ = ["Dispatcher", "RUN"]
 
 log = logging.getLogger("servicebus")
 
-Handler = Callable[[Any, Message], Any]
 RUN = 16  # ready messages a worker takes at once, at most
-# Finishing writes kept to redo after a reopen (see _record). Only those that returned
-# between a failed write and its failure being recorded can be dropped: a few per worker.
-# Dead letters and replies keep their payload, so this also bounds that memory.
-RECENT = 64
-UNNAMED = "<handler>"  # the one handler of a topic, whose name never needs storing
-STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
-
-# Incoming record layout in the store (a list, for compactness):
-def _event(name: str, item: "Incoming", attempts: int, error: str | None = None) -> tuple:
-    record = item.record
-    return (name, wall_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],
-            attempts, error)
-
-
-def handler_name(handler: Handler) -> str | None:
-    """A name for ``handler`` that is the same after a restart: module and qualified
-    name. None when there is none (a ``functools.partial``, whose repr holds a memory
-    address); a lambda's or a bound method's is stable but may be shared, which
-    ``register`` refuses when it matters."""
-    if isinstance(handler, functools.partial):
-        return None
-    qualname = getattr(handler, "__qualname__", None)
-    if qualname is None:  # a callable object: its class's __call__
-        qualname = getattr(type(handler), "__qualname__", None)
-    module = getattr(handler, "__module__", None) or getattr(type(handler), "__module__", "?")
-    return None if qualname is None else f"{module}.{qualname}"
 
 
 class Dispatcher:
@@ -78,20 +42,18 @@ class Dispatcher:
                  requests: PendingRequests, on_reply: Callable[[str, list], None],
                  journal: Journal, clock: BusClock) -> None:
         self._store = store
-        self._clock = clock  # handled ids are stamped with it: the dedupe window counts it
         self._config = config
         self._on_idle = on_idle
-        self._requests = requests
-        self._on_reply = on_reply  # hands a stored reply to the engine for sending
-        self._journal = journal
-        self._handlers: dict[tuple[int, str], list[tuple[str, Handler]]] = {}
+        self._handlers = Handlers()
+        self._runner = Runner(store, config, self._handlers, requests=requests,
+                              on_reply=on_reply, journal=journal, clock=clock,
+                              park=self._park, closing=lambda: self._closing)
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Incoming]] = []
         self._seq = itertools.count()
         self._known: set[str] = set()  # queued, running or waiting for a retry
         self._reserved: set[str] = set()  # being stored by the engine (see reserve)
         self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
-        self._recent: OrderedDict[str, Callable[[Any], None]] = OrderedDict()  # see _record
         self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
         self._overflow_gen = 0
@@ -99,7 +61,6 @@ class Dispatcher:
         self._refill_pending = False  # a refill was asked for while one ran
         self._closing = False
         self._threads: list[threading.Thread] = []
-        self._tls = threading.local()
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -148,84 +109,24 @@ class Dispatcher:
         return not (self._known or self._parked or self._overflow or self._refilling
                     or self._refill_pending)
 
-    def _scratch(self) -> Any:
-        """This thread's write batch, emptied: one per message was measurable."""
-        batch = getattr(self._tls, "batch", None)
-        if batch is None or batch.generation != self._store.generation:  # reopened since
-            batch = self._tls.batch = self._store.batch()
-        else:
-            batch.clear()
-        return batch
-
-    def _record(self, build: Callable[[Any], None], finished: str | None = None,
-                nxt: Incoming | None = None) -> bool:
-        """Write what a handler's run did (done, failed, dead-lettered): ``build(batch)``
-        fills a batch, whose write is tried until it succeeds. It happened: if the write
-        fails (a full disk, the store being reopened), the handler must not run again while
-        the process lives, so the message stays in memory meanwhile. The batch is built
-        again each time (one made before a reopen belongs to the closed handle). Only
-        closing the bus gives up (the message then runs again after the next start, as
-        after a crash). With ``nxt``, the same write marks that message's run as started;
-        returns whether it did.
-
-        ``finished``: the id of a message this write takes out of the incoming store. Such
-        writes are not fsynced, and one that LevelDB appended just after a write that
-        failed (a full disk) is dropped when the store is reopened: the message is then
-        found stored again. The last few such writes are kept, so that the scan after a
-        reopen writes them again instead of running their handlers a second time."""
-        delay = 0.05
-        while True:
-            try:
-                batch = self._scratch()
-                build(batch)
-                marked = self._with_marker(batch, nxt)
-                self._store.write(batch, sync=False)
-                break
-            except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
-                if self._closing or self._store.closed:
-                    raise StoreError(f"closing before a handler's run was recorded: {exc}") from exc
-                self._store.wait_writable(delay)
-                delay = min(delay * 2, 1.0)
-        if finished is not None:
-            with self._cv:
-                recent = self._recent
-                recent[finished] = build
-                if len(recent) > RECENT:
-                    recent.popitem(last=False)
-        return marked
-
     # --- handlers ----------------------------------------------------------------------
 
     def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None) -> None:
-        """Add ``handler``. With several handlers on one topic, the names of the ones that
-        finished are stored with the message so that a restart reruns only the others:
-        they must be stable across restarts and distinct, so a second handler on a topic
-        needs every handler there to have one (``name=``, or a function's qualified
-        name); ``ValueError`` otherwise."""
-        if name is None:
-            name = handler_name(handler)
-        elif not isinstance(name, str) or not name.strip():
-            raise ValueError(f"handler name must be a non-empty str, not {name!r}")
-        key = (int(kind), topic)
+        """Add ``handler`` (see ``Handlers.add``) and queue its parked messages."""
         with self._cv:
-            existing = self._handlers.get(key, [])
-            if kind is Kind.COMMAND and existing:
-                # A command has one owner: its handler's return value is the reply.
-                raise ValueError(f"command {topic!r} already has a handler ({existing[0][0]})")
-            if existing:
-                names = [None if n == UNNAMED else n for n, _ in existing] + [name]
-                if None in names or len(set(names)) != len(names):
-                    shown = ", ".join(n or "<no stable name>" for n in names)
-                    raise ValueError(
-                        f"several handlers on {topic!r} need stable, distinct names ({shown}): "
-                        "pass every(topic, handler, name=...)")
-            self._handlers[key] = existing + [(name or UNNAMED, handler)]
+            key = self._handlers.add(kind, topic, handler, name)
             was_parked = key in self._parked
             self._parked.discard(key)
             if was_parked:
                 self._refill_pending = True  # not idle until its messages are read
         if was_parked:
             self._refill(only=key)
+
+    def _park(self, key: tuple[int, str], expires: int | None) -> None:
+        with self._cv:
+            self._parked.add(key)
+            if expires is not None:
+                self._wake_parked_at(expires)
 
     # --- intake ------------------------------------------------------------------------
 
@@ -344,7 +245,7 @@ class Dispatcher:
             for message_id, redo in redos:  # finished here, but the write was dropped
                 log.warning("message %s: its finishing write was lost with a failed write; "
                             "writing it again (its handler does not run again)", message_id)
-                self._record(redo, message_id)
+                self._runner.record(redo, message_id)
 
     def _scan_stored(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                      now_ms: int, now: float, redos: list) -> bool:
@@ -374,7 +275,7 @@ class Dispatcher:
                 # gone from the store (finishing deletes it before leaving _known).
                 if not self._store.has_incoming(message_id):
                     continue
-                redo = self._recent.get(message_id)
+                redo = self._runner.redo_for(message_id)
                 if redo is not None:
                     redos.append((message_id, redo))
                     continue
@@ -439,7 +340,7 @@ class Dispatcher:
                 nxt = run[i + 1] if i + 1 < len(run) else None
                 retry_at: float | None = None
                 try:
-                    retry_at, marked = self._run(item, marked, nxt)
+                    retry_at, marked = self._runner.run(item, marked, nxt)
                 except StoreError as exc:
                     marked = False
                     if not self._closing:
@@ -474,190 +375,3 @@ class Dispatcher:
             idle = self.idle
         if idle:
             self._on_idle()
-
-    def _marker(self, item: Incoming | None) -> list | None:
-        """The run state that says "this message's handlers have started" (attempt + 1), or
-        None if the message will not run a handler (reply, no handler yet, expired)."""
-        if item is None:
-            return None
-        record = item.record
-        kind = record[0]
-        if kind == Kind.REPLY or (kind, record[1]) not in self._handlers:
-            return None
-        if record[6] is not None and wall_ms() > record[6]:
-            return None
-        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
-        if attempts >= self._config.max_attempts:
-            return None  # it will not run again: _run dead-letters it
-        return [attempts + 1, list(done), last_error, 0]
-
-    def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
-        """Put the next message's start marker in ``batch``: the write that finishes one
-        message also records that the next one started, saving a write per message."""
-        marker = self._marker(nxt)
-        if marker is None or nxt is None:
-            return False
-        batch.put_runstate(nxt.id, marker)
-        return True
-
-    def _run(self, item: Incoming, marked: bool = False,
-             nxt: Incoming | None = None) -> tuple[float | None, bool]:
-        """Run the handlers for one message. Returns (when to retry or None if finished,
-        whether ``nxt``'s start marker was written)."""
-        record = item.record
-        kind, topic = record[0], record[1]
-        if kind == Kind.REPLY:
-            self._run_reply(item)
-            return None, False
-        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
-        done = list(done)
-        store, config = self._store, self._config
-        expires = record[6]
-        now_ms = wall_ms()
-        if expires is not None and now_ms > expires:
-            self._deadletter(item, "expired", last_error, attempts)
-            return None, False
-        handlers = self._handlers.get((kind, topic))
-        if not handlers:
-            # Kept in the store until a handler registers or its TTL passes, if it has one.
-            with self._cv:
-                self._parked.add((kind, topic))
-                if expires is not None:
-                    self._wake_parked_at(expires)
-            return None, False
-
-        attempts += 1
-        if attempts > config.max_attempts:
-            # Every run so far started and none ended, not even by raising: the handler
-            # ends the process (os._exit, a segfault, the OOM killer). Checked before it
-            # runs, or the service would crash-loop on this message forever.
-            self._deadletter(item, "handler_crashed", last_error or (
-                f"the process ended during each of its {attempts - 1} run(s) of the handler"),
-                attempts - 1)
-            return None, False
-        if not marked:
-            try:
-                batch = self._scratch()
-                batch.put_runstate(item.id, [attempts, done, last_error, 0])
-                store.write(batch, sync=False)  # a crash from here on counts as an attempt
-            except (StoreError, RuntimeError):  # RuntimeError: plyvel's closed handle
-                if self._closing:
-                    raise
-                # Not written, so not run: the store cannot be written (a full disk). Try
-                # again later; no attempt is used up.
-                return time.monotonic() + STORE_RETRY, False
-
-        message = Message(item.id, topic, record[2], record[3], record[4], attempts, record[8],
-                          KIND_NAMES.get(kind, "event"), record[7], expires)
-        try:
-            payload = decode_payload(record[9])
-        except Exception as exc:  # validated on receipt; only a corrupted store gets here
-            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
-            return None, False
-
-        if kind == Kind.COMMAND and record[7] is not None:
-            return None, self._run_request(item, handlers[0][1], payload, message, nxt)
-
-        error: str | None = None
-        for name, handler in handlers:
-            if name in done:
-                continue
-            try:
-                handler(payload, message)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
-                            item.id, attempts, config.max_attempts, error)
-                continue
-            done.append(name)
-            if len(handlers) > 1 and len(done) < len(handlers):
-                # Remember which handlers finished, so a crash reruns only the others.
-                self._record(lambda b: b.put_runstate(item.id, [attempts, done, last_error, 0]))
-
-        if error is None:
-            premarked = self._record(self._completion(item.id, _event("handled", item, attempts)),
-                                     item.id, nxt)
-            return None, premarked
-        failed = _event("handler_failed", item, attempts, error)
-        if attempts >= config.max_attempts:
-            self._deadletter(item, "handler_failed", error, attempts, [failed])
-            return None, False
-        delay = backoff(attempts, config.retry_initial, config.retry_max)
-
-        def retried(batch: Any) -> None:
-            batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
-            self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
-
-        return time.monotonic() + delay, self._record(retried, None, nxt)
-
-    def _completion(self, mid: str, event: tuple) -> Callable[[Any], None]:
-        """The write that finishes a handled message. Holds the id and its journal event
-        only, not the message (``_record`` keeps the last few of these)."""
-        def completed(batch: Any) -> None:
-            batch.complete_incoming(mid, self._clock.now())
-            self._journal.record(batch, [event])
-        return completed
-
-    def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
-                     nxt: Incoming | None = None) -> bool:
-        """A request: the handler's return value, or its exception, is the reply. It is not
-        retried here: the caller is waiting, and decides whether to ask again."""
-        events = []
-        try:
-            reply: dict = {"ok": True, "value": handler(payload, message)}
-        except Exception as exc:
-            log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
-            reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-            events.append(_event("handler_failed", item, message.attempt, f"{type(exc).__name__}: {exc}"))
-        try:
-            body = encode_payload(reply)
-        except TypeError as exc:
-            body = encode_payload({"ok": False, "type": "TypeError", "message": str(exc)})
-        if len(body) > self._config.max_payload:
-            body = encode_payload({"ok": False, "type": "ValueError",
-                                   "message": f"reply of {len(body)} bytes exceeds max_payload"})
-        reply_record = [message.reply_to, message.topic, message.correlation_id, body]
-        events.append(_event("handled", item, message.attempt))
-
-        def replied(batch: Any) -> None:
-            batch.complete_with_reply(item.id, self._clock.now(), reply_record)
-            self._journal.record(batch, events)
-
-        premarked = self._record(replied, item.id, nxt)
-        self._on_reply(item.id, reply_record)
-        return premarked
-
-    def _run_reply(self, item: Incoming) -> None:
-        record = item.record
-        corr = record[7]
-        try:
-            reply = decode_payload(record[9])
-            if not isinstance(reply, dict):
-                raise ValueError("a reply must be a map")
-        except Exception as exc:
-            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", 0)
-            return None
-        if not self._requests.resolve(corr, reply):
-            if not self._requests.is_ours(corr):
-                # For an earlier run of this service: nobody can take it. It stays stored
-                # (and visible to operators); it does not count as pending work.
-                log.warning("reply %s to request %s of an earlier run of this bus: kept in "
-                            "the incoming store", item.id, corr)
-                return None
-            log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
-        self._record(self._completion(item.id, _event("handled", item, 1)), item.id)
-        return None
-
-    def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
-                    events: list | None = None) -> None:
-        record = item.record
-        name = "expired" if reason == "expired" else "deadlettered"
-        letter = incoming_letter(reason, error, attempts, record)
-
-        def deadlettered(batch: Any) -> None:
-            self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
-            batch.deadletter_incoming(item.id, letter)
-
-        self._record(deadlettered, item.id)
-        log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
-                  error or reason)

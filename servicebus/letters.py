@@ -20,7 +20,7 @@ __all__ = ["incoming_letter", "outgoing_letter", "damaged_letter"]
 
 
 def incoming_letter(reason: str, error: str | None, attempts: int, record: list) -> dict[str, Any]:
-    """A received message (``dispatch.incoming_record`` layout) that will not be handled."""
+    """A received message (``core.state.incoming_record`` layout) that will not be handled."""
     return {"origin": "incoming", "reason": reason, "error": error, "attempts": attempts,
             "at": wall_ms(), "kind": KIND_NAMES.get(record[0], "event"), "topic": record[1],
             "record": record}

@@ -1,0 +1,306 @@
+"""Running one received message: its handlers, retries, dead letter, reply, and the
+writes that record each outcome.
+
+- Before a handler runs, the attempt count is written (unsynced; it survives SIGKILL), so a
+  message that crashes the process is eventually dead-lettered instead of looping forever.
+  The write that finishes one message also marks the next one of a worker's run started.
+- The moment every handler for a message has returned, the message moves from incoming to
+  handled in one write from the worker thread itself (DESIGN.md section 9: deferring that
+  to the engine turns crashes into duplicate handling).
+- A handler that raises is retried with backoff; after ``max_attempts`` the message moves
+  to the dead letters with the exception type and text, atomically.
+- A request's handler is run once; its return value or exception is the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .clock import BusClock, wall_ms
+from .config import BusConfig
+from .core.state import Incoming
+from .delivery import backoff
+from .errors import StoreError
+from .handlers import Handler, Handlers
+from .journal import Journal
+from .letters import incoming_letter
+from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
+from .records import Message
+from .requests import PendingRequests
+from .store import Store
+
+__all__ = ["Runner", "RECENT", "STORE_RETRY"]
+
+log = logging.getLogger("servicebus")
+
+# Finishing writes kept to redo after a reopen (see Runner.record). Only those that returned
+# between a failed write and its failure being recorded can be dropped: a few per worker.
+# Dead letters and replies keep their payload, so this also bounds that memory.
+RECENT = 64
+STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
+
+
+def _event(name: str, item: "Incoming", attempts: int, error: str | None = None) -> tuple:
+    record = item.record
+    return (name, wall_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],
+            attempts, error)
+
+
+class Runner:
+    def __init__(self, store: Store, config: BusConfig, handlers: Handlers, *,
+                 requests: PendingRequests, on_reply: Callable[[str, list], None],
+                 journal: Journal, clock: BusClock,
+                 park: Callable[[tuple[int, str], int | None], None],
+                 closing: Callable[[], bool]) -> None:
+        self._store = store
+        self._config = config
+        self._handlers = handlers
+        self._requests = requests
+        self._on_reply = on_reply  # hands a stored reply to the engine for sending
+        self._journal = journal
+        self._clock = clock  # handled ids are stamped with it: the dedupe window counts it
+        self._park = park  # no handler yet: the message waits in the store (dispatch.py)
+        self._closing = closing
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[str, Callable[[Any], None]] = OrderedDict()  # see record
+        self._tls = threading.local()
+
+    def redo_for(self, message_id: str) -> Callable[[Any], None] | None:
+        """The finishing write of ``message_id`` if it was among the last RECENT made."""
+        with self._lock:
+            return self._recent.get(message_id)
+
+    def _scratch(self) -> Any:
+        """This thread's write batch, emptied: one per message was measurable."""
+        batch = getattr(self._tls, "batch", None)
+        if batch is None or batch.generation != self._store.generation:  # reopened since
+            batch = self._tls.batch = self._store.batch()
+        else:
+            batch.clear()
+        return batch
+
+    def record(self, build: Callable[[Any], None], finished: str | None = None,
+                nxt: Incoming | None = None) -> bool:
+        """Write what a handler's run did (done, failed, dead-lettered): ``build(batch)``
+        fills a batch, whose write is tried until it succeeds. It happened: if the write
+        fails (a full disk, the store being reopened), the handler must not run again while
+        the process lives, so the message stays in memory meanwhile. The batch is built
+        again each time (one made before a reopen belongs to the closed handle). Only
+        closing the bus gives up (the message then runs again after the next start, as
+        after a crash). With ``nxt``, the same write marks that message's run as started;
+        returns whether it did.
+
+        ``finished``: the id of a message this write takes out of the incoming store. Such
+        writes are not fsynced, and one that LevelDB appended just after a write that
+        failed (a full disk) is dropped when the store is reopened: the message is then
+        found stored again. The last few such writes are kept, so that the scan after a
+        reopen writes them again instead of running their handlers a second time."""
+        delay = 0.05
+        while True:
+            try:
+                batch = self._scratch()
+                build(batch)
+                marked = self._with_marker(batch, nxt)
+                self._store.write(batch, sync=False)
+                break
+            except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
+                if self._closing() or self._store.closed:
+                    raise StoreError(f"closing before a handler's run was recorded: {exc}") from exc
+                self._store.wait_writable(delay)
+                delay = min(delay * 2, 1.0)
+        if finished is not None:
+            with self._lock:
+                recent = self._recent
+                recent[finished] = build
+                if len(recent) > RECENT:
+                    recent.popitem(last=False)
+        return marked
+
+    def _marker(self, item: Incoming | None) -> list | None:
+        """The run state that says "this message's handlers have started" (attempt + 1), or
+        None if the message will not run a handler (reply, no handler yet, expired)."""
+        if item is None:
+            return None
+        record = item.record
+        kind = record[0]
+        if kind == Kind.REPLY or (kind, record[1]) not in self._handlers:
+            return None
+        if record[6] is not None and wall_ms() > record[6]:
+            return None
+        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        if attempts >= self._config.max_attempts:
+            return None  # it will not run again: _run dead-letters it
+        return [attempts + 1, list(done), last_error, 0]
+
+    def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
+        """Put the next message's start marker in ``batch``: the write that finishes one
+        message also records that the next one started, saving a write per message."""
+        marker = self._marker(nxt)
+        if marker is None or nxt is None:
+            return False
+        batch.put_runstate(nxt.id, marker)
+        return True
+
+    def run(self, item: Incoming, marked: bool = False,
+             nxt: Incoming | None = None) -> tuple[float | None, bool]:
+        """Run the handlers for one message. Returns (when to retry or None if finished,
+        whether ``nxt``'s start marker was written)."""
+        record = item.record
+        kind, topic = record[0], record[1]
+        if kind == Kind.REPLY:
+            self._run_reply(item)
+            return None, False
+        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        done = list(done)
+        store, config = self._store, self._config
+        expires = record[6]
+        now_ms = wall_ms()
+        if expires is not None and now_ms > expires:
+            self._deadletter(item, "expired", last_error, attempts)
+            return None, False
+        handlers = self._handlers.get((kind, topic))
+        if not handlers:
+            # Kept in the store until a handler registers or its TTL passes, if it has one.
+            self._park((kind, topic), expires)
+            return None, False
+
+        attempts += 1
+        if attempts > config.max_attempts:
+            # Every run so far started and none ended, not even by raising: the handler
+            # ends the process (os._exit, a segfault, the OOM killer). Checked before it
+            # runs, or the service would crash-loop on this message forever.
+            self._deadletter(item, "handler_crashed", last_error or (
+                f"the process ended during each of its {attempts - 1} run(s) of the handler"),
+                attempts - 1)
+            return None, False
+        if not marked:
+            try:
+                batch = self._scratch()
+                batch.put_runstate(item.id, [attempts, done, last_error, 0])
+                store.write(batch, sync=False)  # a crash from here on counts as an attempt
+            except (StoreError, RuntimeError):  # RuntimeError: plyvel's closed handle
+                if self._closing():
+                    raise
+                # Not written, so not run: the store cannot be written (a full disk). Try
+                # again later; no attempt is used up.
+                return time.monotonic() + STORE_RETRY, False
+
+        message = Message(item.id, topic, record[2], record[3], record[4], attempts, record[8],
+                          KIND_NAMES.get(kind, "event"), record[7], expires)
+        try:
+            payload = decode_payload(record[9])
+        except Exception as exc:  # validated on receipt; only a corrupted store gets here
+            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
+            return None, False
+
+        if kind == Kind.COMMAND and record[7] is not None:
+            return None, self._run_request(item, handlers[0][1], payload, message, nxt)
+
+        error: str | None = None
+        for name, handler in handlers:
+            if name in done:
+                continue
+            try:
+                handler(payload, message)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
+                            item.id, attempts, config.max_attempts, error)
+                continue
+            done.append(name)
+            if len(handlers) > 1 and len(done) < len(handlers):
+                # Remember which handlers finished, so a crash reruns only the others.
+                self.record(lambda b: b.put_runstate(item.id, [attempts, done, last_error, 0]))
+
+        if error is None:
+            premarked = self.record(self._completion(item.id, _event("handled", item, attempts)),
+                                     item.id, nxt)
+            return None, premarked
+        failed = _event("handler_failed", item, attempts, error)
+        if attempts >= config.max_attempts:
+            self._deadletter(item, "handler_failed", error, attempts, [failed])
+            return None, False
+        delay = backoff(attempts, config.retry_initial, config.retry_max)
+
+        def retried(batch: Any) -> None:
+            batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
+            self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
+
+        return time.monotonic() + delay, self.record(retried, None, nxt)
+
+    def _completion(self, mid: str, event: tuple) -> Callable[[Any], None]:
+        """The write that finishes a handled message. Holds the id and its journal event
+        only, not the message (``_record`` keeps the last few of these)."""
+        def completed(batch: Any) -> None:
+            batch.complete_incoming(mid, self._clock.now())
+            self._journal.record(batch, [event])
+        return completed
+
+    def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
+                     nxt: Incoming | None = None) -> bool:
+        """A request: the handler's return value, or its exception, is the reply. It is not
+        retried here: the caller is waiting, and decides whether to ask again."""
+        events = []
+        try:
+            reply: dict = {"ok": True, "value": handler(payload, message)}
+        except Exception as exc:
+            log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
+            reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            events.append(_event("handler_failed", item, message.attempt, f"{type(exc).__name__}: {exc}"))
+        try:
+            body = encode_payload(reply)
+        except TypeError as exc:
+            body = encode_payload({"ok": False, "type": "TypeError", "message": str(exc)})
+        if len(body) > self._config.max_payload:
+            body = encode_payload({"ok": False, "type": "ValueError",
+                                   "message": f"reply of {len(body)} bytes exceeds max_payload"})
+        reply_record = [message.reply_to, message.topic, message.correlation_id, body]
+        events.append(_event("handled", item, message.attempt))
+
+        def replied(batch: Any) -> None:
+            batch.complete_with_reply(item.id, self._clock.now(), reply_record)
+            self._journal.record(batch, events)
+
+        premarked = self.record(replied, item.id, nxt)
+        self._on_reply(item.id, reply_record)
+        return premarked
+
+    def _run_reply(self, item: Incoming) -> None:
+        record = item.record
+        corr = record[7]
+        try:
+            reply = decode_payload(record[9])
+            if not isinstance(reply, dict):
+                raise ValueError("a reply must be a map")
+        except Exception as exc:
+            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", 0)
+            return None
+        if not self._requests.resolve(corr, reply):
+            if not self._requests.is_ours(corr):
+                # For an earlier run of this service: nobody can take it. It stays stored
+                # (and visible to operators); it does not count as pending work.
+                log.warning("reply %s to request %s of an earlier run of this bus: kept in "
+                            "the incoming store", item.id, corr)
+                return None
+            log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
+        self.record(self._completion(item.id, _event("handled", item, 1)), item.id)
+        return None
+
+    def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
+                    events: list | None = None) -> None:
+        record = item.record
+        name = "expired" if reason == "expired" else "deadlettered"
+        letter = incoming_letter(reason, error, attempts, record)
+
+        def deadlettered(batch: Any) -> None:
+            self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
+            batch.deadletter_incoming(item.id, letter)
+
+        self.record(deadlettered, item.id)
+        log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
+                  error or reason)
