@@ -28,16 +28,16 @@ from .errors import AdminUnavailable
 from .ids import id_millis
 from .lockfile import probe
 from .protocol import KIND_NAMES
+from .errors import StoreError
+from .records import BusStatus
 from .store import Store
 
 __all__ = [
     "ConsumerView", "consumers", "VIEWS", "run_view", "jsonable", "payload_of",
-    "ENDPOINT_FILE", "query_live", "AdminUnavailable",
+    "ENDPOINT_FILE", "query_live", "AdminUnavailable", "live_status",
 ]
 
 ENDPOINT_FILE = "admin.endpoint"
-
-
 
 
 def jsonable(value: Any) -> Any:
@@ -382,3 +382,42 @@ def query_live(datadir: Path, view: str, args: dict, timeout: float = 30.0) -> l
     if not reply.get("ok"):
         raise AdminUnavailable(f"the live bus refused: {reply.get('error')}")
     return reply["rows"]
+
+
+def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir: str,
+                running: bool, lock: dict) -> BusStatus:
+    """``Bus.status()``: the engine's snapshot (``snap``) and counts read from the store.
+    A count the store cannot give right now is -1; ``store_error`` says why."""
+    def count(keyspace: str) -> int:
+        try:
+            return store.count(keyspace)
+        except StoreError:
+            return -1
+
+    pending_by: dict[str, int] = {}
+    for peer, stream, floor, acked in snap["consumers"]:
+        try:
+            n = max(0, store.count_stream(stream, after=floor) - acked)
+        except StoreError:
+            n = -1
+        pending_by[peer] = n if n < 0 else pending_by.get(peer, 0) + n
+    return BusStatus(
+        node_id=node_id,
+        address=address,
+        datadir=datadir,
+        running=running,
+        subscriptions=count("subscriptions"),
+        intents=count("intents"),
+        intents_unconfirmed=snap["intents_unconfirmed"],
+        outgoing=count("outgoing"),
+        pending=-1 if any(n < 0 for n in pending_by.values()) else sum(pending_by.values()),
+        pending_by_subscriber=pending_by,
+        incoming=count("incoming"),
+        deadletters=count("deadletters"),
+        handled=count("handled"),
+        malformed=sum(snap["malformed"].values()),
+        malformed_by_reason=snap["malformed"],
+        peers=snap["peers"],
+        lock=lock,
+        store_error=snap["store_error"],
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from contextlib import ExitStack
@@ -27,10 +26,10 @@ from .clock import wall_ms
 from .config import BusConfig
 from .dispatch import Dispatcher
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
-from .admin import ENDPOINT_FILE
+from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
 from .lockfile import DataDirLock
-from .protocol import Kind, encode_payload, validate_address
+from .protocol import Kind, encode_payload, validate_address, validate_bind
 from .records import BusStatus, DeadLetter, Message
 from .requests import PendingRequests
 from .store import Store
@@ -42,26 +41,6 @@ log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 
-_BIND_TCP = re.compile(r"^tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\*|[0-9]{1,5})$")
-_WILDCARD_HOSTS = {"*", "0.0.0.0", "[::]"}
-
-
-def _check_bind(bind: object, advertise: str | None) -> None:
-    if not isinstance(bind, str):
-        raise TypeError(f"bind must be a str, not {type(bind).__name__}")
-    if bind.startswith("ipc://"):
-        validate_address(bind, what="bind")
-        return
-    match = _BIND_TCP.match(bind)
-    if not match:
-        raise ValueError(f"bind {bind!r} is not of the form tcp://host:port or ipc://path")
-    if match.group("host") in _WILDCARD_HOSTS and advertise is None:
-        raise ValueError(f"bind {bind!r} listens on every interface; pass advertise= with the "
-                         "address other buses should use to reach this one")
-    if advertise is not None:
-        validate_address(advertise, what="advertise")
-
-
 class Bus:
     """An embedded, durable service bus. See the README for the guarantees.
 
@@ -72,7 +51,7 @@ class Bus:
 
     def __init__(self, bind: str, datadir: str | os.PathLike, **options: Any) -> None:
         self.config = config = BusConfig(**options)
-        _check_bind(bind, config.advertise)
+        validate_bind(bind, config.advertise)
         self.datadir = Path(datadir)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -410,41 +389,9 @@ class Bus:
         """A frozen snapshot of counts per store, peers and the lock owner, and
         ``store_error`` when the store cannot be written."""
         snap = self._call(lambda f: E.Snapshot(f))
-        store = self._store
-
-        def count(keyspace: str) -> int:
-            try:
-                return store.count(keyspace)
-            except StoreError:
-                return -1  # the store cannot be read right now; store_error says why
-
-        pending_by: dict[str, int] = {}
-        for peer, stream, floor, acked in snap["consumers"]:
-            try:
-                n = max(0, store.count_stream(stream, after=floor) - acked)
-            except StoreError:
-                n = -1
-            pending_by[peer] = n if n < 0 else pending_by.get(peer, 0) + n
-        return BusStatus(
-            node_id=self.node_id,
-            address=self.address,
-            datadir=str(self.datadir),
-            running=not self._closed,
-            subscriptions=count("subscriptions"),
-            intents=count("intents"),
-            intents_unconfirmed=snap["intents_unconfirmed"],
-            outgoing=count("outgoing"),
-            pending=-1 if any(n < 0 for n in pending_by.values()) else sum(pending_by.values()),
-            pending_by_subscriber=pending_by,
-            incoming=count("incoming"),
-            deadletters=count("deadletters"),
-            handled=count("handled"),
-            malformed=sum(snap["malformed"].values()),
-            malformed_by_reason=snap["malformed"],
-            peers=snap["peers"],
-            lock=dict(self._lock.owner.__dict__) if self._lock else {},
-            store_error=snap["store_error"],
-        )
+        return live_status(self._store, snap, node_id=self.node_id, address=self.address,
+                           datadir=str(self.datadir), running=not self._closed,
+                           lock=dict(self._lock.owner.__dict__) if self._lock else {})
 
     def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
         """The dead letters in the store, oldest id first (at most ``limit``): what an

@@ -37,6 +37,7 @@ __all__ = [
     "Ping",
     "Pong",
     "Frame",
+    "validate_bind",
     "MESSAGE_KINDS",
     "KIND_NAMES",
     "encode_batch",
@@ -199,6 +200,28 @@ def validate_address(address: object, *, what: str = "address") -> str:
                              f"{MAX_IPC_PATH_BYTES} bytes (the OS limit for socket paths), not {size}")
         return address
     raise ValueError(f"{what} {address!r} is not of the form tcp://host:port or ipc://path")
+
+
+_BIND_TCP = re.compile(r"^tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\*|[0-9]{1,5})$")
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "[::]"}
+
+
+def validate_bind(bind: object, advertise: str | None) -> None:
+    """Check a bus's ``bind`` (``tcp://host:port``, ``*`` and port 0 allowed, or
+    ``ipc://path``) and its ``advertise`` address; ``TypeError``/``ValueError`` if bad."""
+    if not isinstance(bind, str):
+        raise TypeError(f"bind must be a str, not {type(bind).__name__}")
+    if bind.startswith("ipc://"):
+        validate_address(bind, what="bind")
+        return
+    match = _BIND_TCP.match(bind)
+    if not match:
+        raise ValueError(f"bind {bind!r} is not of the form tcp://host:port or ipc://path")
+    if match.group("host") in _WILDCARD_HOSTS and advertise is None:
+        raise ValueError(f"bind {bind!r} listens on every interface; pass advertise= with the "
+                         "address other buses should use to reach this one")
+    if advertise is not None:
+        validate_address(advertise, what="advertise")
 
 
 # --- encoding ------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""How the command line prints: tables or JSON lines, ages, times, progress bars."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = ["out", "err", "progress", "age", "when", "short", "emit"]
+
+# soft_wrap: a message is one line however long its path, also when stdout is not a
+# terminal (rich would wrap at 80 columns); tables still fit the width.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def progress(label: str, total: int | None) -> Iterator[Any]:
+    """A progress bar on a terminal; nothing when piped."""
+    progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, disable=not err.is_terminal, transient=True)
+    with progress:
+        task = progress.add_task(label, total=total)
+        yield lambda n: progress.update(task, completed=n)
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def when(ts: float | None) -> str:
+    return "-" if not ts else datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def short(value: Any, full: bool, width: int = 30) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if full or len(text) <= width else text[: width - 1] + "…"
+
+
+def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title: str) -> None:
+    """Print rows as JSON lines or as a table; ``columns`` are (header, row -> str)."""
+    if as_json:
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False))
+        return
+    if not rows:
+        out.print(f"{title}: none")
+        return
+    table = Table(title=f"{title} ({len(rows)})", title_justify="left", expand=False)
+    for header, _ in columns:
+        if header == "id":  # whole, always: operators copy ids into `replay`
+            table.add_column(header, no_wrap=True, min_width=24)
+        elif header in ("topic", "reason", "age", "tries", "kind", "result"):
+            table.add_column(header, no_wrap=True, overflow="ellipsis", max_width=20)
+        else:
+            table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*(str(fn(row)) for _, fn in columns))
+    out.print(table)
