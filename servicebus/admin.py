@@ -30,6 +30,7 @@ from .lockfile import probe
 from .protocol import KIND_NAMES
 from .errors import StoreError
 from .records import BusStatus
+from .stored import NO_RUNS, IncomingRecord, RunState
 from .store import Store
 
 __all__ = [
@@ -102,10 +103,10 @@ def consumers(store: Store) -> list[ConsumerView]:
     for peer, stream, rec in store.deliveries():
         views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
                                              dict(rec.get("attempts") or {}), rec.get("last_ack"))
-    for sub, topic, rec in store.subscriptions():
+    for sub, topic, subscription in store.subscriptions():
         key = (sub, event_stream(topic))
         if key not in views:
-            views[key] = ConsumerView(sub, key[1], rec.get("since"))
+            views[key] = ConsumerView(sub, key[1], subscription["since"])
     return sorted(views.values(), key=lambda c: (c.peer, c.stream))
 
 
@@ -206,13 +207,14 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
     return rows
 
 
-def _incoming_row(mid: str, rec: list, runstate: list | None, now: int) -> dict:
-    attempts, _done, last_error, next_ms = (runstate or [0, [], None, 0])[:4]
+def _incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now: int) -> dict:
+    attempts, _done, last_error, next_ms = runstate or NO_RUNS
     return {
-        "id": mid, "kind": KIND_NAMES.get(rec[0], "?"), "topic": rec[1], "sender": rec[2],
-        "reply_to": rec[3], "age_s": _age(rec[4], now), "attempts": attempts,
-        "last_error": last_error, "next_attempt_ms": next_ms or None, "expires": rec[6],
-        "correlation_id": rec[7], "headers": jsonable(rec[8]), "payload": payload_of(rec[9]),
+        "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic, "sender": rec.sender,
+        "reply_to": rec.reply_to, "age_s": _age(rec.sent, now), "attempts": attempts,
+        "last_error": last_error, "next_attempt_ms": next_ms or None, "expires": rec.expires,
+        "correlation_id": rec.correlation_id, "headers": jsonable(rec.headers),
+        "payload": payload_of(rec.body),
     }
 
 
@@ -220,7 +222,7 @@ def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) ->
     now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
     rows = []
     for mid, rec in store.incoming():
-        if topic and rec[1] != topic:
+        if topic and rec.topic != topic:
             continue
         rows.append(_incoming_row(mid, rec, store.get_runstate(mid), now))
         if limit and len(rows) >= limit:
@@ -257,10 +259,10 @@ def export_rows(store: Store) -> Iterator[dict]:
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     node = store.get_meta("node")
     yield {"type": "meta", "node_id": node.decode() if node else None}
-    for sub, topic, rec in store.subscriptions():
-        yield {"type": "subscription", "subscriber": sub, "topic": topic, "record": jsonable(rec)}
-    for pub, topic, rec in store.intents():
-        yield {"type": "intent", "publisher": pub, "topic": topic, "record": jsonable(rec)}
+    for sub, topic, subscription in store.subscriptions():
+        yield {"type": "subscription", "subscriber": sub, "topic": topic, "record": jsonable(subscription)}
+    for pub, topic, intent in store.intents():
+        yield {"type": "intent", "publisher": pub, "topic": topic, "record": jsonable(intent)}
     for c in consumers(store):
         yield {"type": "delivery", "peer": c.peer, "stream": c.stream, "floor": c.floor,
                "acked": sorted(c.acked), "attempts": c.attempts, "last_ack": c.last_ack}
@@ -280,14 +282,15 @@ def export_rows(store: Store) -> Iterator[dict]:
     now = wall_ms()
     for mid, inc in store.incoming():
         row = _incoming_row(mid, inc, store.get_runstate(mid), now)
-        yield {"type": "incoming", **row, "sent": inc[4], "body": b64(inc[9])}
+        yield {"type": "incoming", **row, "sent": inc.sent, "body": b64(inc.body)}
     for mid, reply in store.replies():
-        yield {"type": "reply", "request_id": mid, "reply_to": reply[0], "command": reply[1],
-               "correlation_id": reply[2], "payload": payload_of(reply[3]), "body": b64(reply[3])}
-    for mid, rec in store.deadletters():
-        inner = rec.get("record") or []
+        yield {"type": "reply", "request_id": mid, "reply_to": reply.reply_to, "command": reply.command,
+               "correlation_id": reply.correlation_id, "payload": payload_of(reply.body),
+               "body": b64(reply.body)}
+    for mid, letter in store.deadletters():
+        inner = letter.get("record") or []
         body = inner[-1] if inner and isinstance(inner[-1], bytes) else b""
-        yield {"type": "deadletter", **_deadletter_row(mid, rec, now), "body": b64(body)}
+        yield {"type": "deadletter", **_deadletter_row(mid, letter, now), "body": b64(body)}
 
 
 def export(store: Store, out: Path, progress: Callable[[int], None] | None = None) -> int:

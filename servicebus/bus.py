@@ -30,6 +30,7 @@ from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address, validate_bind
+from .stored import ReplyRecord
 from .records import BusStatus, DeadLetter, Message
 from .requests import PendingRequests
 from .store import Store
@@ -163,7 +164,7 @@ class Bus:
         if self._engine is not None:
             self._engine.wake()
 
-    def _reply_ready(self, command_id: str, reply: list) -> None:
+    def _reply_ready(self, command_id: str, reply: ReplyRecord) -> None:
         # Called on a worker thread once a request's reply is stored. If the engine has
         # stopped, the stored reply is queued by the next start instead.
         engine = self._engine

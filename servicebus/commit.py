@@ -48,7 +48,7 @@ class GroupCommit:
         self._store = store
         self._on_commit = on_commit  # called with the results of one group, in order
         self._mutex = threading.Lock()
-        self._queue: list[_Entry] = []
+        self._queue: list[_Entry[Any]] = []
         self._leading = False
         self._last_group = 0
         self.fsyncs = 0  # synced writes made (each one fsync of the log)
@@ -114,7 +114,7 @@ class GroupCommit:
             raise error
         return entry.result
 
-    def _pass_lead(self) -> _Entry | None:
+    def _pass_lead(self) -> _Entry[Any] | None:
         """Under the mutex: the entry that leads next (queued during this write), marked so,
         or None and nobody leads."""
         if self._queue:
@@ -124,7 +124,7 @@ class GroupCommit:
         self._leading = False
         return None
 
-    def _withdraw(self, entry: _Entry, leading: bool) -> None:
+    def _withdraw(self, entry: _Entry[Any], leading: bool) -> None:
         """The caller of ``entry`` was interrupted (a KeyboardInterrupt) before its group
         was taken: its batch is not written, and if the lead was its own, or was being
         handed to it, the next caller gets it."""

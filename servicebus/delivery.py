@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 
 from .protocol import Envelope, Kind
+from .stored import DeliveryRecord
 
 __all__ = [
     "Consumer",
@@ -55,7 +56,7 @@ def stream_target(stream: str) -> str:
 
 def backoff(attempt: int, initial: float, cap: float, jitter: float = 0.2) -> float:
     """Delay before try number ``attempt + 1``: initial * 2**(attempt-1), capped, +/- jitter."""
-    base = min(cap, initial * (2 ** min(attempt - 1, 62)))
+    base: float = min(cap, initial * (2 ** min(attempt - 1, 62)))
     return base * random.uniform(1.0 - jitter, 1.0 + jitter)
 
 
@@ -65,14 +66,15 @@ class OutgoingRecord(NamedTuple):
     sent: int
     expires: int | None
     correlation_id: str | None
-    headers: dict | None
+    headers: dict[str, Any] | None
     body: bytes
 
 
 def pack_outgoing(kind: Kind, topic: str, sent: int, body: bytes, expires: int | None = None,
-                  correlation_id: str | None = None, headers: dict | None = None) -> bytes:
-    return msgpack.packb([int(kind), topic, sent, expires, correlation_id, headers, body],
-                         use_bin_type=True)
+                  correlation_id: str | None = None, headers: dict[str, Any] | None = None) -> bytes:
+    packed: bytes = msgpack.packb([int(kind), topic, sent, expires, correlation_id, headers, body],
+                                  use_bin_type=True)
+    return packed
 
 
 def unpack_outgoing(data: bytes) -> OutgoingRecord:
@@ -162,7 +164,7 @@ class Consumer:
 
     # --- durable form ------------------------------------------------------------------
 
-    def record(self) -> dict:
+    def record(self) -> DeliveryRecord:
         inflight = self.inflight
         return {
             "floor": self.floor,
@@ -172,7 +174,7 @@ class Consumer:
         }
 
     @classmethod
-    def from_record(cls, peer: str, stream: str, record: dict) -> "Consumer":
+    def from_record(cls, peer: str, stream: str, record: DeliveryRecord) -> "Consumer":
         consumer = cls(peer, stream, record.get("floor"), record.get("acked"), record.get("attempts"))
         consumer.last_ack = record.get("last_ack")
         return consumer

@@ -29,6 +29,7 @@ from .protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
 from .store import Store
+from .stored import ReplyRecord
 
 __all__ = ["Dispatcher", "RUN"]
 
@@ -39,7 +40,7 @@ RUN = 16  # ready messages a worker takes at once, at most
 
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
-                 requests: PendingRequests, on_reply: Callable[[str, list], None],
+                 requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
                  journal: Journal, clock: BusClock) -> None:
         self._store = store
         self._config = config
@@ -250,7 +251,7 @@ class Dispatcher:
     def _scan_stored(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                      now_ms: int, now: float, redos: list) -> bool:
         for message_id, record in self._store.incoming(damaged):
-            if only is not None and (record[0], record[1]) != only:
+            if only is not None and (record.kind, record.topic) != only:
                 continue
             with self._cv:
                 if self._closing:
@@ -259,15 +260,15 @@ class Dispatcher:
                     continue
                 if len(self._known) >= self._config.dispatch_queue:
                     return False
-                key = (record[0], record[1])
-                if record[0] != Kind.REPLY and key not in self._handlers and (
-                        record[6] is None or record[6] > now_ms):
+                key = (record.kind, record.topic)
+                if record.kind != Kind.REPLY and key not in self._handlers and (
+                        record.expires is None or record.expires > now_ms):
                     # Nobody handles it yet: it waits in the store, not in the queue, or
                     # enough of them would fill the queue on every scan and keep the
                     # messages after them from their handlers. register() reads them.
                     self._parked.add(key)
-                    if record[6] is not None:
-                        self._wake_parked_at(record[6])
+                    if record.expires is not None:
+                        self._wake_parked_at(record.expires)
                     if strict:  # at start every record is checked (rule 9), its run state too
                         self._store.get_runstate(message_id)
                     continue
@@ -287,10 +288,10 @@ class Dispatcher:
                     log.error("the run state of %s is damaged; its attempts start again", message_id)
                     runstate = None
                 due = 0.0
-                if runstate and runstate[3] and runstate[3] > now_ms:
+                if runstate and runstate.next_ms and runstate.next_ms > now_ms:
                     # A retry time is wall-clock ms from an earlier run. If the clock was
                     # set back since, it is too far off: no retry waits past retry_max.
-                    due = now + min((runstate[3] - now_ms) / 1000, self._config.retry_max)
+                    due = now + min((runstate.next_ms - now_ms) / 1000, self._config.retry_max)
                 self._push(Incoming(message_id, record, runstate), due)
                 self._cv.notify()
         return True

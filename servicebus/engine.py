@@ -24,7 +24,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -192,11 +192,11 @@ class Engine(threading.Thread):
             self.core.collect_soon()  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
             if self._degraded is None:
-                batch = self.core.out.batch
+                batch = cast(Batch, self.core.out.batch)  # the core writes into ours
                 self.journal.record(batch, self.core.out.journal)
                 self.core.save_clock()
                 try:
-                    self.store.write(batch, sync=True)  # type: ignore[arg-type]
+                    self.store.write(batch, sync=True)
                 except StoreError as exc:
                     log.error("last write at close failed: %s (as after a crash: what it held "
                               "is redone after the next start)", exc)
@@ -219,14 +219,14 @@ class Engine(threading.Thread):
 
         # commit: one fsync for everything this turn that someone waits on
         out = core.prepare(now)
-        batch = out.batch
+        batch = cast(Batch, out.batch)  # the core writes into what store.batch() made
         if out.journal:
             self.journal.record(batch, out.journal)
         if batch.ops or batch.sync:
             if out.handoff:
                 self.dispatcher.reserve([item.id for item in out.handoff])
             try:
-                self.store.write(batch, sync=batch.sync)  # type: ignore[arg-type]
+                self.store.write(batch, sync=batch.sync)
             except StoreError as exc:
                 self._degrade(exc)  # nothing of this turn happened: no ack, no release
                 return
@@ -258,11 +258,7 @@ class Engine(threading.Thread):
 
     def _read(self, events: dict, now: float) -> None:
         sockets = self.sockets
-        if self._wake_fd in events:
-            try:
-                os.eventfd_read(self._wake_fd)
-            except BlockingIOError:
-                pass
+        self._read_wake(events)
         if sockets.router in events:
             self._read_router(now)
         if self._admin is not None and self._admin.sock in events:
@@ -271,6 +267,13 @@ class Engine(threading.Thread):
             address = sockets.address_of(sock)
             if address is not None:
                 self._read_dealer(address, sock, now)
+
+    def _read_wake(self, events: dict) -> None:
+        if self._wake_fd in events:
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass  # read by an earlier turn already
 
     def _send_frames(self, now: float) -> None:
         failed: set[str] = set()
@@ -311,11 +314,7 @@ class Engine(threading.Thread):
 
     def _degraded_turn(self, events: dict) -> None:
         now = time.monotonic()
-        if self._wake_fd in events:
-            try:
-                os.eventfd_read(self._wake_fd)
-            except BlockingIOError:
-                pass
+        self._read_wake(events)
         if self._admin is not None and self._admin.sock in events:
             self._admin.read()
         failed = StoreWriteError(f"the store cannot be written: {self._degraded}")

@@ -25,12 +25,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgpack
 
 from .clock import BusClock
-from .store import Store
+from .store import Batch, Store
+from .stored import JournalEvent
 
 __all__ = ["Journal", "flush_datadir"]
 
@@ -56,7 +58,6 @@ FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment fil
 # read a backlog of millions of events into memory at once.
 FLUSH_BYTES = 1 << 20
 
-Event = tuple  # (event, ts, id, topic, kind, peer, attempt, error)
 
 
 
@@ -92,7 +93,7 @@ class Journal:
 
     # --- recording ---------------------------------------------------------------------
 
-    def record(self, batch, events: list[Event]) -> None:
+    def record(self, batch: Batch, events: Sequence[JournalEvent]) -> None:
         """Add ``events`` to ``batch``: they become durable exactly when it does."""
         if self.enabled and events:
             batch.put_journal(next(self._seq), msgpack.packb(events, use_bin_type=True))

@@ -15,14 +15,16 @@ from typing import Any
 from .clock import wall_ms
 from .delivery import OutgoingRecord
 from .protocol import KIND_NAMES
+from .stored import IncomingRecord
 
 __all__ = ["incoming_letter", "outgoing_letter", "damaged_letter"]
 
 
-def incoming_letter(reason: str, error: str | None, attempts: int, record: list) -> dict[str, Any]:
+def incoming_letter(reason: str, error: str | None, attempts: int,
+                    record: IncomingRecord) -> dict[str, Any]:
     """A received message (``core.state.incoming_record`` layout) that will not be handled."""
     return {"origin": "incoming", "reason": reason, "error": error, "attempts": attempts,
-            "at": wall_ms(), "kind": KIND_NAMES.get(record[0], "event"), "topic": record[1],
+            "at": wall_ms(), "kind": KIND_NAMES.get(record.kind, "event"), "topic": record.topic,
             "record": record}
 
 

@@ -89,7 +89,7 @@ class Envelope(NamedTuple):
     attempt: int = 1
     expires: int | None = None  # ms since the epoch, or None for no TTL
     correlation_id: str | None = None
-    headers: dict | None = None
+    headers: dict[str, Any] | None = None
 
 
 class Batch(NamedTuple):
@@ -146,7 +146,8 @@ Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 # --- payloads ------------------------------------------------------------------------------
@@ -155,7 +156,8 @@ def _pack(obj: Any) -> bytes:
 def encode_payload(payload: Any) -> bytes:
     """msgpack-encode a user payload; raise ``TypeError`` naming the type that cannot be."""
     try:
-        return msgpack.packb(payload, use_bin_type=True, strict_types=False)
+        packed: bytes = msgpack.packb(payload, use_bin_type=True, strict_types=False)
+        return packed
     except (TypeError, OverflowError, ValueError) as exc:
         raise TypeError(f"payload cannot be encoded with msgpack: {exc}") from exc
 
@@ -243,7 +245,7 @@ def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope
     return [MAGIC, _KIND_BYTES[kind], _pack(header), _pack(body)]
 
 
-def _control(kind: Kind, header: dict) -> list[bytes]:
+def _control(kind: Kind, header: dict[str, Any]) -> list[bytes]:
     return [MAGIC, _KIND_BYTES[kind], _pack(header), b""]
 
 
@@ -309,12 +311,12 @@ def _topic(value: Any) -> str:
     if type(value) is str and value in _valid_topics:  # junk may be unhashable
         return value
     try:
-        validate_topic(value)  # the same rules as for a topic given to the API
+        topic = validate_topic(value)  # the same rules as for a topic given to the API
     except (TypeError, ValueError) as exc:
         raise ProtocolError("bad_field", str(exc)) from exc
     if len(_valid_topics) < 10_000:
-        _valid_topics.add(value)
-    return value
+        _valid_topics.add(topic)
+    return topic
 
 
 def _address(value: Any, field: str) -> str:
@@ -324,7 +326,7 @@ def _address(value: Any, field: str) -> str:
         raise ProtocolError("bad_address", str(exc)) from exc
 
 
-def _require(header: dict, *fields: str) -> None:
+def _require(header: dict[str, Any], *fields: str) -> None:
     missing = [f for f in fields if f not in header]
     if missing:
         raise ProtocolError("missing_field", ", ".join(missing))
@@ -377,7 +379,7 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     return Pong(sender, boot, None if limit is None else _int(limit, "max", 1))
 
 
-def _decode_batch(kind: Kind, header: dict, body_b: bytes, max_payload: int) -> Batch:
+def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload: int) -> Batch:
     _require(header, "sender", "reply_to", "msgs")
     sender = _str(header["sender"], "sender", MAX_NAME_LEN)
     reply_to = _address(header["reply_to"], "reply_to")

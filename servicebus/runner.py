@@ -31,6 +31,7 @@ from .journal import Journal
 from .letters import incoming_letter
 from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
 from .records import Message
+from .stored import NO_RUNS, JournalEvent, ReplyRecord, RunState
 from .requests import PendingRequests
 from .store import Store
 
@@ -45,15 +46,15 @@ RECENT = 64
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 
-def _event(name: str, item: "Incoming", attempts: int, error: str | None = None) -> tuple:
+def _event(name: str, item: Incoming, attempts: int, error: str | None = None) -> JournalEvent:
     record = item.record
-    return (name, wall_ms(), item.id, record[1], KIND_NAMES.get(record[0], "event"), record[3],
-            attempts, error)
+    return (name, wall_ms(), item.id, record.topic, KIND_NAMES.get(record.kind, "event"),
+            record.reply_to, attempts, error)
 
 
 class Runner:
     def __init__(self, store: Store, config: BusConfig, handlers: Handlers, *,
-                 requests: PendingRequests, on_reply: Callable[[str, list], None],
+                 requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
                  journal: Journal, clock: BusClock,
                  park: Callable[[tuple[int, str], int | None], None],
                  closing: Callable[[], bool]) -> None:
@@ -121,21 +122,21 @@ class Runner:
                     recent.popitem(last=False)
         return marked
 
-    def _marker(self, item: Incoming | None) -> list | None:
+    def _marker(self, item: Incoming | None) -> RunState | None:
         """The run state that says "this message's handlers have started" (attempt + 1), or
         None if the message will not run a handler (reply, no handler yet, expired)."""
         if item is None:
             return None
         record = item.record
-        kind = record[0]
-        if kind == Kind.REPLY or (kind, record[1]) not in self._handlers:
+        kind = record.kind
+        if kind == Kind.REPLY or (kind, record.topic) not in self._handlers:
             return None
-        if record[6] is not None and wall_ms() > record[6]:
+        if record.expires is not None and wall_ms() > record.expires:
             return None
-        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        attempts, done, last_error, _next = item.runstate or NO_RUNS
         if attempts >= self._config.max_attempts:
-            return None  # it will not run again: _run dead-letters it
-        return [attempts + 1, list(done), last_error, 0]
+            return None  # it will not run again: run() dead-letters it
+        return RunState(attempts + 1, list(done), last_error, 0)
 
     def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
         """Put the next message's start marker in ``batch``: the write that finishes one
@@ -151,14 +152,14 @@ class Runner:
         """Run the handlers for one message. Returns (when to retry or None if finished,
         whether ``nxt``'s start marker was written)."""
         record = item.record
-        kind, topic = record[0], record[1]
+        kind, topic = record.kind, record.topic
         if kind == Kind.REPLY:
             self._run_reply(item)
             return None, False
-        attempts, done, last_error = (item.runstate or [0, [], None, 0])[:3]
+        attempts, done, last_error, _next = item.runstate or NO_RUNS
         done = list(done)
         store, config = self._store, self._config
-        expires = record[6]
+        expires = record.expires
         now_ms = wall_ms()
         if expires is not None and now_ms > expires:
             self._deadletter(item, "expired", last_error, attempts)
@@ -181,7 +182,7 @@ class Runner:
         if not marked:
             try:
                 batch = self._scratch()
-                batch.put_runstate(item.id, [attempts, done, last_error, 0])
+                batch.put_runstate(item.id, RunState(attempts, done, last_error, 0))
                 store.write(batch, sync=False)  # a crash from here on counts as an attempt
             except (StoreError, RuntimeError):  # RuntimeError: plyvel's closed handle
                 if self._closing():
@@ -190,15 +191,16 @@ class Runner:
                 # again later; no attempt is used up.
                 return time.monotonic() + STORE_RETRY, False
 
-        message = Message(item.id, topic, record[2], record[3], record[4], attempts, record[8],
-                          KIND_NAMES.get(kind, "event"), record[7], expires)
+        message = Message(item.id, topic, record.sender, record.reply_to, record.sent, attempts,
+                          record.headers, KIND_NAMES.get(kind, "event"), record.correlation_id,
+                          expires)
         try:
-            payload = decode_payload(record[9])
+            payload = decode_payload(record.body)
         except Exception as exc:  # validated on receipt; only a corrupted store gets here
             self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
             return None, False
 
-        if kind == Kind.COMMAND and record[7] is not None:
+        if kind == Kind.COMMAND and record.correlation_id is not None:
             return None, self._run_request(item, handlers[0][1], payload, message, nxt)
 
         error: str | None = None
@@ -215,7 +217,7 @@ class Runner:
             done.append(name)
             if len(handlers) > 1 and len(done) < len(handlers):
                 # Remember which handlers finished, so a crash reruns only the others.
-                self.record(lambda b: b.put_runstate(item.id, [attempts, done, last_error, 0]))
+                self.record(lambda b: b.put_runstate(item.id, RunState(attempts, list(done), last_error, 0)))
 
         if error is None:
             premarked = self.record(self._completion(item.id, _event("handled", item, attempts)),
@@ -228,7 +230,7 @@ class Runner:
         delay = backoff(attempts, config.retry_initial, config.retry_max)
 
         def retried(batch: Any) -> None:
-            batch.put_runstate(item.id, [attempts, done, error, wall_ms() + int(delay * 1000)])
+            batch.put_runstate(item.id, RunState(attempts, done, error, wall_ms() + int(delay * 1000)))
             self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
 
         return time.monotonic() + delay, self.record(retried, None, nxt)
@@ -259,7 +261,7 @@ class Runner:
         if len(body) > self._config.max_payload:
             body = encode_payload({"ok": False, "type": "ValueError",
                                    "message": f"reply of {len(body)} bytes exceeds max_payload"})
-        reply_record = [message.reply_to, message.topic, message.correlation_id, body]
+        reply_record = ReplyRecord(message.reply_to, message.topic, message.correlation_id, body)
         events.append(_event("handled", item, message.attempt))
 
         def replied(batch: Any) -> None:
@@ -272,9 +274,9 @@ class Runner:
 
     def _run_reply(self, item: Incoming) -> None:
         record = item.record
-        corr = record[7]
+        corr = record.correlation_id
         try:
-            reply = decode_payload(record[9])
+            reply = decode_payload(record.body)
             if not isinstance(reply, dict):
                 raise ValueError("a reply must be a map")
         except Exception as exc:
@@ -302,5 +304,5 @@ class Runner:
             batch.deadletter_incoming(item.id, letter)
 
         self.record(deadlettered, item.id)
-        log.error("dead letter: %s %s after %d attempt(s): %s", record[1], item.id, attempts,
+        log.error("dead letter: %s %s after %d attempt(s): %s", record.topic, item.id, attempts,
                   error or reason)

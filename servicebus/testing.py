@@ -13,6 +13,7 @@ from .clock import BusClock
 from .config import BusConfig
 from .core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from .ids import IdGenerator
+from .stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, SubscriptionRecord
 from .protocol import decode, decode_payload, encode_ack, encode_payload
 
 __all__ = ["free_port", "free_address", "wait_until", "FakeClock", "FakeStore", "FakeBatch",
@@ -102,14 +103,14 @@ class FakeStore:
     new core on the same ``FakeStore`` is a process restarted after a crash."""
 
     def __init__(self) -> None:
-        self.subs: dict[tuple[str, str], dict] = {}
-        self.intent: dict[tuple[str, str], dict] = {}
+        self.subs: dict[tuple[str, str], SubscriptionRecord] = {}
+        self.intent: dict[tuple[str, str], IntentRecord] = {}
         self.streams: dict[str, dict[str, bytes]] = {}
-        self.delivery: dict[tuple[str, str], dict] = {}
-        self.incoming: dict[str, list] = {}
+        self.delivery: dict[tuple[str, str], DeliveryRecord] = {}
+        self.incoming: dict[str, IncomingRecord] = {}
         self.handled: dict[str, int] = {}
         self.letters: dict[str, dict] = {}
-        self.reply: dict[str, list] = {}
+        self.reply: dict[str, ReplyRecord] = {}
         self.meta: dict[str, object] = {}
         self.writes = self.fsyncs = 0
 
@@ -123,14 +124,14 @@ class FakeStore:
         self.fsyncs += sync
 
     # writes, by the batch method they apply
-    def _put_subscription(self, sub: str, topic: str, rec: dict) -> None: self.subs[(sub, topic)] = rec
+    def _put_subscription(self, sub: str, topic: str, rec: SubscriptionRecord) -> None: self.subs[(sub, topic)] = rec
     def _delete_subscription(self, sub: str, topic: str) -> None: self.subs.pop((sub, topic), None)
-    def _put_intent(self, pub: str, topic: str, rec: dict) -> None: self.intent[(pub, topic)] = rec
+    def _put_intent(self, pub: str, topic: str, rec: IntentRecord) -> None: self.intent[(pub, topic)] = rec
     def _delete_intent(self, pub: str, topic: str) -> None: self.intent.pop((pub, topic), None)
     def _put_outgoing(self, stream: str, mid: str, rec: bytes) -> None: self.streams.setdefault(stream, {})[mid] = rec
-    def _put_delivery(self, peer: str, stream: str, rec: dict) -> None: self.delivery[(peer, stream)] = rec
+    def _put_delivery(self, peer: str, stream: str, rec: DeliveryRecord) -> None: self.delivery[(peer, stream)] = rec
     def _delete_delivery(self, peer: str, stream: str) -> None: self.delivery.pop((peer, stream), None)
-    def _put_incoming(self, mid: str, rec: list) -> None: self.incoming[mid] = rec
+    def _put_incoming(self, mid: str, rec: IncomingRecord) -> None: self.incoming[mid] = rec
     def _delete_reply(self, mid: str) -> None: self.reply.pop(mid, None)
     def _forget_handled(self, mid: str, at: int) -> None: self.handled.pop(mid, None)
     def _put_deadletter(self, mid: str, rec: dict) -> None: self.letters[mid] = rec
@@ -147,16 +148,16 @@ class FakeStore:
         self.handled[mid] = at
 
     # the core's StoreView
-    def subscriptions(self) -> list[tuple[str, str, dict]]:
+    def subscriptions(self) -> list[tuple[str, str, SubscriptionRecord]]:
         return [(a, b, r) for (a, b), r in self.subs.items()]
 
-    def intents(self) -> list[tuple[str, str, dict]]:
+    def intents(self) -> list[tuple[str, str, IntentRecord]]:
         return [(a, b, r) for (a, b), r in self.intent.items()]
 
-    def deliveries(self) -> list[tuple[str, str, dict]]:
+    def deliveries(self) -> list[tuple[str, str, DeliveryRecord]]:
         return [(a, b, r) for (a, b), r in self.delivery.items()]
 
-    def replies(self) -> list[tuple[str, list]]:
+    def replies(self) -> list[tuple[str, ReplyRecord]]:
         return list(self.reply.items())
 
     def stream_names(self) -> list[str]:
@@ -292,7 +293,7 @@ class CoreNode:
 
     def payloads(self) -> list[Any]:
         """What the handlers were handed, in order."""
-        return [decode_payload(item.record[-1]) for item in self.handled]
+        return [decode_payload(item.record.body) for item in self.handled]
 
     def turn(self) -> None:
         core, now = self.core, self.net.clock.monotonic()

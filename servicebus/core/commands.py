@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..stored import ReplyRecord
+
 __all__ = ["Published", "SendCmd", "QueueReply", "SubscribeCmd"]
 
 
@@ -30,7 +32,7 @@ class SendCmd:
     command: str
     body: bytes
     expires: int | None
-    headers: dict | None
+    headers: dict[str, Any] | None
     correlation_id: str | None
     future: Any
 
@@ -40,7 +42,7 @@ class QueueReply:
     """A handled request's reply, stored by a worker, to be queued for sending."""
 
     command_id: str
-    reply: list  # [reply_to, command, correlation_id, body]
+    reply: ReplyRecord
     future: Any = None
 
 

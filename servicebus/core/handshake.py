@@ -13,6 +13,7 @@ import logging
 
 from .. import protocol as P
 from ..delivery import Consumer, event_stream
+from ..stored import IntentRecord, SubscriptionRecord
 from .commands import SubscribeCmd
 from .peers import Roster
 from .state import Intent, State
@@ -31,7 +32,7 @@ class Handshake:
 
     # --- subscriber side ---------------------------------------------------------------
 
-    def load_intent(self, publisher: str, topic: str, record: dict) -> None:
+    def load_intent(self, publisher: str, topic: str, record: IntentRecord) -> None:
         intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"])
         try:
             self.roster.peer(publisher)
@@ -107,7 +108,7 @@ class Handshake:
                 s.count_malformed("bad_address", str(exc))
                 return
             since = s.ids.next()
-            record = {"since": since, "created": s.wall(), "node": frame.sender}
+            record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
             s.subscriptions[key] = record
             s.out.batch.put_subscription(frame.address, frame.topic, record)
             consumer = Consumer(frame.address, event_stream(frame.topic), since)

@@ -99,8 +99,8 @@ class Core:
         for peer, stream in states:
             log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
             s.out.batch.delete_delivery(peer, stream)
-        for publisher, topic, record in s.store.intents():
-            self.handshake.load_intent(publisher, topic, record)
+        for publisher, topic, intent in s.store.intents():
+            self.handshake.load_intent(publisher, topic, intent)
         return [QueueReply(command_id, reply) for command_id, reply in s.store.replies()]
 
     def _load_consumer(self, consumer: Consumer) -> None:

@@ -20,14 +20,13 @@ from ..config import BusConfig
 from ..delivery import Consumer
 from ..ids import IdGenerator
 from ..protocol import Envelope
+from ..stored import IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
 from .ports import Links, StoreView, WriteBatch
 
 log = logging.getLogger("servicebus")
 
 __all__ = ["Peer", "Intent", "Incoming", "incoming_record", "Effects", "State", "JournalEvent"]
 
-# (event, ts_ms, message_id, topic, kind, peer, attempt, error): see journal.py
-JournalEvent = tuple[str, int, str, "str | None", str, "str | None", int, "str | None"]
 
 
 @dataclass(eq=False)
@@ -57,7 +56,7 @@ class Intent:
     next_try: float = 0.0
     waiters: list[Any] = field(default_factory=list)  # callers released when confirmed
 
-    def record(self, wall: int) -> dict:
+    def record(self, wall: int) -> IntentRecord:
         return {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
 
 
@@ -65,14 +64,13 @@ class Incoming(NamedTuple):
     """A received message handed to the handlers (``record``: ``incoming_record``)."""
 
     id: str
-    record: list
-    runstate: list | None  # [attempts, done_handler_names, last_error, next_ms] or None
+    record: IncomingRecord
+    runstate: RunState | None  # None: never run (or its run state is damaged)
 
 
-# [kind, topic, sender, reply_to, sent_ms, wire_attempt, expires_ms, correlation_id, headers, body]
-def incoming_record(kind: int, sender: str, reply_to: str, env: Envelope) -> list:
-    return [kind, env.topic, sender, reply_to, env.sent, env.attempt, env.expires,
-            env.correlation_id, env.headers, env.body]
+def incoming_record(kind: int, sender: str, reply_to: str, env: Envelope) -> IncomingRecord:
+    return IncomingRecord(kind, env.topic, sender, reply_to, env.sent, env.attempt, env.expires,
+                          env.correlation_id, env.headers, env.body)
 
 
 @dataclass(eq=False)
@@ -108,7 +106,7 @@ class State:
     peers: dict[str, Peer] = field(default_factory=dict)
     consumers: dict[tuple[str, str], Consumer] = field(default_factory=dict)
     by_stream: defaultdict[str, list[Consumer]] = field(default_factory=lambda: defaultdict(list))
-    subscriptions: dict[tuple[str, str], dict] = field(default_factory=dict)
+    subscriptions: dict[tuple[str, str], SubscriptionRecord] = field(default_factory=dict)
     intents: dict[tuple[str, str], Intent] = field(default_factory=dict)
     intent_ids: dict[str, Intent] = field(default_factory=dict)
     # Event streams with consumers -> their peers. Replaced, never mutated, so that

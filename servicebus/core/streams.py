@@ -14,7 +14,8 @@ from ..protocol import Kind
 from .commands import Published, QueueReply, SendCmd
 from .peers import Roster
 from .ports import WriteBatch
-from .state import JournalEvent, State
+from ..stored import JournalEvent
+from .state import State
 
 __all__ = ["Streams", "GC_BUDGET"]
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..clock import BusClock
 from ..letters import damaged_letter
+from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, RunState, SubscriptionRecord
 from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _R, _S, _T, _X, _Y, _pack, _pair
 
 __all__ = ["Batch"]
@@ -43,13 +44,13 @@ class Batch:
         """Carry the bus clock over to the next start (clock.py)."""
         self._put(_M + b"clock", str(clock.now()).encode())
 
-    def put_subscription(self, subscriber: str, topic: str, record: dict) -> None:
+    def put_subscription(self, subscriber: str, topic: str, record: SubscriptionRecord) -> None:
         self._put(_pair(_S, subscriber, topic), _pack(record))
 
     def delete_subscription(self, subscriber: str, topic: str) -> None:
         self._delete(_pair(_S, subscriber, topic))
 
-    def put_intent(self, publisher: str, topic: str, record: dict) -> None:
+    def put_intent(self, publisher: str, topic: str, record: IntentRecord) -> None:
         self._put(_pair(_I, publisher, topic), _pack(record))
 
     def delete_intent(self, publisher: str, topic: str) -> None:
@@ -62,16 +63,16 @@ class Batch:
     def delete_outgoing(self, stream: str, message_id: str) -> None:
         self._delete(_pair(_O, stream, message_id))
 
-    def put_delivery(self, peer: str, stream: str, record: dict) -> None:
+    def put_delivery(self, peer: str, stream: str, record: DeliveryRecord) -> None:
         self._put(_pair(_D, peer, stream), _pack(record))
 
     def delete_delivery(self, peer: str, stream: str) -> None:
         self._delete(_pair(_D, peer, stream))
 
-    def put_incoming(self, message_id: str, record: list) -> None:
+    def put_incoming(self, message_id: str, record: IncomingRecord) -> None:
         self._put(_N + message_id.encode(), _pack(record))
 
-    def put_runstate(self, message_id: str, record: list) -> None:
+    def put_runstate(self, message_id: str, record: RunState) -> None:
         self._put(_R + message_id.encode(), _pack(record))
 
     def complete_incoming(self, message_id: str, handled_at: int) -> None:
@@ -86,7 +87,7 @@ class Batch:
         self._put(_H + key, at)
         self._put(_T + at + key, b"")
 
-    def complete_with_reply(self, message_id: str, handled_at: int, reply: list) -> None:
+    def complete_with_reply(self, message_id: str, handled_at: int, reply: ReplyRecord) -> None:
         """Finish a request and keep its reply, in one write: a reply is never lost
         after its request counts as handled, and never made for an unfinished one."""
         self.complete_incoming(message_id, handled_at)
@@ -106,13 +107,13 @@ class Batch:
         self._delete(_R + key[len(_N):])
         self._put(_X + key[len(_N):], _pack(damaged_letter("incoming", error, raw)))
 
-    def deadletter_incoming(self, message_id: str, record: dict) -> None:
+    def deadletter_incoming(self, message_id: str, record: dict[str, Any]) -> None:
         key = message_id.encode()
         self._delete(_N + key)
         self._delete(_R + key)
         self._put(_X + key, _pack(record))
 
-    def put_deadletter(self, message_id: str, record: dict) -> None:
+    def put_deadletter(self, message_id: str, record: dict[str, Any]) -> None:
         self._put(_X + message_id.encode(), _pack(record))
 
     def delete_deadletter(self, message_id: str) -> None:

@@ -100,7 +100,7 @@ class Store(Reads):
     handler thread finishing late gets a ``StoreError`` instead of touching a closed DB.
     """
 
-    def __init__(self, db: Any, path: Path, options: dict | None = None) -> None:
+    def __init__(self, db: Any, path: Path, options: dict[str, Any] | None = None) -> None:
         self._db = db
         self.path = path
         self._options = options or {}
@@ -123,7 +123,7 @@ class Store(Reads):
     # --- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, create: bool = True, compression: bool = True,
+    def open(cls, path: str | os.PathLike[str], *, create: bool = True, compression: bool = True,
              check_format: bool = True) -> "Store":
         """Open the store, or create it (``create``) where there is none at all.
 
@@ -181,7 +181,7 @@ class Store(Reads):
         self.write(batch, sync=True)
 
     @staticmethod
-    def repair(path: str | os.PathLike) -> None:
+    def repair(path: str | os.PathLike[str]) -> None:
         """LevelDB's repair: rebuild the store from whatever table and log files it can
         read (see maintenance.py for what ``check --repair`` does around it)."""
         try:

@@ -36,7 +36,8 @@ _M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G = (KEYSPACES[k] for k in (
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 def _unpack(data: bytes) -> Any:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..clock import BusClock
 from .. import schema
 from ..errors import CorruptRecordError
+from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, RunState, SubscriptionRecord
 from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _R, _S, _T, _X, _Y, _end, _pair, _split
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ class Reads:
 
     def get_meta(self, name: str) -> bytes | None:
         with self._op():
-            return self._db.get(_M + name.encode())
+            value: bytes | None = self._db.get(_M + name.encode())
+        return value
 
     def meta(self, name: str) -> Any:
         """A meta record, decoded and checked (``CorruptRecordError`` if damaged)."""
@@ -65,17 +67,17 @@ class Reads:
             with self._db.iterator(prefix=prefix, include_value=False) as it:
                 return sum(1 for _ in it)
 
-    def subscriptions(self) -> Iterator[tuple[str, str, dict]]:
+    def subscriptions(self) -> Iterator[tuple[str, str, SubscriptionRecord]]:
         for key, record in self._decoded("subscriptions", _S):
             sub, topic = _split(key, len(_S))
             yield sub, topic, record
 
-    def intents(self) -> Iterator[tuple[str, str, dict]]:
+    def intents(self) -> Iterator[tuple[str, str, IntentRecord]]:
         for key, record in self._decoded("intents", _I):
             pub, topic = _split(key, len(_I))
             yield pub, topic, record
 
-    def deliveries(self) -> Iterator[tuple[str, str, dict]]:
+    def deliveries(self) -> Iterator[tuple[str, str, DeliveryRecord]]:
         for key, record in self._decoded("deliveries", _D):
             peer, stream = _split(key, len(_D))
             yield peer, stream, record
@@ -111,8 +113,9 @@ class Reads:
             if last:
                 found.append(last)
         for _peer, _stream, rec in self.deliveries():
-            if rec.get("floor"):
-                found.append(rec["floor"])
+            floor = rec.get("floor")
+            if floor:
+                found.append(floor)
             found.extend(rec.get("acked") or ())
         found.extend(rec.get("since") or "" for _s, _t, rec in self.subscriptions())
         found.extend(rec.get("id") or "" for _p, _t, rec in self.intents())
@@ -172,7 +175,8 @@ class Reads:
 
     def get_outgoing(self, stream: str, message_id: str) -> bytes | None:
         with self._op():
-            return self._db.get(_pair(_O, stream, message_id))
+            value: bytes | None = self._db.get(_pair(_O, stream, message_id))
+        return value
 
     def has_deadletter(self, message_id: str) -> bool:
         with self._op():
@@ -202,24 +206,25 @@ class Reads:
         """True if the id is stored as incoming, handled (dedupe window) or dead-lettered."""
         return self.seen_many([message_id])[0]
 
-    def get_incoming(self, message_id: str) -> list | None:
+    def get_incoming(self, message_id: str) -> IncomingRecord | None:
         key = _N + message_id.encode()
         with self._op():
             value = self._db.get(key)
-        return None if value is None else schema.decode("incoming", key, value)
+        return None if value is None else IncomingRecord._make(schema.decode("incoming", key, value))
 
-    def get_runstate(self, message_id: str) -> list | None:
+    def get_runstate(self, message_id: str) -> RunState | None:
         key = _R + message_id.encode()
         with self._op():
             value = self._db.get(key)
-        return None if value is None else schema.decode("runstate", key, value)
+        return None if value is None else RunState._make(schema.decode("runstate", key, value))
 
-    def incoming(self, damaged: list | None = None) -> Iterator[tuple[str, list]]:
+    def incoming(self, damaged: list[tuple[bytes, bytes]] | None = None
+                 ) -> Iterator[tuple[str, IncomingRecord]]:
         """Incoming messages, in id order. A damaged record raises ``CorruptRecordError``,
         or, if ``damaged`` is a list, is appended to it as (key, raw value) and skipped."""
         if damaged is None:
             for key, record in self._decoded("incoming", _N):
-                yield key[len(_N):].decode(), record
+                yield key[len(_N):].decode(), IncomingRecord._make(record)
             return
         for key, value in self._iter(_N):
             try:
@@ -227,7 +232,7 @@ class Reads:
             except CorruptRecordError:
                 damaged.append((key, value))
                 continue
-            yield key[len(_N):].decode(), record
+            yield key[len(_N):].decode(), IncomingRecord._make(record)
 
     def handled_before(self, cutoff: int, limit: int) -> list[tuple[str, int]]:
         """(id, handled_at) of handled ids handled before bus-clock ``cutoff``, oldest
@@ -255,13 +260,13 @@ class Reads:
         """(journal segment file name, bus-clock ms it was written at)."""
         return [(key[2:].decode(), at) for key, at in self._decoded("segments", _G)]
 
-    def deadletters(self) -> Iterator[tuple[str, dict]]:
+    def deadletters(self) -> Iterator[tuple[str, dict[str, Any]]]:
         for key, record in self._decoded("deadletters", _X):
             yield key[len(_X):].decode(), record
 
-    def replies(self) -> Iterator[tuple[str, list]]:
+    def replies(self) -> Iterator[tuple[str, ReplyRecord]]:
         for key, record in self._decoded("replies", _Y):
-            yield key[len(_Y):].decode(), record
+            yield key[len(_Y):].decode(), ReplyRecord._make(record)
 
     def journal_records(self, limit: int, max_bytes: int, after: int | None = None) -> list[tuple[int, bytes]]:
         """The oldest journal records (seq, packed events), after seq ``after`` if given: at

@@ -34,16 +34,43 @@ def drop_first(kind, src=None):
     return lose, dropped
 
 
-def test_the_core_package_imports_neither_zmq_nor_plyvel():
-    core = Path(__file__).parents[2] / "servicebus" / "core"
-    for path in core.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            for name in names:
-                assert name.split(".")[0] not in ("zmq", "plyvel"), f"{path.name} imports {name}"
-                assert not name.startswith(("store", "sockets", "engine", "dispatch", "journal")), \
-                    f"{path.name} imports the I/O module {name}"
+def _imports(path, package):
+    """Absolute names of the modules ``path`` (a module of ``package``) imports."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                names.append(node.module or "")
+                continue
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+            names += [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_the_core_and_every_module_it_imports_use_neither_zmq_nor_plyvel():
+    root = Path(__file__).parents[2]
+    todo, seen = ["servicebus.core"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = root / (name.replace(".", "/") + ".py")
+        package = name.rsplit(".", 1)[0]
+        if not path.exists():
+            path, package = root / name.replace(".", "/") / "__init__.py", name
+            assert path.exists(), name
+        if name == "servicebus.core":
+            todo += [f"servicebus.core.{p.stem}" for p in path.parent.glob("*.py") if p.stem != "__init__"]
+        for imported in _imports(path, package):
+            assert imported.split(".")[0] not in ("zmq", "plyvel"), f"{name} imports {imported}"
+            if imported.startswith("servicebus.") and imported != "servicebus":
+                todo.append(imported)
+    assert {"servicebus.core.machine", "servicebus.protocol", "servicebus.stored"} <= seen
+    assert not seen & {"servicebus.store", "servicebus.sockets", "servicebus.engine"}
 
 
 def test_a_lost_ack_is_resent_with_attempt_2_and_the_receiver_acks_again_without_handling_twice(net):

@@ -25,10 +25,12 @@ def test_message_without_ttl_or_headers():
 def test_every_dead_letter_has_origin_reason_error_and_time_and_what_replay_needs():
     from servicebus.delivery import OutgoingRecord
     from servicebus.letters import damaged_letter, incoming_letter, outgoing_letter
+    from servicebus.stored import IncomingRecord
 
     out = outgoing_letter("expired", None, OutgoingRecord(2, "charge", 1, 2, "c1", None, b"\x01"),
                           "tcp://10.0.0.1:1", "c:tcp://10.0.0.1:1")
-    inc = incoming_letter("handler_failed", "ValueError: x", 5, [1, "t", "n", "a", 1, 1, None, None, None, b"\x01"])
+    inc = incoming_letter("handler_failed", "ValueError: x", 5,
+                          IncomingRecord(1, "t", "n", "a", 1, 1, None, None, None, b"\x01"))
     bad = damaged_letter("outgoing", "undecodable record", b"\xc1", "tcp://10.0.0.1:1", "e:t")
     for letter in (out, inc, bad):
         assert {"origin", "reason", "error", "at"} <= set(letter) and letter["at"] > 0

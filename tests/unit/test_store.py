@@ -2,6 +2,7 @@ import pytest
 
 from servicebus.errors import StoreError
 from servicebus.store import Store
+from servicebus.stored import IncomingRecord, RunState
 
 
 def test_subscriptions_and_intents_round_trip_and_delete(store):
@@ -48,12 +49,13 @@ def test_delivery_state_round_trips(store):
 
 def test_incoming_moves_to_handled_or_deadletters_atomically(store):
     b = store.batch()
-    b.put_incoming("m1", [1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x01"])
-    b.put_incoming("m2", [1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x02"])
-    b.put_runstate("m1", [1, [], None, 0])
+    b.put_incoming("m1", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x01"))
+    b.put_incoming("m2", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x02"))
+    b.put_runstate("m1", RunState(1, [], None, 0))
     store.write(b, sync=True)
     assert store.seen("m1") and store.has_incoming("m2")
-    assert store.get_runstate("m1") == [1, [], None, 0]
+    assert store.get_runstate("m1") == RunState(1, [], None, 0)
+    assert store.get_incoming("m2").body == b"\x02"
     b = store.batch()
     b.complete_incoming("m1", 123)
     b.deadletter_incoming("m2", {"origin": "incoming", "reason": "handler_failed"})

@@ -1,0 +1,80 @@
+"""The layouts of stored records, named. One home for each: every module that writes or
+reads one of these uses the names here, never a position.
+
+Lists and tuples are stored as msgpack arrays (compact, and the same bytes as before they
+had names); maps as msgpack maps. ``schema.py`` checks each layout on every read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, TypedDict
+
+__all__ = ["IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
+           "DeliveryRecord", "ReplyRecord", "JournalEvent", "NO_RUNS"]
+
+
+class IncomingRecord(NamedTuple):
+    """``n/<id>``: a received message, not handled yet."""
+
+    kind: int  # protocol.Kind
+    topic: str  # an event's topic, a command's name
+    sender: str  # node id of the sending bus
+    reply_to: str  # address of the sending bus
+    sent: int  # wall-clock ms at the sender
+    attempt: int  # the sender's attempt number (resends count up)
+    expires: int | None  # wall-clock ms on our clock (skew-corrected on receipt)
+    correlation_id: str | None  # a request's or a reply's
+    headers: dict[str, Any] | None
+    body: bytes  # the msgpack payload, as sent
+
+
+class RunState(NamedTuple):
+    """``r/<id>``: how a received message's handling went so far."""
+
+    attempts: int  # runs started (written before each run: a crash counts as one)
+    done: list[str]  # names of the handlers that finished (several handlers on a topic)
+    last_error: str | None
+    next_ms: int  # wall-clock ms of the next retry, 0 if none is scheduled
+
+
+NO_RUNS = RunState(0, [], None, 0)
+
+
+class ReplyRecord(NamedTuple):
+    """``y/<command id>``: a handled request's reply, until queued for sending."""
+
+    reply_to: str
+    command: str
+    correlation_id: str | None
+    body: bytes
+
+
+class SubscriptionRecord(TypedDict):
+    """``s/<subscriber>\\0<topic>``: who subscribed to us, from which id on."""
+
+    since: str
+    created: int
+    node: str
+
+
+class IntentRecord(TypedDict):
+    """``i/<publisher>\\0<topic>``: a subscribe or unsubscribe we asked for."""
+
+    op: str  # "subscribe" | "unsubscribe"
+    id: str
+    confirmed: bool
+    updated: int
+
+
+class DeliveryRecord(TypedDict, total=False):
+    """``d/<peer>\\0<stream>``: one peer's cursor on one stream (see delivery.Consumer)."""
+
+    floor: str | None  # every id up to it is acknowledged
+    acked: list[str]  # acknowledged above the floor
+    attempts: dict[str, int]  # resend counts above 1
+    last_ack: float | None
+
+
+# (event, ts_ms, message_id, topic, kind, peer, attempt, error), one per change, stored in
+# the batch making the change (journal.py). A plain tuple: millions are built per run.
+JournalEvent = tuple[str, int, str, "str | None", "str | None", "str | None", int, "str | None"]
