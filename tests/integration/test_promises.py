@@ -164,6 +164,7 @@ def test_repair_never_touches_a_store_another_process_has_open(make_bus, tmp_pat
     finally:
         holder.kill()
         holder.wait(10)
+        holder.stdout.close()
 
 
 # --- 6. pruning keeps up --------------------------------------------------------------------
