@@ -45,6 +45,6 @@ __all__ = [
     "RequestTimeout",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # and setup.cfg (one place: issue 16)
 
 logging.getLogger("servicebus").addHandler(logging.NullHandler())
