@@ -19,7 +19,7 @@ from .ids import IdGenerator
 from .journal import Journal
 from .letters import outgoing_letter
 from .protocol import Kind
-from .store import KEYSPACES, Store
+from .store import Store
 
 __all__ = ["replay", "purge", "REPLAYABLE"]
 
@@ -145,17 +145,14 @@ def _journal_owed(store: Store, writer: "_Writer", peer: str | None, event: str,
 
 def _delete_keyspaces(store: Store, names: tuple[str, ...], progress: Progress) -> dict[str, int]:
     counts = {name: 0 for name in names}
-    prefixes = {KEYSPACES[name]: name for name in names}
     writer = _Writer(store, progress)
     if "outgoing" in names:
         _journal_owed(store, writer, None, "dropped_at_sender", "purged")
-    for key, _value in store.scan_raw():
-        name = prefixes.get(key[:2])
-        if name is None:
-            continue
-        writer.batch.delete_raw(key)
-        counts[name] += 1
-        writer.step()
+    for name in names:
+        for key in store.keys_in(name):
+            writer.batch.delete_raw(key)
+            counts[name] += 1
+            writer.step()
     writer.close()
     return counts
 

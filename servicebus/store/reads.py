@@ -61,6 +61,12 @@ class Reads:
             finally:
                 it.close()
 
+    def keys_in(self, keyspace: str) -> Iterator[bytes]:
+        """Every raw key of one keyspace, for tools that delete a keyspace whole (purge)."""
+        with self._op():
+            with self._db.iterator(prefix=KEYSPACES[keyspace], include_value=False) as it:
+                yield from it
+
     def count(self, keyspace: str) -> int:
         prefix = KEYSPACES[keyspace]
         with self._op():
