@@ -162,10 +162,10 @@ class Core:
         if peer is None:
             return
         if isinstance(frame, P.Ack):
-            wall = s.wall()
-            for mid in frame.ids:
-                if not self.handshake.on_ack(mid):
-                    self.sender.on_ack(peer, mid, wall)
+            ids = frame.ids
+            if s.intent_ids:  # rare: only while a subscribe or unsubscribe waits
+                ids = tuple(mid for mid in ids if not self.handshake.on_ack(mid))
+            self.sender.on_acks(peer, ids, s.wall())
             s.counters["acked"] += len(frame.ids)
         elif isinstance(frame, P.Pong):
             if self.roster.on_pong(peer, frame, now):

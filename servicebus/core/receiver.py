@@ -32,6 +32,7 @@ class Receiver:
                 f"payload larger than this bus's max_payload ({s.config.max_payload} bytes)"))))
             s.counters["refused_oversize"] += len(frame.oversize)
         jon, ts, kname = s.journal_on, s.wall(), KIND_NAMES[kind]
+        jev = s.out.journal  # appended to inline: this loop runs per received message
         known = s.store.seen_many([env.id for env in frame.messages])
         # TTLs arrive in the sender's clock. What is left of them counts on ours from now
         # on: skew between the two machines does not shorten or stretch them.
@@ -52,7 +53,7 @@ class Receiver:
             handoff.append(Incoming(mid, record, None))
             stored = True
             if jon:
-                s.journal("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt)
+                jev.append(("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt, None))
         s.counters["received"] += len(frame.messages)
         if stored:
             batch.sync = True  # the acks leave only after the fsync

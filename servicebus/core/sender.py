@@ -14,6 +14,7 @@ import logging
 from .. import protocol as P
 from ..delivery import Consumer, backoff, envelope_from_record, is_command_stream, stream_target
 from ..protocol import KIND_NAMES, Kind
+from collections.abc import Iterable
 from .expiry import Expiry
 from .state import Peer, State
 
@@ -36,15 +37,17 @@ class Sender:
 
     # --- acks --------------------------------------------------------------------------
 
-    def on_ack(self, peer: Peer, mid: str, wall_ms: int) -> None:
+    def on_acks(self, peer: Peer, ids: Iterable[str], wall_ms: int) -> None:
         s = self.s
-        for consumer in peer.consumers:
-            if consumer.ack(mid):
-                consumer.last_ack = wall_ms / 1000
-                if s.journal_on:
-                    topic, kname = _stream_topic(consumer.stream)
-                    s.journal("acked", wall_ms, mid, topic, kname, peer.address)
-                return
+        jon, jev, consumers = s.journal_on, s.out.journal, peer.consumers
+        for mid in ids:
+            for consumer in consumers:
+                if consumer.ack(mid):
+                    consumer.last_ack = wall_ms / 1000
+                    if jon:
+                        topic, kname = _stream_topic(consumer.stream)
+                        jev.append(("acked", wall_ms, mid, topic, kname, peer.address, 0, None))
+                    break
 
     def on_nack(self, peer: Peer, nack: P.Nack) -> None:
         """The peer refused these messages for good (too large for it): each becomes a dead
@@ -87,8 +90,8 @@ class Sender:
             return
         out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
         if s.journal_on:
-            s.journal("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
-                      consumer.peer, flight.attempt)
+            s.out.journal.append(("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
+                                  consumer.peer, flight.attempt, None))
 
     def deliver_new(self, now: float) -> None:
         """Messages written this turn go straight into windows that had caught up."""

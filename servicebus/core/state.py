@@ -68,9 +68,12 @@ class Incoming(NamedTuple):
     runstate: RunState | None  # None: never run (or its run state is damaged)
 
 
+_tuple = tuple.__new__  # a NamedTuple without its keyword-parsing __new__: runs per message
+
+
 def incoming_record(kind: int, sender: str, reply_to: str, env: Envelope) -> IncomingRecord:
-    return IncomingRecord(kind, env.topic, sender, reply_to, env.sent, env.attempt, env.expires,
-                          env.correlation_id, env.headers, env.body)
+    return _tuple(IncomingRecord, (kind, env.topic, sender, reply_to, env.sent, env.attempt,
+                                   env.expires, env.correlation_id, env.headers, env.body))
 
 
 @dataclass(eq=False)
