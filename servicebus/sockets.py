@@ -120,9 +120,6 @@ class Sockets:
         """The peer address a polled DEALER is connected to (None: not a DEALER of ours)."""
         return self._address_of.get(sock)  # type: ignore[call-overload]
 
-    def dealer(self, address: str) -> zmq.Socket:
-        return self._dealers[address]
-
     # --- sending -----------------------------------------------------------------------
 
     def send_peer(self, address: str, frames: list[bytes]) -> bool:
