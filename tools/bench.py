@@ -75,6 +75,22 @@ SCENARIOS = {
 }
 
 
+def cpu_seconds(pid: int | None = None, tree: bool = False) -> float:
+    """User + system CPU seconds of a process, every thread of it (LevelDB's and ZeroMQ's
+    too), from /proc (through psutil); with ``tree``, of its descendants as well."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *(proc.children(recursive=True) if tree else [])]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += t.user + t.system
+    return total
+
+
 def payload(n: int) -> dict:
     return {"n": n, "pad": PAD}
 
@@ -129,12 +145,19 @@ def role_sub(a: argparse.Namespace) -> None:
         if not a.subscribed:
             bus.subscribe(a.peer, TOPIC, wait=60)
         print(json.dumps({"ready": True}), flush=True)
+        cpu = cpu_seconds()
         if a.count:
             done.wait(900)
             bus.drain(60)
+        cpu = cpu_seconds() - cpu
         fsyncs = bus.counters().get("fsyncs", 0)
-    print(json.dumps({"received": len(seen), "duplicates": dupes, "first": times[0], "last": times[1],
-                      "fsyncs": fsyncs, "latency_ns": lat}), flush=True)
+        print(json.dumps({"received": len(seen), "duplicates": dupes, "first": times[0], "last": times[1],
+                          "fsyncs": fsyncs, "latency_ns": lat, "cpu": cpu}), flush=True)
+        if a.hold:
+            # Open until the parent says the publisher has every ack: a bus closes its
+            # sockets without linger, so acks still queued in them would be dropped and
+            # the publisher's drain() would wait for a subscriber that is gone.
+            sys.stdin.readline()
 
 
 def role_pub(a: argparse.Namespace) -> None:
@@ -150,6 +173,7 @@ def role_pub(a: argparse.Namespace) -> None:
     with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
         wait_until(lambda: bus.status().subscriptions >= a.subscribers, 120, 0.01)
         before = bus.counters().get("fsyncs", 0)
+        cpu = cpu_seconds()
         start = time.time()
         if a.mode in ("batch", "fanout", "backlog"):
             for base in range(0, a.count, 100):
@@ -175,9 +199,12 @@ def role_pub(a: argparse.Namespace) -> None:
                 t.join()
         end = time.time()
         fsyncs = bus.counters().get("fsyncs", 0) - before
-        print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs}), flush=True)
+        print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs,
+                          "cpu": cpu_seconds() - cpu}), flush=True)
         if a.mode != "restart-fill":
             bus.drain(900)  # stay until every subscriber (the returning one, too) has it all
+            # ... and what that cost, sends and acks included (a second line)
+            print(json.dumps({"cpu": cpu_seconds() - cpu}), flush=True)
 
 
 def role_server(a: argparse.Namespace) -> None:
@@ -186,9 +213,11 @@ def role_server(a: argparse.Namespace) -> None:
     with Bus(a.bind, a.datadir) as bus:
         bus.handle("bench.quote", lambda p, m: {"n": p["n"], "price": 10})
         print(json.dumps({"ready": True}), flush=True)
+        cpu = cpu_seconds()
         sys.stdin.readline()  # the parent closes stdin when the run is over
+        cpu = cpu_seconds() - cpu
         fsyncs = bus.counters().get("fsyncs", 0)
-    print(json.dumps({"fsyncs": fsyncs}), flush=True)
+    print(json.dumps({"fsyncs": fsyncs, "cpu": cpu}), flush=True)
 
 
 def role_client(a: argparse.Namespace) -> None:
@@ -200,6 +229,7 @@ def role_client(a: argparse.Namespace) -> None:
     with Bus(a.bind, a.datadir) as bus:
         bus.request(a.peer, "bench.quote", {"n": -1}, timeout=60)  # warm up
         before = bus.counters().get("fsyncs", 0)
+        cpu = cpu_seconds()
         start, wrong, pending = time.time(), 0, deque()
         for n in range(a.count):
             if len(pending) >= in_flight:
@@ -210,8 +240,9 @@ def role_client(a: argparse.Namespace) -> None:
             k, fut = pending.popleft()
             wrong += fut.result(60)["n"] != k
         end = time.time()
+        cpu = cpu_seconds() - cpu
         fsyncs = bus.counters().get("fsyncs", 0) - before
-    print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs, "wrong": wrong}), flush=True)
+    print(json.dumps({"start": start, "end": end, "fsyncs": fsyncs, "wrong": wrong, "cpu": cpu}), flush=True)
 
 
 # --- child roles: physical references and peers -------------------------------------------------
@@ -239,23 +270,35 @@ def role_zmq_sink(a: argparse.Namespace) -> None:
 
 
 def role_peer(a: argparse.Namespace) -> None:
+    import importlib
+
+    # The client library is imported before the clock starts, as servicebus's roles do.
+    importlib.import_module("redis" if a.peer == "redis" else "nats" if a.peer.startswith("nats") else "pika")
+    cpu = cpu_seconds()
     if a.role == "peer-produce":
-        print(json.dumps(peers.produce(a.peer, a.port, a.name, a.mode, a.count)), flush=True)
+        out = peers.produce(a.peer, a.port, a.name, a.mode, a.count)
     else:
         print(json.dumps({"ready": True}), flush=True)
-        print(json.dumps(peers.consume(a.peer, a.port, a.name, a.count, a.mode)), flush=True)
+        cpu = cpu_seconds()
+        out = peers.consume(a.peer, a.port, a.name, a.count, a.mode)
+    print(json.dumps({**out, "cpu": cpu_seconds() - cpu}), flush=True)
 
 
 # --- one run of one scenario on one system ------------------------------------------------------
 
 
-def result(count: int, start: float, last: float, consumer: dict, fsyncs: int | None = None) -> dict:
+def result(count: int, start: float, last: float, consumer: dict, fsyncs: int | None = None,
+           cpu: float | None = None, per: int | None = None) -> dict:
+    """One run's figures. ``cpu``: user + system seconds of every process of the run over
+    its measured part, divided by ``per`` (default ``count``) messages."""
     lat = sorted(consumer.get("latency_ns") or [])
     out = {"value": count / max(1e-9, last - start), "received": consumer["received"],
            "duplicates": consumer["duplicates"],
            "exactly_once": consumer["received"] == count and consumer["duplicates"] == 0}
     if fsyncs is not None:
         out["fsyncs_per_msg"] = fsyncs / count
+    if cpu is not None:
+        out["cpu_us_per_msg"] = cpu / (per or count) * 1e6
     if lat:
         out["p50_us"] = lat[len(lat) // 2] / 1000
         out["p99_us"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1000
@@ -280,7 +323,7 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
         s = read_json(server)
         finish(client, server)
         return result(count, c["start"], c["end"], {"received": count - c["wrong"], "duplicates": 0},
-                      c["fsyncs"] + s["fsyncs"])
+                      c["fsyncs"] + s["fsyncs"], cpu=c["cpu"] + s["cpu"])
     pub_addr = free_address()
     n_subs = 10 if sc.mode == "fanout" else 1
     subs_addrs = [free_address() for _ in range(n_subs)]
@@ -298,27 +341,30 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
         read_json(sub)
         s = read_json(sub)
         finish(pub, sub)
-        return result(count, p["start"], p["end"], s, p["fsyncs"])
+        return result(count, p["start"], p["end"], s, p["fsyncs"], cpu=p["cpu"])  # publishing only
     if sc.mode in ("backlog", "restart"):
         return run_backlog(sc.mode, count, run_dir, pub_addr, sub_args)
-    subs = [spawn(*sub_args(i, count)) for i in range(n_subs)]
+    subs = [spawn(*sub_args(i, count), "--hold", stdin=True) for i in range(n_subs)]
     pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", sc.mode, "--count", str(count),
                 "--datadir", str(run_dir / "pub"), "--subscribers", str(n_subs), *journal)
     for sub in subs:
         read_json(sub)
     p = read_json(pub)
     results = [read_json(sub) for sub in subs]
+    cpu = read_json(pub)["cpu"] + sum(r["cpu"] for r in results)  # every process of the run
+    for sub in subs:
+        sub.stdin.close()
     finish(pub, *subs)
     if sc.mode == "fanout":
         last = max(r["last"] for r in results)
         merged = {"received": sum(r["received"] for r in results) // n_subs,
                   "duplicates": sum(r["duplicates"] for r in results)}
-        out = result(count, p["start"], last, merged)
+        out = result(count, p["start"], last, merged, cpu=cpu, per=count * n_subs)  # per delivery
         out["value"] *= n_subs  # deliveries per second
         out["exactly_once"] = all(r["received"] == count and not r["duplicates"] for r in results)
         return out
     s = results[0]
-    return result(count, p["start"], s["last"], s, p["fsyncs"] + s["fsyncs"])
+    return result(count, p["start"], s["last"], s, p["fsyncs"] + s["fsyncs"], cpu=cpu)
 
 
 def run_backlog(mode: str, count: int, run_dir: Path, pub_addr: str, sub_args) -> dict:
@@ -381,11 +427,14 @@ def run_peer(peer: str, server: "peers.Server", name: str, count: int) -> dict:
               "--count", str(count)]
     consumer = spawn("--role", "peer-consume", *common)
     read_json(consumer)
+    server_cpu = cpu_seconds(server.proc.pid, tree=True) if server.proc else 0.0
     producer = spawn("--role", "peer-produce", *common)
     p = read_json(producer)
     c = read_json(consumer)
+    if server.proc:  # the broker's whole process tree (RabbitMQ runs several)
+        server_cpu = cpu_seconds(server.proc.pid, tree=True) - server_cpu
     finish(producer, consumer)
-    return result(count, p["start"], c["last"], c)
+    return result(count, p["start"], c["last"], c, cpu=server_cpu + p["cpu"] + c["cpu"])
 
 
 # --- physical references -------------------------------------------------------------------------
@@ -454,7 +503,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
     values = [r["value"] for r in runs]
     out = {"median": statistics.median(values), "min": min(values), "max": max(values),
            "exactly_once": all(r["exactly_once"] for r in runs), "runs": runs}
-    for key in ("p99_us", "fsyncs_per_msg", "max_rss_mb"):
+    for key in ("p99_us", "fsyncs_per_msg", "max_rss_mb", "cpu_us_per_msg"):
         if all(key in r for r in runs):
             out[key] = statistics.median(r[key] for r in runs)
     return out
@@ -469,6 +518,7 @@ def main() -> int:
     ap.add_argument("--subscribers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--subscribed", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer messages per run")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario and system (default 3)")
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="only this scenario")
@@ -552,7 +602,10 @@ def print_table(summary: dict) -> None:
           "it acks): stronger than any peer. Python clients are pure Python; all processes share 2 cores.\n")
     print("vs best peer: servicebus / best peer at the same or stronger durability (> 1: servicebus "
           "better; nats-2.9, which acks before fsync, is shown but not counted)")
-    print(f"{'scenario':<20}{'system':<16}{'median (min-max)':>30}  {'p99/fsync':>10}  once  vs best peer  target")
+    print("cpu/msg: user + system CPU us per message of every process of the run (publisher and "
+          "subscriber with all their threads; for a peer, its server and both clients), from /proc")
+    print(f"{'scenario':<20}{'system':<16}{'median (min-max)':>30}  {'p99/fsync':>10}  {'cpu/msg':>8}  once  "
+          "vs best peer  target")
     for name, systems in t.items():
         sc = SCENARIOS[name]
         unit = {"latency": "us", "restart": "s"}.get(sc.mode, "/s")
@@ -579,8 +632,9 @@ def print_table(summary: dict) -> None:
                            f"{ours['p99_us'] / summary['latency_floor_us']:.2f}x)")
             fmt = "{:,.2f}" if sc.mode == "restart" else "{:,.0f}"
             med, lo, hi = (fmt.format(x) for x in (v["median"], v["min"], v["max"]))
+            cpu = f"{v['cpu_us_per_msg']:.1f}us" if "cpu_us_per_msg" in v else "-"
             print(f"{name:<20}{system:<16}{med:>14} ({lo}-{hi}) {unit:<3}"
-                  f"{extra:>10}  {'yes' if v['exactly_once'] else 'NO':<4}  {ratio:<13} {target}")
+                  f"{extra:>10}  {cpu:>8}  {'yes' if v['exactly_once'] else 'NO':<4}  {ratio:<13} {target}")
     if "fanout" in t and "e2e-batch" in t and "servicebus" in t["fanout"] and "servicebus" in t["e2e-batch"]:
         print(f"\nfanout / e2e-batch: {t['fanout']['servicebus']['median'] / t['e2e-batch']['servicebus']['median']:.2f}x")
     if "e2e-batch" in t and "e2e-batch-nojournal" in t:
