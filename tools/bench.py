@@ -524,13 +524,19 @@ def main() -> int:
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="only this scenario")
     ap.add_argument("--no-peers", action="store_true", help="servicebus only")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--switch-interval", type=float, metavar="S",
+                    help="sys.setswitchinterval(S) in every servicebus process (default: Python's 0.005)")
     a = ap.parse_args()
     roles = {"sub": role_sub, "pub": role_pub, "server": role_server, "client": role_client,
              "zmq": role_zmq_sink, "peer-produce": role_peer, "peer-consume": role_peer}
     if a.role:
+        if os.environ.get("BENCH_SWITCH_INTERVAL"):  # an experiment: the GIL's hand-off period
+            sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
         roles[a.role](a)
         return 0
 
+    if a.switch_interval:
+        os.environ["BENCH_SWITCH_INTERVAL"] = str(a.switch_interval)  # the children inherit it
     log = (lambda *x: None) if a.json else (lambda *x: print(*x, file=sys.stderr, flush=True))
     names = a.only or list(SCENARIOS)
     tmp = Path(tempfile.mkdtemp(prefix="servicebus-bench-"))
