@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from .packer import pack
 from .protocol import Envelope, Kind
 from .stored import DeliveryRecord
 
@@ -72,23 +73,27 @@ class OutgoingRecord(NamedTuple):
 
 def pack_outgoing(kind: Kind, topic: str, sent: int, body: bytes, expires: int | None = None,
                   correlation_id: str | None = None, headers: dict[str, Any] | None = None) -> bytes:
-    packed: bytes = msgpack.packb([int(kind), topic, sent, expires, correlation_id, headers, body],
-                                  use_bin_type=True)
-    return packed
+    return pack([int(kind), topic, sent, expires, correlation_id, headers, body])
+
+
+_tuple = tuple.__new__  # NamedTuples built per message skip their keyword-parsing __new__
 
 
 def unpack_outgoing(data: bytes) -> OutgoingRecord:
     """Decode a stored outgoing record; ``ValueError`` (or msgpack's errors) if damaged.
     Checked lightly, as this runs per message sent: the full check is schema.py's."""
-    record = OutgoingRecord(*msgpack.unpackb(data, raw=False, strict_map_key=False))
+    fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if type(fields) is not list or len(fields) != 7:
+        raise ValueError("not an outgoing record")
+    record: OutgoingRecord = _tuple(OutgoingRecord, fields)
     if record.kind not in (1, 2, 3) or type(record.body) is not bytes or type(record.topic) is not str:
         raise ValueError("not an outgoing record")
     return record
 
 
 def envelope_from_record(message_id: str, record: OutgoingRecord, attempt: int) -> Envelope:
-    return Envelope(message_id, record.topic, record.sent, record.body, attempt,
-                    record.expires, record.correlation_id, record.headers)
+    return _tuple(Envelope, (message_id, record.topic, record.sent, record.body, attempt,
+                             record.expires, record.correlation_id, record.headers))
 
 
 class InFlight:

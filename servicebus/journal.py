@@ -31,6 +31,7 @@ from pathlib import Path
 import msgpack
 
 from .clock import BusClock
+from .packer import pack
 from .store import Batch, Store
 from .stored import JournalEvent
 
@@ -96,7 +97,7 @@ class Journal:
     def record(self, batch: Batch, events: Sequence[JournalEvent]) -> None:
         """Add ``events`` to ``batch``: they become durable exactly when it does."""
         if self.enabled and events:
-            batch.put_journal(next(self._seq), msgpack.packb(events, use_bin_type=True))
+            batch.put_journal(next(self._seq), pack(events))
 
     # --- moving out to segment files -----------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from .errors import ProtocolError
+from .packer import pack
 from .topics import validate_topic
 
 __all__ = [
@@ -145,9 +146,8 @@ Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
 
 
 
-def _pack(obj: Any) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
-    return packed
+_pack = pack
+_tuple = tuple.__new__
 
 
 # --- payloads ------------------------------------------------------------------------------
@@ -156,8 +156,7 @@ def _pack(obj: Any) -> bytes:
 def encode_payload(payload: Any) -> bytes:
     """msgpack-encode a user payload; raise ``TypeError`` naming the type that cannot be."""
     try:
-        packed: bytes = msgpack.packb(payload, use_bin_type=True, strict_types=False)
-        return packed
+        return pack(payload)
     except (TypeError, OverflowError, ValueError) as exc:
         raise TypeError(f"payload cannot be encoded with msgpack: {exc}") from exc
 
@@ -412,16 +411,14 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
             msgpack.unpackb(body, raw=False, strict_map_key=False)
         except Exception as exc:
             raise ProtocolError("bad_payload", type(exc).__name__) from exc
-        out.append(
-            Envelope(
-                _str(mid, "id", MAX_ID_LEN),
-                _topic(topic),
-                _int(sent, "sent"),
-                body,
-                _int(attempt, "attempt", 1),
-                None if expires is None else _int(expires, "expires"),
-                _opt_str(corr, "correlation_id", MAX_ID_LEN),
-                headers or None,
-            )
-        )
+        out.append(_tuple(Envelope, (  # per message: skips the NamedTuple's keyword parsing
+            _str(mid, "id", MAX_ID_LEN),
+            _topic(topic),
+            _int(sent, "sent"),
+            body,
+            _int(attempt, "attempt", 1),
+            None if expires is None else _int(expires, "expires"),
+            _opt_str(corr, "correlation_id", MAX_ID_LEN),
+            headers or None,
+        )))
     return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize))

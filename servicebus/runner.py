@@ -43,6 +43,7 @@ log = logging.getLogger("servicebus")
 # between a failed write and its failure being recorded can be dropped: a few per worker.
 # Dead letters and replies keep their payload, so this also bounds that memory.
 RECENT = 64
+_tuple = tuple.__new__  # NamedTuples built per message skip their keyword-parsing __new__
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 
@@ -136,7 +137,7 @@ class Runner:
         attempts, done, last_error, _next = item.runstate or NO_RUNS
         if attempts >= self._config.max_attempts:
             return None  # it will not run again: run() dead-letters it
-        return RunState(attempts + 1, list(done), last_error, 0)
+        return _tuple(RunState, (attempts + 1, list(done), last_error, 0))
 
     def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
         """Put the next message's start marker in ``batch``: the write that finishes one
@@ -191,9 +192,9 @@ class Runner:
                 # again later; no attempt is used up.
                 return time.monotonic() + STORE_RETRY, False
 
-        message = Message(item.id, topic, record.sender, record.reply_to, record.sent, attempts,
-                          record.headers, KIND_NAMES.get(kind, "event"), record.correlation_id,
-                          expires)
+        message: Message = _tuple(Message, (
+            item.id, topic, record.sender, record.reply_to, record.sent, attempts, record.headers,
+            KIND_NAMES.get(kind, "event"), record.correlation_id, expires))
         try:
             payload = decode_payload(record.body)
         except Exception as exc:  # validated on receipt; only a corrupted store gets here

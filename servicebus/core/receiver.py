@@ -14,6 +14,7 @@ from .state import Incoming, State, incoming_record
 
 __all__ = ["Receiver", "PRUNE_BATCH"]
 
+_tuple = tuple.__new__  # a NamedTuple without its keyword-parsing __new__: runs per message
 PRUNE_BATCH = 10_000  # handled ids past the dedupe window deleted per turn, at most
 
 
@@ -50,7 +51,7 @@ class Receiver:
             seen.add(mid)
             record = incoming_record(kind, frame.sender, frame.reply_to, env)
             batch.put_incoming(mid, record)
-            handoff.append(Incoming(mid, record, None))
+            handoff.append(_tuple(Incoming, (mid, record, None)))
             stored = True
             if jon:
                 jev.append(("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt, None))

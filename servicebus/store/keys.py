@@ -9,6 +9,8 @@ from typing import Any
 
 import msgpack
 
+from ..packer import pack
+
 __all__ = ["FORMAT_VERSION", "SEP", "KEYSPACES"]
 
 # 2: handled ids carry bus-clock time and are indexed by it (t/); journal segments (g/).
@@ -35,9 +37,7 @@ _M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G = (KEYSPACES[k] for k in (
     "handled", "deadletters", "replies", "journal", "handled_index", "segments"))
 
 
-def _pack(obj: Any) -> bytes:
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
-    return packed
+_pack = pack
 
 
 def _unpack(data: bytes) -> Any:
