@@ -7,7 +7,7 @@ keyspace's record raises ``CorruptRecordError`` naming the keyspace and the key,
 way out (``servicebus check --repair``). The same checks are what ``check`` runs over the
 whole store, so the bus and the repair tool always agree on what is damaged.
 
-Only ``store.py`` calls ``decode``; it stays free of plyvel so that it can be tested alone.
+Only the ``store`` package calls ``decode``; it stays free of plyvel so that it can be tested alone.
 """
 
 from __future__ import annotations
