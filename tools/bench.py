@@ -127,7 +127,6 @@ def role_sub(a: argparse.Namespace) -> None:
     lock, done = threading.Lock(), threading.Event()
     times = [0.0, 0.0]
     with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
-        @bus.every(TOPIC)
         def handler(p, message):
             nonlocal dupes
             now = time.time()
@@ -142,6 +141,11 @@ def role_sub(a: argparse.Namespace) -> None:
                 if len(seen) >= a.count:
                     done.set()
 
+        if a.count:
+            # Not when it only subscribes and goes away (publish-serial): messages that
+            # reach it before it closes must wait in its store for the process that comes
+            # back and counts them, not be handled and counted by nobody.
+            bus.every(TOPIC, handler)
         if not a.subscribed:
             bus.subscribe(a.peer, TOPIC, wait=60)
         print(json.dumps({"ready": True}), flush=True)
