@@ -1,0 +1,105 @@
+"""Per-stage latency of servicebus for ``tools/bench`` (the ``latency-stages`` scenario).
+
+The bench's publisher and subscriber processes install probes here: thin wrappers around
+the bus's own functions that note ``time.monotonic_ns()`` (one clock for every process of
+the machine) when a message passes a stage boundary. The library carries no probe code;
+the wrappers cost about a microsecond each, so this run's total is a little above the
+plain ``latency`` scenario's.
+
+One message is in flight at a time, so each stage event belongs to the last publish call
+before it. ``breakdown`` turns the two processes' events into the median of each stage.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+__all__ = ["STAGES", "install", "breakdown"]
+
+# (name, from event, to event): the path of one message, in order.
+STAGES = [
+    ("publish: build the batch", "pub.call", "pub.write"),
+    ("publish: fsync (publisher)", "pub.write", "pub.written"),
+    ("publish returns -> engine takes it", "pub.written", "pub.engine"),
+    ("engine: window -> frames -> send", "pub.engine", "pub.send"),
+    ("wire + subscriber wakes", "pub.send", "sub.recv"),
+    ("subscriber: recv + decode", "sub.recv", "sub.core"),
+    ("subscriber: core takes the frame", "sub.core", "sub.core_done"),
+    ("subscriber: -> prepare", "sub.core_done", "sub.prepare"),
+    ("subscriber: prepare", "sub.prepare", "sub.prepared"),
+    ("subscriber: journal + batch", "sub.prepared", "sub.write"),
+    ("subscriber: fsync", "sub.write", "sub.written"),
+    ("subscriber: commit -> hand-off", "sub.written", "sub.handoff"),
+    ("hand-off -> handler starts", "sub.handoff", "sub.handler"),
+]
+
+events: list[tuple[str, int]] = []
+_now = time.monotonic_ns
+
+
+def _wrap(owner: Any, name: str, before: str | None = None, after: str | None = None,
+          when: Callable[..., bool] = lambda *a, **k: True) -> None:
+    original = getattr(owner, name)
+
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        hit = when(*args, **kwargs)
+        if hit and before:
+            events.append((before, _now()))
+        out = original(*args, **kwargs)
+        if hit and after:
+            events.append((after, _now()))
+        return out
+
+    setattr(owner, name, probe)
+
+
+def install(side: str) -> None:
+    """Probe this process's bus classes: ``side`` is "pub" or "sub"."""
+    from servicebus.core import Published
+    from servicebus.core.machine import Core
+    from servicebus.dispatch import Dispatcher
+    from servicebus.engine import Engine
+    from servicebus.sockets import Sockets
+    from servicebus.store import Store
+
+    synced = lambda self, batches, sync: sync  # noqa: E731 - only the fsynced writes
+    _wrap(Store, "_writing", f"{side}.write", f"{side}.written", when=synced)
+    if side == "pub":
+        _wrap(Engine, "publish", "pub.call")
+        _wrap(Core, "command", "pub.engine", when=lambda self, cmd, now: isinstance(cmd, Published))
+        _wrap(Sockets, "send_peer", "pub.send")
+    else:
+        _wrap(Engine, "_read_router", "sub.recv")
+        _wrap(Core, "on_router", "sub.core", "sub.core_done")
+        _wrap(Core, "prepare", "sub.prepare", "sub.prepared")
+        _wrap(Dispatcher, "submit", "sub.handoff")
+
+
+def handler_started() -> None:
+    events.append(("sub.handler", _now()))
+
+
+def breakdown(pub_events: list[tuple[str, int]], sub_events: list[tuple[str, int]]) -> dict:
+    """Median microseconds of each stage over every message that passed all of them."""
+    merged = sorted(pub_events + sub_events, key=lambda e: e[1])
+    per_message: list[dict[str, int]] = []
+    for name, t in merged:
+        if name == "pub.call":
+            per_message.append({name: t})
+        elif per_message and name not in per_message[-1]:
+            # The first of each event after the publish call: later ones are acks' writes,
+            # pings, the next turn's sends.
+            if name.startswith("sub.") and "pub.send" not in per_message[-1]:
+                continue  # a subscriber event before this message was sent is not its own
+            per_message[-1][name] = t
+    out: dict[str, float] = {}
+    complete = [m for m in per_message if all(a in m and b in m for _, a, b in STAGES)
+                and all(m[a] <= m[b] for _, a, b in STAGES)]
+    for label, a, b in STAGES:
+        out[label] = statistics.median((m[b] - m[a]) / 1000 for m in complete) if complete else 0.0
+    out["total: publish call -> handler starts"] = (
+        statistics.median((m["sub.handler"] - m["pub.call"]) / 1000 for m in complete) if complete else 0.0)
+    out["messages"] = len(complete)
+    return out
