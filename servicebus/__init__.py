@@ -17,6 +17,7 @@ from .errors import (
     RequestTimeout,
     StoreError,
     StoreWriteError,
+    SubscribeRefused,
     SubscribeTimeout,
     TransportError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "TransportError",
     "ProtocolError",
     "DeliveryError",
+    "SubscribeRefused",
     "SubscribeTimeout",
     "RemoteError",
     "RequestTimeout",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .policy import parse_allow
+
 __all__ = ["BusConfig"]
 
 
@@ -56,11 +58,24 @@ class BusConfig:
     #: but makes table files bigger, and LevelDB maps them into memory: with 1M compressible
     #: messages queued, publisher RSS went from ~110 MB to ~380 MB
     store_compression: bool = True
+    #: addresses a frame off the wire may name (a subscriber's address, a request's reply
+    #: address) beyond those on the frame's own source host: IPs, CIDRs (``"10.0.0.0/8"``;
+    #: ``"0.0.0.0/0"`` allows every TCP peer), host names as written, ``ipc://`` path prefixes
+    allow_peers: tuple[str, ...] = ()
+    #: peers (addresses connected to, each a socket and ~2 file descriptors) at most; a new
+    #: address beyond it is refused (a subscribe is counted and not stored, ``send`` raises)
+    max_peers: int = 256
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "allow_peers":
+                if isinstance(value, str) or not isinstance(value, (tuple, list)):
+                    raise TypeError("option allow_peers must be a list of hosts, CIDRs or ipc:// paths")
+                object.__setattr__(self, "allow_peers", tuple(value))
+                parse_allow(self.allow_peers)  # ValueError naming the bad entry
                 continue
             if field.name in ("journal", "store_compression"):
                 if not isinstance(value, bool):
@@ -70,7 +85,8 @@ class BusConfig:
                 raise TypeError(f"option {field.name} must be a number, not {type(value).__name__}")
             if value <= 0:
                 raise ValueError(f"option {field.name} must be > 0, got {value!r}")
-        for name in ("workers", "max_attempts", "window", "max_batch", "max_payload", "dispatch_queue"):
+        for name in ("workers", "max_attempts", "window", "max_batch", "max_payload", "dispatch_queue",
+                     "max_peers"):
             if not isinstance(getattr(self, name), int):
                 raise TypeError(f"option {name} must be an int")
         if self.retry_max < self.retry_initial:

@@ -51,6 +51,13 @@ READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot st
 RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
 
 
+def _peer_address(frame: zmq.Frame) -> str | None:
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:  # a transport without one
+        return None
+
+
 @dataclass
 class Drain:
     future: Future
@@ -88,6 +95,7 @@ class Engine(threading.Thread):
         self._degraded: str | None = None  # why the store cannot be written, if it cannot
         self._next_recover = 0.0
         self._drains: list[Future] = []
+        self._sources: dict[bytes, str | None] = {}  # ROUTER identity -> its Peer-Address
         self._admin: AdminServer | None = None
         if sockets.admin is not None:
             self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
@@ -103,7 +111,7 @@ class Engine(threading.Thread):
             self.core = Core(config=config, store=store, links=sockets, batch=store.batch(),
                              address=address, node_id=node_id, boot=os.urandom(6).hex(),
                              ids=self.ids, clock=clock, journal_on=journal.enabled,
-                             now=time.monotonic())
+                             now=time.monotonic(), uid=os.getuid())
             self._queue.extend(self.core.load())  # replies stored before a crash
         except BaseException:
             self.close_wake()  # the bus never gets this engine to close it
@@ -238,7 +246,10 @@ class Engine(threading.Thread):
         # release
         for future, value in done.release:
             if not future.done():
-                future.set_result(value)
+                if isinstance(value, BaseException):  # a refused subscribe (handshake.py)
+                    future.set_exception(value)
+                else:
+                    future.set_result(value)
         if len(done.release) > 1:
             # Several callers were waiting on this commit: let them run and queue their next
             # call before the next turn, so that it commits them together (group commit).
@@ -354,17 +365,28 @@ class Engine(threading.Thread):
     def _read_router(self, now: float) -> None:
         router, core = self.sockets.router, self.core
         assert router is not None
+        sources = self._sources
         for _ in range(READ_LIMIT):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                # The identity part uncopied: its Peer-Address (policy.py) is looked up
+                # once per connection; identities are never reused within a socket.
+                first = router.recv(zmq.NOBLOCK, copy=False)
+                frames = [first.bytes]
+                while router.getsockopt(zmq.RCVMORE):
+                    frames.append(router.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
+            ident = frames[0]
+            if ident not in sources:
+                if len(sources) >= 10_000:
+                    sources.clear()  # bounded: a connection flood must not grow it
+                sources[ident] = _peer_address(first)
             if len(frames) < 2:
                 core.malformed("bad_frame_count", f"{len(frames)} frame(s)")
                 continue
             frame = self._decode(frames[1:])
             if frame is not None:
-                core.on_router(frames[0], frame, now)
+                core.on_router(ident, frame, now, sources[ident])
         for ident, reply in core.take_router_frames():  # pongs and nacks, at once
             self._send_router(ident, reply)
 

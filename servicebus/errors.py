@@ -18,6 +18,7 @@ __all__ = [
     "ProtocolError",
     "DeliveryError",
     "SubscribeTimeout",
+    "SubscribeRefused",
     "RemoteError",
     "RequestTimeout",
 ]
@@ -91,6 +92,11 @@ class SubscribeTimeout(DeliveryError, TimeoutError):
 
     The intent stays stored and is retried; only the wait gave up.
     """
+
+
+class SubscribeRefused(DeliveryError):
+    """The publisher refused a subscribe (its address policy or peer limit); the message
+    says why. The intent stays stored and is retried until confirmed or unsubscribed."""
 
 
 class RemoteError(DeliveryError):

@@ -94,7 +94,12 @@ class Sockets:
     def connect(self, address: str) -> None:
         if address in self._dealers:
             return
-        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            # Creating the socket fails too once the context's socket limit or the process's
+            # file descriptors run out (a flood of addresses): a refusal, not an engine death.
+            sock = self.ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"cannot connect to {address[:200]}: {exc}") from exc
         try:
             _tune(sock, self.config, hwm=10_000)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection

@@ -235,6 +235,14 @@ class Network:
         return [f for s, d, f in self.log if s == src and d == dst and isinstance(f, kind)]
 
 
+def _source(address: str) -> str:
+    """What ZeroMQ's Peer-Address would say of a frame from ``address``: its host for TCP,
+    ``localhost:UID:GID:PID`` (this process's user) for a Unix socket."""
+    if address.startswith("tcp://"):
+        return address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return f"localhost:{os.getuid()}:{os.getgid()}:{os.getpid()}"
+
+
 class CoreNode:
     """One bus in a ``Network``: a ``Core`` on a ``FakeStore``, turned like the engine
     turns it (DESIGN.md section 9), with handlers that complete what they are handed."""
@@ -253,7 +261,7 @@ class CoreNode:
         self.core = Core(config=self.net.config, store=self.store, links=self, batch=self.store.batch(),
                          address=self.address, node_id=self.address, boot=os.urandom(6).hex(),
                          ids=IdGenerator(), clock=clock, wall=clock.wall_ms, journal_on=False,
-                         now=clock.monotonic())
+                         now=clock.monotonic(), uid=os.getuid())
         self.commands: list[Any] = list(self.core.load())
         self.inbox.clear()  # what the dead process had not read is gone with it
         self.running = True
@@ -302,7 +310,7 @@ class CoreNode:
             if reply:
                 core.on_dealer(src, frame, now)
             else:
-                core.on_router(src.encode(), frame, now)
+                core.on_router(src.encode(), frame, now, _source(src))
         for ident, frames in core.take_router_frames():
             self.net.deliver(self.address, ident.decode(), frames, reply=True)
         commands, self.commands = self.commands, []

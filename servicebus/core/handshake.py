@@ -13,9 +13,10 @@ import logging
 
 from .. import protocol as P
 from ..delivery import Consumer, event_stream
+from ..errors import SubscribeRefused
 from ..stored import IntentRecord, SubscriptionRecord
 from .commands import SubscribeCmd
-from .peers import Roster
+from .peers import PeerLimit, Roster
 from .state import Intent, State
 
 __all__ = ["Handshake", "INTENT_RETRY"]
@@ -23,12 +24,30 @@ __all__ = ["Handshake", "INTENT_RETRY"]
 log = logging.getLogger("servicebus")
 
 INTENT_RETRY = 1.0
+# A SUBSCRIBE naming an address that is not up yet is stored only once that address answers
+# a ping: until then it costs a connection and this entry, nothing durable, no messages.
+# Such addresses waiting at once, at most: named over one connection, and in all (a share
+# of max_peers, so that a flood cannot take every connection a real subscriber needs).
+UNVERIFIED_PER_CONNECTION = 16
+PROBATION = 30.0  # seconds an address gets to answer before the connection is dropped
+
+
+class _Unverified:
+    __slots__ = ("source", "conn", "since", "frames")
+
+    def __init__(self, source: str | None, conn: bytes, since: float) -> None:
+        self.source = source
+        self.conn = conn  # the ROUTER identity of the connection that named it
+        self.since = since
+        self.frames: dict[str, tuple[bytes, P.Subscribe]] = {}  # topic -> latest (ident, frame)
 
 
 class Handshake:
     def __init__(self, state: State, roster: Roster) -> None:
         self.s = state
         self.roster = roster
+        self.unverified: dict[str, _Unverified] = {}  # address -> SUBSCRIBEs waiting on its pong
+        self._refused_logged: set[str] = set()
 
     # --- subscriber side ---------------------------------------------------------------
 
@@ -81,10 +100,44 @@ class Handshake:
         s.out.release.extend((fut, True) for fut in waiters)
         return True
 
+    def on_refused(self, nack: P.Nack) -> tuple[str, ...]:
+        """The publisher refused a subscribe or unsubscribe of ours (its address policy,
+        its peer limit): callers waiting on it get the reason; the intent stays stored and
+        is retried (an operator may fix the policy), logged once. Returns the ids that
+        are not intents (messages)."""
+        rest = []
+        for mid in nack.ids:
+            intent = self.s.intent_ids.get(mid)
+            if intent is None:
+                rest.append(mid)
+                continue
+            if intent.id not in self._refused_logged:
+                self._refused_logged.add(intent.id)
+                log.error("%s to %s at %s refused by the publisher: %s (retried every %.0fs)",
+                          intent.op, intent.topic, intent.publisher, nack.reason, INTENT_RETRY)
+            error = SubscribeRefused(f"{intent.op} to {intent.topic!r} at {intent.publisher} refused "
+                                     f"by the publisher: {nack.reason}; it stays stored and is "
+                                     "retried until confirmed (unsubscribe to give it up)")
+            waiters, intent.waiters = intent.waiters, []
+            self.s.out.release.extend((fut, error) for fut in waiters)
+        return tuple(rest)
+
     def peer_up(self, address: str) -> None:
         for intent in self.s.intents.values():
             if intent.publisher == address and not intent.confirmed:
                 intent.next_try = 0.0
+        pending = self.unverified.pop(address, None)
+        if pending is not None:  # it answered: what it asked for is stored now
+            for ident, frame in pending.frames.values():
+                self._store_subscription(ident, frame)
+
+    def expire_unverified(self, now: float) -> None:
+        for address, pending in list(self.unverified.items()):
+            if now - pending.since < PROBATION:
+                continue
+            del self.unverified[address]
+            self.s.count_refused("unanswered", address, pending.source)
+            self.roster.drop_if_unused(address)
 
     def retry(self, now: float) -> None:
         s = self.s
@@ -98,15 +151,50 @@ class Handshake:
 
     # --- publisher side ----------------------------------------------------------------
 
-    def on_subscribe(self, ident: bytes, frame: P.Subscribe) -> None:
+    def _refuse(self, ident: bytes, frame: P.Subscribe | P.Unsubscribe, reason: str,
+                source: str | None) -> None:
+        s = self.s
+        s.count_refused(reason, frame.address, source)
+        s.out.to_router.append((ident, P.encode_nack([frame.id], f"address {frame.address[:200]!r} "
+                                                                 f"refused: {reason}")))
+
+    def on_subscribe(self, ident: bytes, frame: P.Subscribe, source: str | None = None) -> None:
         s = self.s
         key = (frame.address, frame.topic)
-        if key not in s.subscriptions:
+        if key in s.subscriptions:  # a repeat: acked again, changes nothing
+            s.out.batch.sync = True
+            s.out.acks.setdefault(ident, []).append(frame.id)
+            return
+        reason = s.policy.refuse(frame.address, source)
+        if reason is not None:
+            self._refuse(ident, frame, reason, source)
+            return
+        peer = s.peers.get(frame.address)
+        if peer is not None and peer.up:
+            self._store_subscription(ident, frame)
+            return
+        pending = self.unverified.get(frame.address)
+        if pending is None:
+            if len(self.unverified) >= max(UNVERIFIED_PER_CONNECTION, s.config.max_peers // 2) or \
+                    sum(1 for p in self.unverified.values() if p.conn == ident) >= UNVERIFIED_PER_CONNECTION:
+                self._refuse(ident, frame, "too_many_unanswered", source)
+                return
             try:
-                self.roster.peer(frame.address)
+                peer = self.roster.peer(frame.address)
+            except PeerLimit:
+                self._refuse(ident, frame, "too_many_peers", source)
+                return
             except ValueError as exc:
                 s.count_malformed("bad_address", str(exc))
                 return
+            pending = self.unverified[frame.address] = _Unverified(source, ident, s.now)
+            self.roster.ping(peer, s.now)
+        pending.frames[frame.topic] = (ident, frame)
+
+    def _store_subscription(self, ident: bytes, frame: P.Subscribe) -> None:
+        s = self.s
+        key = (frame.address, frame.topic)
+        if key not in s.subscriptions:
             since = s.ids.next()
             record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
             s.subscriptions[key] = record
@@ -119,8 +207,16 @@ class Handshake:
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
 
-    def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe) -> None:
+    def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe, source: str | None = None) -> None:
         s = self.s
+        # Only the subscriber's own host may end its subscription (as it made it).
+        reason = s.policy.refuse(frame.address, source)
+        if reason is not None:
+            self._refuse(ident, frame, reason, source)
+            return
+        pending = self.unverified.get(frame.address)
+        if pending is not None:
+            pending.frames.pop(frame.topic, None)
         key = (frame.address, frame.topic)
         if s.subscriptions.pop(key, None) is not None:
             stream = event_stream(frame.topic)

@@ -27,6 +27,7 @@ from ..clock import BusClock, wall_ms
 from ..config import BusConfig
 from ..delivery import Consumer, event_stream, is_command_stream, stream_target
 from ..ids import IdGenerator
+from ..policy import AddressPolicy
 from ..records import PeerStatus
 from .commands import Published, QueueReply, SendCmd, SubscribeCmd
 from .expiry import Expiry
@@ -53,10 +54,11 @@ class Core:
     def __init__(self, *, config: BusConfig, store: StoreView, links: Links, batch: WriteBatch,
                  address: str, node_id: str, boot: str, ids: IdGenerator, clock: BusClock,
                  wall: Callable[[], int] = wall_ms, journal_on: bool = False,
-                 now: float = 0.0) -> None:
+                 now: float = 0.0, uid: int = 0) -> None:
         self.s = s = State(config=config, store=store, links=links, address=address,
                            node_id=node_id, boot=boot, ids=ids, clock=clock, wall=wall,
-                           journal_on=journal_on, out=Effects(batch), now=now)
+                           journal_on=journal_on, out=Effects(batch), now=now,
+                           policy=AddressPolicy(config.allow_peers, uid))
         self.roster = Roster(s)
         self.expiry = Expiry(s)
         self.sender = Sender(s, self.expiry)
@@ -139,18 +141,20 @@ class Core:
 
     # --- events in -----------------------------------------------------------------------
 
-    def on_router(self, ident: bytes, frame: P.Frame, now: float) -> None:
-        """A frame a peer sent to our ROUTER (messages, subscribes, pings)."""
+    def on_router(self, ident: bytes, frame: P.Frame, now: float, source: str | None = None) -> None:
+        """A frame a peer sent to our ROUTER (messages, subscribes, pings). ``source``: where
+        the connection comes from (ZeroMQ's Peer-Address): addresses the frame names are
+        connected to only if the address policy allows them for it (policy.py)."""
         s = self.s
         s.now = now
         if isinstance(frame, P.Batch):
-            self.receiver.on_batch(ident, frame)
+            self.receiver.on_batch(ident, frame, source)
         elif isinstance(frame, P.Ping):
             s.out.to_router.append((ident, P.encode_pong(s.node_id, s.boot, s.config.max_payload)))
         elif isinstance(frame, P.Subscribe):
-            self.handshake.on_subscribe(ident, frame)
+            self.handshake.on_subscribe(ident, frame, source)
         elif isinstance(frame, P.Unsubscribe):
-            self.handshake.on_unsubscribe(ident, frame)
+            self.handshake.on_unsubscribe(ident, frame, source)
         else:
             s.malformed["unexpected_kind"] += 1
 
@@ -173,7 +177,10 @@ class Core:
                 self.handshake.peer_up(address)
                 s.tick_due = True
         elif isinstance(frame, P.Nack):
-            self.sender.on_nack(peer, frame)
+            if s.intent_ids:  # rare: only while a subscribe or unsubscribe waits
+                frame = frame._replace(ids=self.handshake.on_refused(frame))
+            if frame.ids:
+                self.sender.on_nack(peer, frame)
         else:
             s.malformed["unexpected_kind"] += 1
 
@@ -271,6 +278,7 @@ class Core:
     def _timers(self, now: float) -> None:
         self.roster.check(now)
         self.handshake.retry(now)
+        self.handshake.expire_unverified(now)
         self.sender.resend_due(now)
         self.sender.check_down()
         if now >= self._next_expiry:

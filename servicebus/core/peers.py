@@ -14,13 +14,17 @@ from .. import protocol as P
 from ..delivery import Consumer, is_command_stream
 from .state import Peer, State
 
-__all__ = ["Roster", "DOWN_PING", "WAITING_PING", "WAITING_FAST"]
+__all__ = ["Roster", "PeerLimit", "DOWN_PING", "WAITING_PING", "WAITING_FAST"]
 
 log = logging.getLogger("servicebus")
 
 DOWN_PING = 0.2  # ping a peer this often while it is down, to notice it coming back soon
 WAITING_PING = 0.01  # ... and this often while messages wait for it (first contact, restarts),
 WAITING_FAST = 2.0  # ... for this long after it went down; then at DOWN_PING again
+
+
+class PeerLimit(ValueError):
+    """A new address while ``max_peers`` are connected."""
 
 
 class Roster:
@@ -35,10 +39,23 @@ class Roster:
         such an address leaves nothing half-registered."""
         peer = self.s.peers.get(address)
         if peer is None:
+            if len(self.s.peers) >= self.s.config.max_peers:
+                raise PeerLimit(f"cannot connect to {address[:200]}: {len(self.s.peers)} peers "
+                                "connected already (option max_peers)")
             self.s.links.connect(address)
             peer = Peer(address, down_since=self.s.now)
             self.s.peers[address] = peer
         return peer
+
+    def drop_if_unused(self, address: str) -> None:
+        """Close the connection to ``address`` if nothing uses it: no consumer, no intent."""
+        s = self.s
+        peer = s.peers.get(address)
+        if peer is None or peer.consumers or any(i.publisher == address for i in s.intents.values()):
+            return
+        del s.peers[address]
+        s.outbox.pop(peer, None)
+        s.links.forget(address)
 
     def add_consumer(self, consumer: Consumer) -> None:
         s = self.s

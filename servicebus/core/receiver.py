@@ -22,11 +22,20 @@ class Receiver:
     def __init__(self, state: State) -> None:
         self.s = state
 
-    def on_batch(self, ident: bytes, frame: P.Batch) -> None:
+    def on_batch(self, ident: bytes, frame: P.Batch, source: str | None = None) -> None:
         s = self.s
+        kind = int(frame.kind)
+        if kind == P.Kind.COMMAND and frame.reply_to:
+            # A request's reply goes to reply_to: an address this bus would connect to.
+            reason = s.policy.refuse(frame.reply_to, source)
+            if reason is not None:
+                s.count_refused(reason, frame.reply_to, source)
+                ids = [env.id for env in frame.messages] + list(frame.oversize)
+                s.out.to_router.append((ident, P.encode_nack(ids, (
+                    f"reply address {frame.reply_to[:200]!r} refused: {reason}"))))
+                return
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
-        kind = int(frame.kind)
         stored = False
         if frame.oversize:
             s.out.to_router.append((ident, P.encode_nack(frame.oversize, (

@@ -21,6 +21,7 @@ from ..delivery import Consumer
 from ..ids import IdGenerator
 from ..protocol import Envelope
 from ..stored import IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
+from ..policy import AddressPolicy
 from .ports import Links, StoreView, WriteBatch
 
 log = logging.getLogger("servicebus")
@@ -105,6 +106,7 @@ class State:
     wall: Callable[[], int]  # wall-clock ms: timestamps, TTLs
     journal_on: bool
     out: Effects
+    policy: AddressPolicy  # which addresses off the wire may be connected to (policy.py)
     now: float = 0.0  # monotonic seconds, as of the event being handled
     peers: dict[str, Peer] = field(default_factory=dict)
     consumers: dict[tuple[str, str], Consumer] = field(default_factory=dict)
@@ -131,6 +133,14 @@ class State:
         total = sum(self.malformed.values())
         if total & (total - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... to stay readable
             log.warning("dropped a malformed frame (%s); %d so far", error, total)
+
+    def count_refused(self, reason: str, address: str, source: str | None) -> None:
+        """An address off the wire the bus will not connect to (policy.py, peer caps)."""
+        self.counters[f"refused_{reason}"] += 1
+        total = sum(v for k, v in self.counters.items() if k.startswith("refused_"))
+        if total & (total - 1) == 0:
+            log.warning("refused to connect to %r named by a frame from %s (%s); %d refused so far",
+                        address[:200], source or "?", reason, total)
 
     def journal(self, event: str, ts: int, mid: str, topic: str | None, kind: str,
                 peer: str | None, attempt: int = 0, error: str | None = None) -> None:

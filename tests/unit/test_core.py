@@ -2,12 +2,16 @@
 stores, joined by an in-memory network, on a clock that moves only when told to."""
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
 
 from servicebus import protocol as P
+from servicebus.policy import AddressPolicy
 from servicebus.testing import FakeStore, Network
+
+LOCAL = f"localhost:{os.getuid()}:{os.getgid()}:1"  # a Unix-socket peer of this user
 
 TOPIC = "orders"
 
@@ -187,7 +191,7 @@ def test_a_subscriber_that_restarts_gets_what_it_was_owed_at_once_not_after_the_
 def test_a_subscribe_naming_an_address_that_cannot_be_connected_changes_nothing():
     net = Network()
     pub = net.node("pub")
-    pub.core.on_router(b"x", P.Subscribe("i1", TOPIC, "ipc://bad-addr", "forger"), 0.0)
+    pub.core.on_router(b"x", P.Subscribe("i1", TOPIC, "ipc://bad-addr", "forger"), 0.0, LOCAL)
     net.run(seconds=0.1)
     assert pub.core.s.malformed["bad_address"] == 1
     assert not pub.store.subs and not pub.core.s.peers
@@ -200,3 +204,118 @@ def test_a_fake_store_keeps_only_what_was_written():
     assert store.stream_names() == []
     store.write(batch, sync=True)
     assert store.iter_stream("e:t") == [("1", b"r")] and store.fsyncs == 1
+
+
+# --- addresses off the wire (issue 14) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("address, source, allow, refused", [
+    ("tcp://10.0.0.1:3", "127.0.0.1", (), "not_source_host"),
+    ("tcp://10.0.0.1:3", "10.0.0.1", (), None),
+    ("tcp://127.0.0.2:5", "127.0.0.1", (), None),  # every loopback address is this host
+    ("tcp://localhost:5", "127.0.0.1", (), None),
+    ("tcp://[::1]:5", "127.0.0.1", (), None),
+    ("tcp://orders.internal:5", "10.0.0.7", (), "host_name_not_allowed"),
+    ("tcp://orders.internal:5", "10.0.0.7", ("orders.internal",), None),
+    ("tcp://10.9.8.7:5", "192.168.1.1", ("10.0.0.0/8",), None),
+    ("tcp://10.9.8.7:5", "192.168.1.1", ("0.0.0.0/0",), None),
+    ("ipc:///any/socket", "127.0.0.1", (), "ipc_from_network"),
+    ("ipc:///any/socket", LOCAL, (), None),
+    ("ipc:///any/socket", "localhost:65534:65534:9", (), "ipc_other_user"),
+    ("ipc:///run/services/a", "127.0.0.1", ("ipc:///run/services/",), None),
+    ("inproc://x", LOCAL, (), "not_tcp_or_ipc"),
+    ("tcp://10.0.0.1:3", None, (), "not_source_host"),
+])
+def test_an_address_off_the_wire_is_allowed_only_on_its_source_host_or_an_allow_list(
+        address, source, allow, refused):
+    assert AddressPolicy(allow, uid=os.getuid()).refuse(address, source) == refused
+
+
+@pytest.mark.parametrize("entry", ["", "ipc://", "not a host", "10.0.0.0/33"])
+def test_a_bad_allow_peers_entry_is_refused_when_the_bus_is_configured(entry):
+    from servicebus.config import BusConfig
+    with pytest.raises(ValueError, match="allow_peers"):
+        BusConfig(allow_peers=(entry,))
+
+
+def test_a_forged_subscriber_address_is_not_connected_to_and_nothing_is_stored():
+    net = Network()
+    pub, forger = net.node("tcp://127.0.0.1:1000"), net.node("tcp://127.0.0.1:1001")
+    pub.core.on_router(forger.address.encode(), P.Subscribe("i1", TOPIC, "tcp://10.0.0.1:3", "forger"),
+                       0.0, "127.0.0.1")
+    net.run(seconds=0.1)
+    assert pub.core.s.counters["refused_not_source_host"] == 1
+    assert not pub.store.subs and not pub.core.s.peers
+    assert net.sent(pub.address, forger.address, P.Nack)  # the sender is told why
+
+
+def test_a_forged_unsubscribe_does_not_end_a_subscription():
+    net = Network()
+    pub, sub = net.node("pub"), net.node("sub")
+    sub.subscribe(pub.address, TOPIC)
+    net.run(lambda: pub.store.subs, seconds=5)
+    pub.core.on_router(b"x", P.Unsubscribe("i2", TOPIC, sub.address, "forger"), net.clock.monotonic(),
+                       "10.6.6.6")
+    net.run(seconds=0.1)
+    assert pub.store.subs and pub.core.s.counters["refused_ipc_from_network"] == 1
+
+
+def test_a_subscription_is_stored_only_once_its_address_answers_a_ping():
+    net = Network()
+    pub = net.node("pub")
+    pub.core.on_router(b"x", P.Subscribe("i1", TOPIC, "ipc://nobody-home", "n"),
+                       net.clock.monotonic(), LOCAL)
+    net.run(seconds=1)
+    assert not pub.store.subs and "ipc://nobody-home" in pub.core.handshake.unverified
+    net.run(seconds=31)  # PROBATION: the connection is dropped, nothing was ever stored
+    assert not pub.store.subs and not pub.core.s.peers
+    assert pub.core.s.counters["refused_unanswered"] == 1
+
+
+def test_one_connection_cannot_keep_more_than_a_few_unanswered_addresses_nor_more_than_max_peers():
+    net = Network(max_peers=40)
+    pub = net.node("pub")
+    for n in range(100):
+        pub.core.on_router(b"x", P.Subscribe(f"i{n}", TOPIC, f"ipc://ghost{n}", "n"), net.clock.monotonic(),
+                           LOCAL)
+    net.run(seconds=0.1)
+    counters = pub.core.s.counters
+    assert len(pub.core.s.peers) == 16 and counters["refused_too_many_unanswered"] == 84
+    for conn in range(3):  # other connections: up to max_peers / 2 waiting in all
+        for n in range(10):
+            pub.core.on_router(b"y%d" % conn, P.Subscribe(f"j{n}", TOPIC, f"tcp://127.0.0.1:{conn * 10 + n + 1}",
+                                                          "n"), net.clock.monotonic(), "127.0.0.1")
+    net.run(seconds=0.1)
+    assert len(pub.core.s.peers) == 20 and counters["refused_too_many_unanswered"] == 84 + 26
+    assert not pub.store.subs
+
+
+def test_a_real_subscriber_is_confirmed_through_the_ping_and_gets_its_messages():
+    net = Network()
+    pub, sub = net.node("pub"), net.node("sub")
+    sub.subscribe(pub.address, TOPIC)
+    net.run(lambda: pub.store.subs, seconds=5)
+    pub.publish(TOPIC, b"a")
+    net.run(lambda: sub.handled, seconds=5)
+    assert sub.payloads() == [b"a"]
+
+
+def test_a_request_whose_reply_address_is_forged_is_refused_not_stored():
+    net = Network()
+    server = net.node("tcp://127.0.0.1:2000")
+    frames = P.encode_batch(P.Kind.COMMAND, "forger", "tcp://10.0.0.1:3",
+                            [P.Envelope("m1", "work", 1, b"\x01", 1, None, "c1", {})])
+    server.core.on_router(b"x", P.decode(frames, max_payload=1 << 20), 0.0, "127.0.0.1")
+    net.run(seconds=0.1)
+    assert not server.store.incoming and not server.core.s.peers
+    assert server.core.s.counters["refused_not_source_host"] == 1
+
+
+def test_a_new_address_beyond_max_peers_is_refused_with_the_option_named():
+    net = Network(max_peers=2)
+    pub = net.node("pub")
+    pub.core.roster.peer("ipc://a")
+    pub.core.roster.peer("ipc://b")
+    with pytest.raises(ValueError, match="max_peers"):
+        pub.core.roster.peer("ipc://c")
+    assert pub.core.roster.peer("ipc://a")  # a known one is still fine
