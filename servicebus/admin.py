@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,10 +295,15 @@ def export_rows(store: Store) -> Iterator[dict]:
 
 def export(store: Store, out: Path, progress: Callable[[int], None] | None = None) -> int:
     """Write ``export_rows`` as JSON lines to ``out`` (atomically: temp file, fsync, rename)."""
+    return write_rows(export_rows(store), out, progress)
+
+
+def write_rows(rows: Iterable[dict], out: Path, progress: Callable[[int], None] | None = None) -> int:
+    """Write ``rows`` as JSON lines to ``out`` (atomically: temp file, fsync, rename)."""
     tmp = out.with_name(out.name + ".tmp")
     n = 0
     with open(tmp, "w", encoding="utf-8") as fh:
-        for row in export_rows(store):
+        for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
             if progress and n % 1000 == 0:
@@ -309,13 +314,6 @@ def export(store: Store, out: Path, progress: Callable[[int], None] | None = Non
     return n
 
 
-def view_export(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
-    out = Path(args["out"])
-    if not out.is_absolute():
-        raise ValueError("export over the admin endpoint needs an absolute output path")
-    return [{"rows": export(store, out), "out": str(out)}]
-
-
 VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
     "status": view_status,
     "keys": view_keys,
@@ -323,8 +321,10 @@ VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
     "outgoing": view_outgoing,
     "incoming": view_incoming,
     "deadletters": view_deadletters,
-    "export": view_export,
 }
+# Every view is read-only. ``export`` is not one of them: over the admin endpoint it is
+# served page by page (adminserve.py) and the CLI, as its own user, writes the file.
+EXPORT_VIEW = "export_page"
 
 
 def run_view(store: Store, datadir: Path, name: str, args: dict, live: dict | None = None) -> list[dict]:
@@ -385,6 +385,17 @@ def query_live(datadir: Path, view: str, args: dict, timeout: float = 30.0) -> l
     if not reply.get("ok"):
         raise AdminUnavailable(f"the live bus refused: {reply.get('error')}")
     return reply["rows"]
+
+
+def live_export(datadir: Path) -> Iterator[dict]:
+    """``export_rows`` of the live bus holding ``datadir``, fetched page by page."""
+    cursor = None
+    while True:
+        page = query_live(datadir, EXPORT_VIEW, {"cursor": cursor})[0]
+        yield from page["rows"]
+        cursor = page["cursor"]
+        if cursor is None:
+            return
 
 
 def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir: str,

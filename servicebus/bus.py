@@ -137,7 +137,7 @@ class Bus:
 
     def _remove_endpoint_files(self) -> None:
         (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
-        (self.datadir / "admin.sock").unlink(missing_ok=True)
+        (self.datadir / "admin.sock").unlink(missing_ok=True)  # where versions up to 0.1 put it
 
     def _finish_journal(self, journal: Journal) -> None:
         if not journal.started:

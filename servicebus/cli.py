@@ -220,9 +220,13 @@ def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar
     exact bytes in base64)."""
     datadir = _datadir(datadir)
     _owner, alive = probe(datadir)
-    if alive:
-        rows = _view(datadir, "export", {"out": str(out_file.resolve())})
-        err.print(f"exported {rows[0]['rows']} records to {out_file} (served by the live bus)")
+    if alive:  # the bus sends the records; this process, as its user, writes the file
+        try:
+            with _progress("exporting", None) as step:
+                n = A.write_rows(A.live_export(datadir.resolve()), out_file, step)
+        except A.AdminUnavailable as exc:
+            raise CliError(str(exc), EXIT_LOCKED) from None
+        err.print(f"exported {n} records to {out_file} (served by the live bus)")
         return
     with _offline_store(datadir, writing=False) as store:
         with _progress("exporting", None) as step:

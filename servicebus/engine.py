@@ -95,7 +95,6 @@ class Engine(threading.Thread):
         self._degraded: str | None = None  # why the store cannot be written, if it cannot
         self._next_recover = 0.0
         self._drains: list[Future] = []
-        self._sources: dict[bytes, str | None] = {}  # ROUTER identity -> its Peer-Address
         self._admin: AdminServer | None = None
         if sockets.admin is not None:
             self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
@@ -365,28 +364,27 @@ class Engine(threading.Thread):
     def _read_router(self, now: float) -> None:
         router, core = self.sockets.router, self.core
         assert router is not None
-        sources = self._sources
         for _ in range(READ_LIMIT):
             try:
-                # The identity part uncopied: its Peer-Address (policy.py) is looked up
-                # once per connection; identities are never reused within a socket.
+                # The identity part uncopied: it carries the connection's Peer-Address.
+                # Not cached by identity: a peer may choose its identity, and the ROUTER
+                # hands an identity over to the latest connection that claims it.
                 first = router.recv(zmq.NOBLOCK, copy=False)
                 frames = [first.bytes]
                 while router.getsockopt(zmq.RCVMORE):
                     frames.append(router.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            ident = frames[0]
-            if ident not in sources:
-                if len(sources) >= 10_000:
-                    sources.clear()  # bounded: a connection flood must not grow it
-                sources[ident] = _peer_address(first)
             if len(frames) < 2:
                 core.malformed("bad_frame_count", f"{len(frames)} frame(s)")
                 continue
             frame = self._decode(frames[1:])
             if frame is not None:
-                core.on_router(ident, frame, now, sources[ident])
+                # Only frames that name an address to connect to need to know where they
+                # came from (events, the bulk, do not).
+                events = isinstance(frame, P.Batch) and frame.kind != P.Kind.COMMAND
+                source = None if events or isinstance(frame, P.Ping) else _peer_address(first)
+                core.on_router(frames[0], frame, now, source)
         for ident, reply in core.take_router_frames():  # pongs and nacks, at once
             self._send_router(ident, reply)
 

@@ -10,6 +10,10 @@ whatever a failed open left and terminates the context without waiting (linger 0
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import zmq
@@ -33,12 +37,36 @@ def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
     sock.setsockopt(zmq.RCVHWM, 100_000)
 
 
+SOCKET_PATH_MAX = 100  # bytes; the OS limit (sun_path) is 107 with the terminating NUL
+
+
+def private_folder(datadir: Path) -> tuple[Path, Path | None]:
+    """A directory for the admin socket that only this user (and root) can enter, and the
+    directory to remove at close if it is a temporary one of our own."""
+    folder = datadir.resolve() / "run"
+    if len(str(folder / "admin.sock").encode()) < SOCKET_PATH_MAX:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise TransportError(f"{folder} is not a directory of this user: the admin endpoint "
+                                 "will not be put there (remove it)")
+        os.chmod(folder, 0o700)  # made by an older version, or with another mode
+        return folder, None
+    base = os.environ.get("XDG_RUNTIME_DIR") or ""
+    if not base or not os.path.isdir(base) or len(base) > SOCKET_PATH_MAX - 40:
+        base = tempfile.gettempdir()
+    tmp = Path(tempfile.mkdtemp(prefix="servicebus-", dir=base))  # 0700, ours, atomically
+    return tmp, tmp
+
+
 class Sockets:
     def __init__(self, config: BusConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
         self.router: zmq.Socket | None = None
         self.admin: zmq.Socket | None = None
+        self._admin_path: Path | None = None
+        self._admin_tmp: Path | None = None  # a private directory of our own, removed at close
         self._dealers: dict[str, zmq.Socket] = {}
         self._address_of: dict[zmq.Socket, str] = {}
         self.poller = zmq.Poller()
@@ -65,24 +93,25 @@ class Sockets:
         return router.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def bind_admin(self, datadir: Path) -> str:
-        """Bind the admin endpoint: a Unix socket in the data directory, or loopback TCP
-        when that path would exceed the OS limit for socket paths (~107 bytes)."""
+        """Bind the admin endpoint: a Unix socket in a directory only this user can enter
+        (``DATADIR/run``, mode 0700), or, when that path would pass the OS limit for socket
+        paths (~107 bytes), in a new private directory under $XDG_RUNTIME_DIR or /tmp.
+        Never TCP: the kernel's directory permissions are its access control."""
+        folder, self._admin_tmp = private_folder(datadir)
+        path = folder / "admin.sock"
+        path.unlink(missing_ok=True)  # left by a killed bus; the data directory lock is ours
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.admin = sock
         self.poller.register(sock, zmq.POLLIN)
         self.degraded_poller.register(sock, zmq.POLLIN)
-        path = (datadir / "admin.sock").resolve()
-        if len(str(path).encode()) < 100:
-            path.unlink(missing_ok=True)  # left by a killed bus; the data directory lock is ours
-            try:
-                sock.bind(f"ipc://{path}")
-                return f"ipc://{path}"
-            except zmq.ZMQError:
-                pass
-        sock.bind("tcp://127.0.0.1:0")
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as exc:
+            raise TransportError(f"cannot bind the admin endpoint ipc://{path}: {exc}") from exc
+        self._admin_path = path
+        return f"ipc://{path}"
 
     def watch(self, fd: int) -> None:
         """Wake the poll when ``fd`` (the engine's eventfd) is readable, in either mode."""
@@ -168,6 +197,13 @@ class Sockets:
         self._address_of.clear()
         if self.admin is not None:
             self.admin.close(linger=0)
+            self.admin = None
+        if self._admin_path is not None:
+            self._admin_path.unlink(missing_ok=True)
+            self._admin_path = None
+        if self._admin_tmp is not None:
+            shutil.rmtree(self._admin_tmp, ignore_errors=True)
+            self._admin_tmp = None
         if self.router is not None:
             self.router.close(linger=0)
 

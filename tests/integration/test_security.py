@@ -4,11 +4,18 @@ clients on loopback against real buses."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
 
 import pytest
 import zmq
 
 from servicebus import SubscribeRefused
+from servicebus import admin as A
 from servicebus import protocol as P
 from servicebus.testing import free_address, wait_until
 
@@ -112,3 +119,71 @@ def test_a_subscriber_refused_by_the_publisher_gets_the_reason(make_bus):
         sub2.subscribe(pub.address, TOPIC, wait=10)
     sub.subscribe(pub.address, TOPIC, wait=10)  # loopback: its own source host
     assert pub.status().subscriptions == 1
+
+
+# --- the admin endpoint ----------------------------------------------------------------------
+
+NOBODY = 65534
+REACH = """
+import socket, sys
+endpoint = sys.argv[1]
+if endpoint.startswith("ipc://"):
+    s = socket.socket(socket.AF_UNIX)
+    target = endpoint[len("ipc://"):]
+else:
+    s = socket.socket(socket.AF_INET)
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    target = (host, int(port))
+try:
+    s.connect(target)
+except OSError as exc:
+    print("refused", exc.errno)
+else:
+    print("connected")
+"""
+
+
+def reach_as(uid: int, endpoint: str) -> str:
+    """Whether a process of ``uid`` can open a connection to ``endpoint`` at all (stdlib
+    only: the test's venv lives where another user cannot read it)."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None:
+        pytest.skip("needs root (to run a client as uid nobody) and /usr/bin/python3")
+    out = subprocess.run([python, "-c", REACH, endpoint], user=uid, group=uid, capture_output=True,
+                         text=True, timeout=30, cwd="/")
+    return out.stdout.strip() or out.stderr.strip()
+
+
+@pytest.mark.parametrize("long_path", [False, True], ids=["short datadir", "datadir over 100 bytes"])
+def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, tmp_path, long_path):
+    datadir = tmp_path / ("d" * 120 if long_path else "d") / "bus"
+    os.chmod(tmp_path, 0o755)  # another user may walk to the data directory ...
+    bus = make_bus("bus", datadir=datadir)
+    endpoint = A.admin_endpoint(datadir)
+    assert endpoint is not None and endpoint.startswith("ipc://")
+    folder = Path(endpoint[len("ipc://"):]).parent
+    mode = folder.stat()
+    assert stat.S_IMODE(mode.st_mode) == 0o700 and mode.st_uid == os.getuid()
+    assert A.query_live(datadir, "status", {})[0]["node_id"] == bus.node_id  # ... its user can
+    assert reach_as(NOBODY, endpoint).startswith("refused")  # ... another cannot connect
+    bus.close()
+    assert not folder.exists() or not any(folder.iterdir())  # nothing left behind
+
+
+def test_the_admin_endpoint_writes_no_file_and_export_is_streamed_to_the_cli(make_bus, tmp_path):
+    pub, sub = make_bus("pub"), make_bus("sub")
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.close()  # the messages stay queued at the publisher
+    for n in range(2500):
+        pub.publish(TOPIC, {"n": n})
+    target = tmp_path / "written-by-the-bus.jsonl"
+    with pytest.raises(A.AdminUnavailable, match="no such view"):
+        A.query_live(pub.datadir, "export", {"out": str(target)})
+    assert not target.exists()
+    out = tmp_path / "export.jsonl"
+    result = subprocess.run([str(Path(os.sys.executable).parent / "servicebus"), "export", str(pub.datadir),
+                             str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "served by the live bus" in result.stderr
+    rows = [line for line in out.read_text().splitlines() if '"type": "outgoing"' in line]
+    assert len(rows) == 2500
