@@ -28,6 +28,7 @@ from .dispatch import Dispatcher
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
+from .keys import load_keys
 from .lockfile import DataDirLock
 from .protocol import Kind, encode_payload, validate_address, validate_bind
 from .stored import ReplyRecord
@@ -91,7 +92,8 @@ class Bus:
         self.node_id = node
         clock = store.bus_clock()
 
-        sockets = Sockets(self.config)
+        keys = load_keys(self.config.keys) if self.config.keys is not None else None
+        sockets = Sockets(self.config, keys)
         stack.callback(self._destroy_sockets, sockets)  # closes every socket it made, then terms
         endpoint = sockets.bind_router(bind)
         admin_endpoint = sockets.bind_admin(self.datadir)

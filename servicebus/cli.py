@@ -238,6 +238,26 @@ def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar
 
 
 @app.command()
+def keygen(key_dir: Path = typer.Argument(..., metavar="DIR", help="directory for the key pair"),
+           address: Optional[str] = typer.Option(None, "--address",
+                                                 help="the address this bus advertises, for the printed peers.toml entry")) -> None:
+    """Make a CURVE key pair for Bus(..., keys=DIR): DIR/bus.key (public) and
+    DIR/bus.key_secret (mode 0600). Prints the entry other buses add to their peers.toml."""
+    from .keys import keygen as make
+
+    try:
+        public, secret = make(key_dir)
+    except FileExistsError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    import zmq.auth
+
+    key = zmq.auth.load_certificate(public)[0].decode()
+    err.print(f"wrote {public} and {secret} (keep the secret one on this machine only)")
+    err.print("add this bus to the peers.toml of every bus it talks to:")
+    print(f'[[peer]]\naddress = "{address or "tcp://HOST:PORT"}"\nkeys = ["{key}"]')
+
+
+@app.command()
 def unlock(datadir: Path = DATADIR,
            force: bool = typer.Option(False, "--force", help="remove even a live owner's lock")) -> None:
     """Remove a stale lock left by a process that died."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from .policy import parse_allow
@@ -65,11 +66,20 @@ class BusConfig:
     #: peers (addresses connected to, each a socket and ~2 file descriptors) at most; a new
     #: address beyond it is refused (a subscribe is counted and not stored, ``send`` raises)
     max_peers: int = 256
+    #: a directory made by ``servicebus keygen``: CURVE encryption and authentication on
+    #: every bus socket, peers and their rights from its ``peers.toml`` (see keys.py)
+    keys: str | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "keys":
+                if value is not None:
+                    if not isinstance(value, (str, os.PathLike)):
+                        raise TypeError("option keys must be a directory path")
+                    object.__setattr__(self, "keys", os.fspath(value))
                 continue
             if field.name == "allow_peers":
                 if isinstance(value, str) or not isinstance(value, (tuple, list)):

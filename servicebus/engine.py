@@ -49,12 +49,15 @@ log = logging.getLogger("servicebus")
 
 READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
 RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
+KEY_SWITCH_AFTER = 2.0  # a peer down this long with several keys listed: try its next key
 
 
-def _peer_address(frame: zmq.Frame) -> str | None:
+def _property(frame: zmq.Frame, name: str) -> str | None:
+    """A ZeroMQ message property: "Peer-Address", or with CURVE "User-Id" (the client's
+    public key, as the ZAP handler names it)."""
     try:
-        return str(frame.get("Peer-Address"))
-    except zmq.ZMQError:  # a transport without one
+        return str(frame.get(name))
+    except zmq.ZMQError:  # a transport or mechanism without one
         return None
 
 
@@ -95,6 +98,7 @@ class Engine(threading.Thread):
         self._degraded: str | None = None  # why the store cannot be written, if it cannot
         self._next_recover = 0.0
         self._drains: list[Future] = []
+        self._key_tried: dict[str, float] = {}  # address -> when its next CURVE key was tried
         self._admin: AdminServer | None = None
         if sockets.admin is not None:
             self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
@@ -110,7 +114,7 @@ class Engine(threading.Thread):
             self.core = Core(config=config, store=store, links=sockets, batch=store.batch(),
                              address=address, node_id=node_id, boot=os.urandom(6).hex(),
                              ids=self.ids, clock=clock, journal_on=journal.enabled,
-                             now=time.monotonic(), uid=os.getuid())
+                             now=time.monotonic(), uid=os.getuid(), trust=sockets.keys)
             self._queue.extend(self.core.load())  # replies stored before a crash
         except BaseException:
             self.close_wake()  # the bus never gets this engine to close it
@@ -262,6 +266,8 @@ class Engine(threading.Thread):
         # send
         if core.advance(now):
             self.requests.expire(now)
+            if self.sockets.keys is not None:
+                self._switch_keys(now)
         self._send_frames(now)
         if self._drains:
             self._check_drains()
@@ -269,6 +275,8 @@ class Engine(threading.Thread):
     def _read(self, events: dict, now: float) -> None:
         sockets = self.sockets
         self._read_wake(events)
+        if sockets.monitor is not None and sockets.monitor in events:
+            self._count_handshakes()
         if sockets.router in events:
             self._read_router(now)
         if self._admin is not None and self._admin.sock in events:
@@ -278,12 +286,33 @@ class Engine(threading.Thread):
             if address is not None:
                 self._read_dealer(address, sock, now)
 
+    def _count_handshakes(self) -> None:
+        counters = self.core.s.counters
+        for name in self.sockets.handshake_failures():
+            counters[name] += 1
+            total = sum(v for k, v in counters.items() if k.startswith("handshake_failed"))
+            if total & (total - 1) == 0:  # the 1st, 2nd, 4th ...: readable under a flood
+                log.warning("a peer failed the CURVE handshake (%s: a NULL client or an unknown "
+                            "key); %d so far", name, total)
+
     def _read_wake(self, events: dict) -> None:
         if self._wake_fd in events:
             try:
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
                 pass  # read by an earlier turn already
+
+    def _switch_keys(self, now: float) -> None:
+        """A peer that stays down although peers.toml lists several keys for it may have
+        switched to another: try the next one every KEY_SWITCH_AFTER seconds."""
+        for address, peer in self.core.s.peers.items():
+            if peer.up or now - peer.down_since < KEY_SWITCH_AFTER:
+                continue
+            if now - self._key_tried.get(address, 0.0) < KEY_SWITCH_AFTER:
+                continue
+            self._key_tried[address] = now
+            if self.sockets.try_next_key(address):
+                log.info("peer %s does not answer: trying the next key peers.toml lists for it", address)
 
     def _send_frames(self, now: float) -> None:
         failed: set[str] = set()
@@ -325,6 +354,8 @@ class Engine(threading.Thread):
     def _degraded_turn(self, events: dict) -> None:
         now = time.monotonic()
         self._read_wake(events)
+        if self.sockets.monitor is not None and self.sockets.monitor in events:
+            self._count_handshakes()
         if self._admin is not None and self._admin.sock in events:
             self._admin.read()
         failed = StoreWriteError(f"the store cannot be written: {self._degraded}")
@@ -364,6 +395,7 @@ class Engine(threading.Thread):
     def _read_router(self, now: float) -> None:
         router, core = self.sockets.router, self.core
         assert router is not None
+        curve = self.sockets.keys is not None
         for _ in range(READ_LIMIT):
             try:
                 # The identity part uncopied: it carries the connection's Peer-Address.
@@ -383,8 +415,11 @@ class Engine(threading.Thread):
                 # Only frames that name an address to connect to need to know where they
                 # came from (events, the bulk, do not).
                 events = isinstance(frame, P.Batch) and frame.kind != P.Kind.COMMAND
-                source = None if events or isinstance(frame, P.Ping) else _peer_address(first)
-                core.on_router(frames[0], frame, now, source)
+                if events or isinstance(frame, P.Ping):
+                    core.on_router(frames[0], frame, now)
+                else:
+                    user = _property(first, "User-Id") if curve else None
+                    core.on_router(frames[0], frame, now, _property(first, "Peer-Address"), user)
         for ident, reply in core.take_router_frames():  # pongs and nacks, at once
             self._send_router(ident, reply)
 

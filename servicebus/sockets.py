@@ -17,9 +17,12 @@ import tempfile
 from pathlib import Path
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from .config import BusConfig
 from .errors import TransportError
+from .trust import Keys
 
 __all__ = ["Sockets"]
 
@@ -59,10 +62,36 @@ def private_folder(datadir: Path) -> tuple[Path, Path | None]:
     return tmp, tmp
 
 
+HANDSHAKE_EVENTS: dict[int, str] = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed_protocol",  # e.g. a NULL peer
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake_failed_auth",  # a key not in peers.toml
+}
+ZAP_DOMAIN = "servicebus"
+
+
+class _Trusted:
+    """pyzmq's ZAP authenticator asks this whether a client key may connect (on the
+    authenticator's own thread)."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = self.keys.allowed(key.decode("ascii"))
+        if not allowed:
+            log.warning("refused a CURVE client with a key not in peers.toml: %s", key.decode("ascii"))
+        return allowed
+
+
 class Sockets:
-    def __init__(self, config: BusConfig) -> None:
+    def __init__(self, config: BusConfig, keys: Keys | None = None) -> None:
         self.config = config
+        self.keys = keys
         self.ctx = zmq.Context()
+        self.monitor: zmq.Socket | None = None  # the ROUTER's handshake events, with keys
+        self._auth: ThreadAuthenticator | None = None
+        self._key_index: dict[str, int] = {}  # address -> which of its server keys is tried
         self.router: zmq.Socket | None = None
         self.admin: zmq.Socket | None = None
         self._admin_path: Path | None = None
@@ -81,6 +110,19 @@ class Sockets:
         _tune(router, self.config, hwm=100_000)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a vanished peer raise, not vanish
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.keys is not None:
+            # CURVE on the ROUTER: every client proves a key that peers.toml lists (ZAP);
+            # a NULL client fails the handshake (mechanism mismatch) and is counted.
+            self._auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("servicebus.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback(ZAP_DOMAIN, _Trusted(self.keys))
+            router.curve_secretkey = self.keys.secret
+            router.curve_publickey = self.keys.public
+            router.curve_server = True
+            router.zap_domain = ZAP_DOMAIN.encode()
+            self.monitor = router.get_monitor_socket(sum(HANDSHAKE_EVENTS))
+            self.poller.register(self.monitor, zmq.POLLIN)
+            self.degraded_poller.register(self.monitor, zmq.POLLIN)
         try:
             router.bind(bind.replace(":*", ":0") if bind.startswith("tcp://") else bind)
         except zmq.ZMQError as exc:
@@ -130,17 +172,36 @@ class Sockets:
         except zmq.ZMQError as exc:
             raise ValueError(f"cannot connect to {address[:200]}: {exc}") from exc
         try:
+            if self.keys is not None:
+                servers = self.keys.server_keys(address)
+                if not servers:
+                    raise ValueError(f"cannot connect to {address[:200]}: peers.toml has no key for it")
+                sock.curve_secretkey = self.keys.secret
+                sock.curve_publickey = self.keys.public
+                sock.curve_serverkey = servers[self._key_index.get(address, 0) % len(servers)].encode()
             _tune(sock, self.config, hwm=10_000)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(address)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValueError) as exc:
             sock.close(linger=0)
+            if isinstance(exc, ValueError):
+                raise
             raise ValueError(f"cannot connect to {address}: {exc}") from exc
         self._dealers[address] = sock
         self._address_of[sock] = address
         self.poller.register(sock, zmq.POLLIN)
+
+    def try_next_key(self, address: str) -> bool:
+        """Connect to ``address`` again with the next of the server keys peers.toml lists
+        for it (a peer that switched keys answers to the new one); False if it has one."""
+        if self.keys is None or len(self.keys.server_keys(address)) < 2 or address not in self._dealers:
+            return False
+        self._key_index[address] = self._key_index.get(address, 0) + 1
+        self.forget(address)
+        self.connect(address)
+        return True
 
     def forget(self, address: str) -> None:
         sock = self._dealers.pop(address, None)
@@ -204,10 +265,33 @@ class Sockets:
         if self._admin_tmp is not None:
             shutil.rmtree(self._admin_tmp, ignore_errors=True)
             self._admin_tmp = None
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+            self.monitor = None
         if self.router is not None:
             self.router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def destroy(self) -> None:
         """Close what is still open (a failed open) and terminate the context. With every
         socket at linger 0, termination does not wait for anything."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self.ctx.destroy(linger=0)
+
+    def handshake_failures(self) -> list[str]:
+        """Counter names of the handshake failures the ROUTER reported since last asked."""
+        out: list[str] = []
+        if self.monitor is None:
+            return out
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            name = HANDSHAKE_EVENTS.get(int(event["event"]))
+            if name is not None:
+                out.append(name)

@@ -158,14 +158,18 @@ class Handshake:
         s.out.to_router.append((ident, P.encode_nack([frame.id], f"address {frame.address[:200]!r} "
                                                                  f"refused: {reason}")))
 
-    def on_subscribe(self, ident: bytes, frame: P.Subscribe, source: str | None = None) -> None:
+    def on_subscribe(self, ident: bytes, frame: P.Subscribe, source: str | None = None,
+                     user: str | None = None) -> None:
         s = self.s
         key = (frame.address, frame.topic)
         if key in s.subscriptions:  # a repeat: acked again, changes nothing
             s.out.batch.sync = True
             s.out.acks.setdefault(ident, []).append(frame.id)
             return
-        reason = s.policy.refuse(frame.address, source)
+        reason = s.address_refused(frame.address, source, user)
+        entry = s.entry_of(user)
+        if reason is None and entry is not None and not entry.may_subscribe(frame.topic):
+            reason = "topic_not_allowed"
         if reason is not None:
             self._refuse(ident, frame, reason, source)
             return
@@ -207,10 +211,11 @@ class Handshake:
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
 
-    def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe, source: str | None = None) -> None:
+    def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe, source: str | None = None,
+                       user: str | None = None) -> None:
         s = self.s
-        # Only the subscriber's own host may end its subscription (as it made it).
-        reason = s.policy.refuse(frame.address, source)
+        # Only the subscriber's own host (or key) may end its subscription, as it made it.
+        reason = s.address_refused(frame.address, source, user)
         if reason is not None:
             self._refuse(ident, frame, reason, source)
             return

@@ -28,6 +28,7 @@ from ..config import BusConfig
 from ..delivery import Consumer, event_stream, is_command_stream, stream_target
 from ..ids import IdGenerator
 from ..policy import AddressPolicy
+from ..trust import Keys
 from ..records import PeerStatus
 from .commands import Published, QueueReply, SendCmd, SubscribeCmd
 from .expiry import Expiry
@@ -54,11 +55,11 @@ class Core:
     def __init__(self, *, config: BusConfig, store: StoreView, links: Links, batch: WriteBatch,
                  address: str, node_id: str, boot: str, ids: IdGenerator, clock: BusClock,
                  wall: Callable[[], int] = wall_ms, journal_on: bool = False,
-                 now: float = 0.0, uid: int = 0) -> None:
+                 now: float = 0.0, uid: int = 0, trust: Keys | None = None) -> None:
         self.s = s = State(config=config, store=store, links=links, address=address,
                            node_id=node_id, boot=boot, ids=ids, clock=clock, wall=wall,
                            journal_on=journal_on, out=Effects(batch), now=now,
-                           policy=AddressPolicy(config.allow_peers, uid))
+                           policy=AddressPolicy(config.allow_peers, uid), trust=trust)
         self.roster = Roster(s)
         self.expiry = Expiry(s)
         self.sender = Sender(s, self.expiry)
@@ -141,20 +142,22 @@ class Core:
 
     # --- events in -----------------------------------------------------------------------
 
-    def on_router(self, ident: bytes, frame: P.Frame, now: float, source: str | None = None) -> None:
+    def on_router(self, ident: bytes, frame: P.Frame, now: float, source: str | None = None,
+                  user: str | None = None) -> None:
         """A frame a peer sent to our ROUTER (messages, subscribes, pings). ``source``: where
-        the connection comes from (ZeroMQ's Peer-Address): addresses the frame names are
-        connected to only if the address policy allows them for it (policy.py)."""
+        the connection comes from (ZeroMQ's Peer-Address); ``user``: with CURVE, the
+        client's public key (its ZAP User-Id). Addresses the frame names are connected to
+        only if allowed for them (``State.address_refused``)."""
         s = self.s
         s.now = now
         if isinstance(frame, P.Batch):
-            self.receiver.on_batch(ident, frame, source)
+            self.receiver.on_batch(ident, frame, source, user)
         elif isinstance(frame, P.Ping):
             s.out.to_router.append((ident, P.encode_pong(s.node_id, s.boot, s.config.max_payload)))
         elif isinstance(frame, P.Subscribe):
-            self.handshake.on_subscribe(ident, frame, source)
+            self.handshake.on_subscribe(ident, frame, source, user)
         elif isinstance(frame, P.Unsubscribe):
-            self.handshake.on_unsubscribe(ident, frame, source)
+            self.handshake.on_unsubscribe(ident, frame, source, user)
         else:
             s.malformed["unexpected_kind"] += 1
 

@@ -22,18 +22,25 @@ class Receiver:
     def __init__(self, state: State) -> None:
         self.s = state
 
-    def on_batch(self, ident: bytes, frame: P.Batch, source: str | None = None) -> None:
+    def on_batch(self, ident: bytes, frame: P.Batch, source: str | None = None,
+                 user: str | None = None) -> None:
         s = self.s
         kind = int(frame.kind)
-        if kind == P.Kind.COMMAND and frame.reply_to:
+        if kind == P.Kind.COMMAND:
             # A request's reply goes to reply_to: an address this bus would connect to.
-            reason = s.policy.refuse(frame.reply_to, source)
+            reason = s.address_refused(frame.reply_to, source, user) if frame.reply_to else None
             if reason is not None:
                 s.count_refused(reason, frame.reply_to, source)
                 ids = [env.id for env in frame.messages] + list(frame.oversize)
                 s.out.to_router.append((ident, P.encode_nack(ids, (
                     f"reply address {frame.reply_to[:200]!r} refused: {reason}"))))
                 return
+            entry = s.entry_of(user)
+            if entry is not None and not all(entry.may_send(env.topic) for env in frame.messages):
+                denied = [env.id for env in frame.messages if not entry.may_send(env.topic)]
+                s.counters["refused_command_not_allowed"] += len(denied)
+                s.out.to_router.append((ident, P.encode_nack(denied, "command not allowed for this key")))
+                frame = frame._replace(messages=tuple(e for e in frame.messages if entry.may_send(e.topic)))
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
         stored = False

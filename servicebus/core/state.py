@@ -22,6 +22,7 @@ from ..ids import IdGenerator
 from ..protocol import Envelope
 from ..stored import IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
 from ..policy import AddressPolicy
+from ..trust import Keys, PeerEntry
 from .ports import Links, StoreView, WriteBatch
 
 log = logging.getLogger("servicebus")
@@ -107,6 +108,7 @@ class State:
     journal_on: bool
     out: Effects
     policy: AddressPolicy  # which addresses off the wire may be connected to (policy.py)
+    trust: Keys | None = None  # with CURVE keys: the peers' keys, addresses and rights (trust.py)
     now: float = 0.0  # monotonic seconds, as of the event being handled
     peers: dict[str, Peer] = field(default_factory=dict)
     consumers: dict[tuple[str, str], Consumer] = field(default_factory=dict)
@@ -133,6 +135,20 @@ class State:
         total = sum(self.malformed.values())
         if total & (total - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... to stay readable
             log.warning("dropped a malformed frame (%s); %d so far", error, total)
+
+    def address_refused(self, address: str, source: str | None, user: str | None) -> str | None:
+        """Why the bus must not connect to ``address`` named by a frame from ``source``
+        (and, with CURVE, the client key ``user``), or None. With keys a peer may name only
+        the address its entry in peers.toml gives: stronger than its source host."""
+        if self.trust is not None:
+            entry = self.trust.peer_of(user)
+            if entry is None:
+                return "unknown_key"
+            return None if address == entry.address else "not_its_own_address"
+        return self.policy.refuse(address, source)
+
+    def entry_of(self, user: str | None) -> PeerEntry | None:
+        return None if self.trust is None else self.trust.peer_of(user)
 
     def count_refused(self, reason: str, address: str, source: str | None) -> None:
         """An address off the wire the bus will not connect to (policy.py, peer caps)."""

@@ -187,3 +187,122 @@ def test_the_admin_endpoint_writes_no_file_and_export_is_streamed_to_the_cli(mak
     assert "served by the live bus" in result.stderr
     rows = [line for line in out.read_text().splitlines() if '"type": "outgoing"' in line]
     assert len(rows) == 2500
+
+
+# --- CURVE ---------------------------------------------------------------------------------
+
+
+def make_keys(folder: Path, name: str) -> tuple[Path, str]:
+    from servicebus.keys import keygen
+    import zmq.auth
+
+    public, _secret = keygen(folder / name)
+    return folder / name, zmq.auth.load_certificate(public)[0].decode()
+
+
+def trust(key_dir: Path, *peers: dict) -> None:
+    lines = []
+    for peer in peers:
+        lines.append("[[peer]]")
+        for name, value in peer.items():
+            lines.append(f"{name} = {value!r}".replace("'", '"'))
+    (key_dir / "peers.toml").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def curve_pair(make_bus, tmp_path):
+    """A publisher and a subscriber with keys, each listing the other."""
+    (pub_dir, pub_key), (sub_dir, sub_key) = make_keys(tmp_path, "pk"), make_keys(tmp_path, "sk")
+    pub_addr, sub_addr = free_address(), free_address()
+    trust(pub_dir, {"address": sub_addr, "keys": [sub_key]})
+    trust(sub_dir, {"address": pub_addr, "keys": [pub_key]})
+    pub = make_bus("pub", address=pub_addr, keys=pub_dir)
+    sub = make_bus("sub", address=sub_addr, keys=sub_dir)
+    return pub, sub, pub_key
+
+
+def test_buses_with_keys_deliver_and_a_null_intruder_gets_nothing_in_or_out_and_is_counted(
+        curve_pair, raw):
+    pub, sub, _ = curve_pair
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    intruder = raw(pub.address)  # NULL mechanism
+    intruder.send_multipart(P.encode_subscribe("x1", TOPIC, "tcp://127.0.0.1:9", "intruder"))
+    env = P.Envelope("m1", "work", 1, P.encode_payload(1), 1, None, "c1", {})
+    intruder.send_multipart(P.encode_batch(P.Kind.COMMAND, "intruder", "tcp://127.0.0.1:9", [env]))
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: got == [{"n": 1}], 10)
+    wait_until(lambda: pub.counters().get("handshake_failed_protocol", 0) >= 1, 10)
+    assert not intruder.poll(500)  # nothing out
+    assert pub.status().subscriptions == 1 and pub.status().incoming == 0  # nothing in
+
+
+def test_a_client_whose_key_is_not_in_peers_toml_is_refused_at_the_handshake(curve_pair, raw, tmp_path):
+    pub, _sub, pub_key = curve_pair
+    _dir, _key = make_keys(tmp_path, "stranger")
+    import zmq.auth
+    public, secret = zmq.auth.load_certificate(tmp_path / "stranger" / "bus.key_secret")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, pub_key.encode()
+    try:
+        sock.connect(pub.address)
+        sock.send_multipart(P.encode_ping("stranger", "b"))
+        wait_until(lambda: pub.counters().get("handshake_failed_auth", 0) >= 1, 10)
+        assert not sock.poll(500)
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_key_may_subscribe_only_to_the_topics_and_only_for_the_address_its_entry_gives(
+        make_bus, tmp_path):
+    (pub_dir, pub_key), (sub_dir, sub_key) = make_keys(tmp_path, "pk"), make_keys(tmp_path, "sk")
+    pub_addr, sub_addr = free_address(), free_address()
+    trust(pub_dir, {"address": sub_addr, "keys": [sub_key], "subscribe": ["orders.*"]})
+    trust(sub_dir, {"address": pub_addr, "keys": [pub_key]})
+    pub = make_bus("pub", address=pub_addr, keys=pub_dir)
+    sub = make_bus("sub", address=sub_addr, keys=sub_dir)
+    with pytest.raises(SubscribeRefused, match="topic_not_allowed"):
+        sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.subscribe(pub.address, "orders.created", wait=10)
+    assert pub.status().subscriptions == 1
+
+
+def test_keys_are_checked_when_the_bus_opens(make_bus, tmp_path):
+    with pytest.raises(ValueError, match="keygen"):
+        make_bus("a", keys=tmp_path / "none")
+    key_dir, _ = make_keys(tmp_path, "k")
+    (key_dir / "peers.toml").write_text('[[peer]]\naddress = "tcp://127.0.0.1:1"\nkeys = ["short"]\n')
+    with pytest.raises(ValueError, match="40 Z85"):
+        make_bus("b", keys=key_dir)
+    os.chmod(key_dir / "bus.key_secret", 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        make_bus("c", keys=key_dir)
+
+
+def test_a_subscriber_that_switches_keys_keeps_its_messages_while_both_keys_are_listed(
+        make_bus, tmp_path):
+    (pub_dir, pub_key), (old_dir, old_key) = make_keys(tmp_path, "pk"), make_keys(tmp_path, "old")
+    new_dir, new_key = make_keys(tmp_path, "new")
+    pub_addr, sub_addr = free_address(), free_address()
+    # During the switch the publisher lists both keys of the subscriber.
+    trust(pub_dir, {"address": sub_addr, "keys": [old_key, new_key]})
+    for key_dir in (old_dir, new_dir):
+        trust(key_dir, {"address": pub_addr, "keys": [pub_key]})
+    pub = make_bus("pub", address=pub_addr, keys=pub_dir)
+    sub = make_bus("sub", address=sub_addr, keys=old_dir)
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p["n"]))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: got == [1], 10)
+    assert sub.drain(10)
+    sub.close()
+    pub.publish(TOPIC, {"n": 2})  # waits for the subscriber, which comes back with its new key
+    again = make_bus("sub-again", address=sub_addr, datadir=sub.datadir, keys=new_dir)
+    got2 = []
+    again.every(TOPIC, lambda p, m: got2.append(p["n"]))
+    wait_until(lambda: got2 == [2], 30)
+    pub.publish(TOPIC, {"n": 3})
+    wait_until(lambda: got2 == [2, 3], 10)
