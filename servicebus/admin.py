@@ -431,6 +431,8 @@ def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir
         handled=count("handled"),
         malformed=sum(snap["malformed"].values()),
         malformed_by_reason=snap["malformed"],
+        refused_by_reason={k.removeprefix("refused_"): v for k, v in snap["counters"].items()
+                           if k.startswith(("refused_", "handshake_failed")) and k != "refused_oversize"},
         peers=snap["peers"],
         lock=lock,
         store_error=snap["store_error"],

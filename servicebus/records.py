@@ -79,6 +79,10 @@ class BusStatus:
     malformed: int  # frames dropped as malformed
     malformed_by_reason: Mapping[str, int]
     peers: tuple[PeerStatus, ...]
+    # Frames and connections refused for security (issue 14): an address off the wire the
+    # bus will not connect to (not_source_host, too_many_peers, unanswered, ...), a right a
+    # key does not have, a failed CURVE handshake (handshake_failed_*), by reason.
+    refused_by_reason: Mapping[str, int] = field(default_factory=dict)
     lock: Mapping[str, object] = field(default_factory=dict)
     # Why the store cannot be written right now (a full disk, an I/O error), or None. While
     # set, nothing is received, acked or sent, publish raises StoreWriteError, and the bus

@@ -52,6 +52,7 @@ def test_a_subscribe_naming_an_address_off_its_sender_host_is_not_stored_nor_con
     wait_until(lambda: any(k.startswith("refused_") for k in bus.counters()), 10)
     bus.publish(TOPIC, {"n": 1})
     assert bus.status().subscriptions == 0 and bus.status().outgoing == 0
+    assert sum(bus.status().refused_by_reason.values()) == 1
     assert forged not in peer_addresses(bus)
     # ... and the forger is told why, on its own connection
     assert sock.poll(5000)
@@ -233,7 +234,7 @@ def test_buses_with_keys_deliver_and_a_null_intruder_gets_nothing_in_or_out_and_
     intruder.send_multipart(P.encode_batch(P.Kind.COMMAND, "intruder", "tcp://127.0.0.1:9", [env]))
     pub.publish(TOPIC, {"n": 1})
     wait_until(lambda: got == [{"n": 1}], 10)
-    wait_until(lambda: pub.counters().get("handshake_failed_protocol", 0) >= 1, 10)
+    wait_until(lambda: pub.status().refused_by_reason.get("handshake_failed_protocol", 0) >= 1, 10)
     assert not intruder.poll(500)  # nothing out
     assert pub.status().subscriptions == 1 and pub.status().incoming == 0  # nothing in
 
