@@ -72,6 +72,10 @@ SCENARIOS = {
                         "restart", 1_000_000, 100_000, False, "<= 2 s after Bus() returns"),
     "e2e-batch-nojournal": Scenario("e2e-batch with journal=False on both buses",
                                     "batch", 200_000, 40_000, False, "journal on within 10 % of off"),
+    "e2e-batch-curve": Scenario("e2e-batch with CURVE keys on both buses (--curve)",
+                                "batch", 200_000, 40_000, False, "cost of encryption"),
+    "latency-curve": Scenario("latency with CURVE keys on both buses (--curve)",
+                              "latency", 1_000, 300, False, "cost of encryption"),
     "request-serial": Scenario("request -> handler -> reply, one at a time",
                                "req1", 2_000, 500, False, "-"),
     "request-100": Scenario("request_async with 100 in flight", "req100", 20_000, 5_000, False,
@@ -132,7 +136,7 @@ def role_sub(a: argparse.Namespace) -> None:
     times = [0.0, 0.0]
     if a.stages:
         stages.install("sub")
-    with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
+    with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys) as bus:
         def handler(p, message):
             nonlocal dupes
             if a.stages:
@@ -184,7 +188,7 @@ def role_pub(a: argparse.Namespace) -> None:
         return
     if a.stages:
         stages.install("pub")
-    with Bus(a.bind, a.datadir, journal=not a.no_journal) as bus:
+    with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys) as bus:
         wait_until(lambda: bus.status().subscriptions >= a.subscribers, 120, 0.01)
         before = bus.counters().get("fsyncs", 0)
         cpu = cpu_seconds()
@@ -343,8 +347,15 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
     pub_addr = free_address()
     n_subs = 10 if sc.mode == "fanout" else 1
     subs_addrs = [free_address() for _ in range(n_subs)]
+    pub_flags = list(flags)
+    sub_flags = [list(flags) for _ in range(n_subs)]
+    if name.endswith("-curve"):
+        pub_keys, sub_keys = curve_keys(run_dir, pub_addr, subs_addrs)
+        pub_flags += ["--keys", pub_keys]
+        for i in range(n_subs):
+            sub_flags[i] += ["--keys", sub_keys[i]]
     sub_args = lambda i, c: ["--role", "sub", "--bind", subs_addrs[i], "--peer", pub_addr,  # noqa: E731
-                             "--datadir", str(run_dir / f"sub{i}"), "--count", str(c), *flags]
+                             "--datadir", str(run_dir / f"sub{i}"), "--count", str(c), *sub_flags[i]]
     if sc.mode == "serial":
         away = spawn(*sub_args(0, 0))  # subscribes, then goes away: publishes queue on disk
         pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", "serial", "--count", str(count),
@@ -362,7 +373,7 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
         return run_backlog(sc.mode, count, run_dir, pub_addr, sub_args)
     subs = [spawn(*sub_args(i, count), "--hold", stdin=True) for i in range(n_subs)]
     pub = spawn("--role", "pub", "--bind", pub_addr, "--mode", sc.mode, "--count", str(count),
-                "--datadir", str(run_dir / "pub"), "--subscribers", str(n_subs), *flags)
+                "--datadir", str(run_dir / "pub"), "--subscribers", str(n_subs), *pub_flags)
     for sub in subs:
         read_json(sub)
     p = read_json(pub)
@@ -384,6 +395,24 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
     if name == "latency-stages":
         out["stages"] = stages.breakdown(p["stages"], s["stages"])
     return out
+
+
+def curve_keys(run_dir: Path, pub_addr: str, subs_addrs: list[str]) -> tuple[str, list[str]]:
+    """Key directories for a publisher and its subscribers, each trusting the other side."""
+    import zmq.auth
+    from servicebus.keys import keygen
+
+    def make(name: str) -> tuple[Path, str]:
+        public, _secret = keygen(run_dir / "keys" / name)
+        return public.parent, zmq.auth.load_certificate(public)[0].decode()
+
+    pub_dir, pub_key = make("pub")
+    subs = [make(f"sub{i}") for i in range(len(subs_addrs))]
+    (pub_dir / "peers.toml").write_text("".join(
+        f'[[peer]]\naddress = "{addr}"\nkeys = ["{key}"]\n' for addr, (_d, key) in zip(subs_addrs, subs)))
+    for sub_dir, _key in subs:
+        (sub_dir / "peers.toml").write_text(f'[[peer]]\naddress = "{pub_addr}"\nkeys = ["{pub_key}"]\n')
+    return str(pub_dir), [str(d) for d, _k in subs]
 
 
 def run_backlog(mode: str, count: int, run_dir: Path, pub_addr: str, sub_args) -> dict:
@@ -539,6 +568,9 @@ def main() -> int:
     ap.add_argument("--subscribed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stages", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--keys", help=argparse.SUPPRESS)
+    ap.add_argument("--curve", action="store_true",
+                    help="also run e2e-batch and latency with CURVE keys on both buses")
     ap.add_argument("--quick", action="store_true", help="fewer messages per run")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario and system (default 3)")
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="only this scenario")
@@ -558,7 +590,7 @@ def main() -> int:
     if a.switch_interval:
         os.environ["BENCH_SWITCH_INTERVAL"] = str(a.switch_interval)  # the children inherit it
     log = (lambda *x: None) if a.json else (lambda *x: print(*x, file=sys.stderr, flush=True))
-    names = a.only or list(SCENARIOS)
+    names = a.only or [n for n in SCENARIOS if a.curve or not n.endswith("-curve")]
     tmp = Path(tempfile.mkdtemp(prefix="servicebus-bench-"))
     notes: list[str] = []
     servers: dict[str, peers.Server] = {}
@@ -673,6 +705,16 @@ def print_table(summary: dict) -> None:
     if "e2e-batch" in t and "e2e-batch-nojournal" in t:
         on, off = t["e2e-batch"]["servicebus"]["median"], t["e2e-batch-nojournal"]["servicebus"]["median"]
         print(f"journal cost: e2e-batch with the journal runs at {on / off:.1%} of journal=False")
+    for plain, curve in (("e2e-batch", "e2e-batch-curve"), ("latency", "latency-curve")):
+        if "servicebus" in t.get(plain, {}) and "servicebus" in t.get(curve, {}):
+            p, c = t[plain]["servicebus"], t[curve]["servicebus"]
+            if plain == "latency":
+                print(f"CURVE cost: latency p50 {c['median'] - p['median']:+,.0f} us "
+                      f"({c['median'] / p['median']:.0%} of plain)")
+            else:
+                print(f"CURVE cost: e2e-batch with keys runs at {c['median'] / p['median']:.0%} of plain"
+                      + (f", cpu/msg {c['cpu_us_per_msg'] - p['cpu_us_per_msg']:+.1f} us"
+                         if "cpu_us_per_msg" in c and "cpu_us_per_msg" in p else ""))
     for peer, info in summary["peers"].items():
         print(f"{peer}: {info['version']}; {info['durability']}")
     for note in summary["notes"]:

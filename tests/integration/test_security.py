@@ -307,3 +307,14 @@ def test_a_subscriber_that_switches_keys_keeps_its_messages_while_both_keys_are_
     wait_until(lambda: got2 == [2], 30)
     pub.publish(TOPIC, {"n": 3})
     wait_until(lambda: got2 == [2, 3], 10)
+
+
+def test_keygen_writes_a_key_pair_with_a_private_secret_and_never_overwrites_one(tmp_path):
+    cli = str(Path(os.sys.executable).parent / "servicebus")
+    made = subprocess.run([cli, "keygen", str(tmp_path / "k"), "--address", "tcp://10.0.0.5:5555"],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert 'address = "tcp://10.0.0.5:5555"' in made.stdout and "keys = [" in made.stdout
+    assert stat.S_IMODE((tmp_path / "k" / "bus.key_secret").stat().st_mode) == 0o600
+    again = subprocess.run([cli, "keygen", str(tmp_path / "k")], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "already" in again.stderr
