@@ -68,10 +68,23 @@ class AddressPolicy:
     def __init__(self, allow_peers: Iterable[str] = (), uid: int = 0) -> None:
         self.nets, self.names, self.ipc = parse_allow(allow_peers)
         self.uid = uid  # this bus's user: an ipc peer of the same user may name ipc addresses
+        # Every request frame is checked: the same few (address, source) pairs, remembered.
+        self._seen: dict[tuple[str, str | None], str | None] = {}
 
     def refuse(self, address: str, source: str | None) -> str | None:
         """None if the bus may connect to ``address`` named by a frame from ``source``;
         otherwise why not (a short reason for counters and logs)."""
+        key = (address, source)
+        try:
+            return self._seen[key]
+        except KeyError:
+            pass
+        if len(self._seen) >= 4096:
+            self._seen.clear()  # bounded: a flood of distinct addresses must not grow it
+        reason = self._seen[key] = self._refuse(address, source)
+        return reason
+
+    def _refuse(self, address: str, source: str | None) -> str | None:
         if address.startswith("ipc://"):
             path = address[len("ipc://"):]
             if any(path.startswith(prefix) for prefix in self.ipc):
