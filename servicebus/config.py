@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from .policy import parse_allow
+from .protocol import codecs
 
 __all__ = ["BusConfig"]
 
@@ -69,11 +70,21 @@ class BusConfig:
     #: a directory made by ``servicebus keygen``: CURVE encryption and authentication on
     #: every bus socket, peers and their rights from its ``peers.toml`` (see keys.py)
     keys: str | None = None
+    #: compress batch frames to peers that can decode them: ``"zstd"`` (the
+    #: ``servicebus[compression]`` extra) or None. Frames under 1 KiB go as they are
+    wire_compression: str | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "wire_compression":
+                if value is not None and value != "zstd":
+                    raise ValueError(f"option wire_compression must be None or 'zstd', got {value!r}")
+                if value == "zstd" and "zstd" not in codecs():
+                    raise ValueError("wire_compression='zstd' needs the zstandard package: "
+                                     "pip install 'servicebus[compression]'")
                 continue
             if field.name == "keys":
                 if value is not None:

@@ -17,6 +17,7 @@ with a short ``reason`` (used as a counter name by the engine).
 from __future__ import annotations
 
 import re
+import threading
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 MAGIC = b"SB1"
+COMPRESS_MIN = 1024  # bytes of packed payloads below which a frame is sent as it is
 MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
 MAX_ID_LEN = 64
 MAX_NAME_LEN = 64
@@ -140,6 +142,9 @@ class Pong(NamedTuple):
     # The largest payload the answering bus accepts (header "max", optional): a sender
     # dead-letters a bigger message instead of sending what would be refused.
     max_payload: int | None = None
+    # Codecs it decodes in batch frames (header "z", optional): a sender with
+    # ``wire_compression`` compresses frames to it only if its codec is among them.
+    codecs: tuple[str, ...] = ()
 
 
 Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
@@ -228,8 +233,39 @@ def validate_bind(bind: object, advertise: str | None) -> None:
 # --- encoding ------------------------------------------------------------------------------
 
 
+def codecs() -> tuple[str, ...]:
+    """Codecs this process can decode (and encode): zstd with the ``compression`` extra."""
+    return ("zstd",) if _zstd() is not None else ()
+
+
+_zstd_mod: Any = False
+
+
+def _zstd() -> Any:
+    """The zstandard module, or None without the ``compression`` extra (imported once)."""
+    global _zstd_mod
+    if _zstd_mod is False:
+        try:
+            import zstandard as module
+        except ImportError:
+            module = None  # type: ignore[assignment]
+        _zstd_mod = module
+    return _zstd_mod
+
+
+_local = threading.local()
+
+
+def _compressor() -> Any:
+    """This thread's zstd compressor (one compressor must not be used by two at once)."""
+    comp = getattr(_local, "zstd", None)
+    if comp is None:
+        comp = _local.zstd = _zstd().ZstdCompressor(level=1)  # fast; frames are small
+    return comp
+
+
 def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope],
-                 sent_at: int | None = None) -> list[bytes]:
+                 sent_at: int | None = None, compress: str | None = None) -> list[bytes]:
     header: dict[str, Any] = {
         "sender": sender,
         "reply_to": reply_to,
@@ -240,8 +276,11 @@ def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope
     }
     if sent_at is not None:
         header["now"] = sent_at
-    body = [m.body for m in messages]
-    return [MAGIC, _KIND_BYTES[kind], _pack(header), _pack(body)]
+    body = _pack([m.body for m in messages])
+    if compress == "zstd" and len(body) >= COMPRESS_MIN:
+        header["z"] = "zstd"
+        body = _compressor().compress(body)  # the content size goes in the frame
+    return [MAGIC, _KIND_BYTES[kind], _pack(header), body]
 
 
 def _control(kind: Kind, header: dict[str, Any]) -> list[bytes]:
@@ -270,10 +309,13 @@ def encode_ping(sender: str, boot: str) -> list[bytes]:
     return _control(Kind.PING, {"sender": sender, "boot": boot})
 
 
-def encode_pong(sender: str, boot: str, max_payload: int | None = None) -> list[bytes]:
+def encode_pong(sender: str, boot: str, max_payload: int | None = None,
+                codecs: tuple[str, ...] = ()) -> list[bytes]:
     header: dict[str, Any] = {"sender": sender, "boot": boot}
     if max_payload is not None:
         header["max"] = max_payload
+    if codecs:
+        header["z"] = list(codecs)
     return _control(Kind.PONG, header)
 
 
@@ -375,7 +417,25 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     if kind is Kind.PING:
         return Ping(sender, boot)
     limit = header.get("max")
-    return Pong(sender, boot, None if limit is None else _int(limit, "max", 1))
+    z = header.get("z", [])
+    if not isinstance(z, list) or not all(isinstance(c, str) and len(c) <= 16 for c in z) or len(z) > 8:
+        raise ProtocolError("bad_field", "z must be a short list of codec names")
+    return Pong(sender, boot, None if limit is None else _int(limit, "max", 1), tuple(z))
+
+
+def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
+    """A compressed body, never more than ``limit`` bytes: what a frame declares is
+    checked before anything is allocated (a small frame may claim gigabytes)."""
+    zstd = _zstd()
+    if codec != "zstd" or zstd is None:
+        raise ProtocolError("bad_compression", f"codec {str(codec)[:16]!r} is not one this bus decodes")
+    try:
+        declared = zstd.frame_content_size(data)
+        if declared > limit:
+            raise ProtocolError("bad_compression", f"declares {declared} bytes, more than {limit}")
+        return bytes(zstd.ZstdDecompressor().decompress(data, max_output_size=limit))
+    except zstd.ZstdError as exc:
+        raise ProtocolError("bad_compression", str(exc)[:200]) from exc
 
 
 def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload: int) -> Batch:
@@ -390,6 +450,8 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
     sent_at = header.get("now")
     if sent_at is not None:
         sent_at = _int(sent_at, "now")
+    if "z" in header:
+        body_b = _decompress(header["z"], body_b, len(metas) * (max_payload + 64) + 64)
     bodies = _unpack(body_b, "body")
     if not isinstance(bodies, list) or len(bodies) != len(metas):
         raise ProtocolError("bad_body", "body must be a list with one payload per message")

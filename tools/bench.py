@@ -1,6 +1,6 @@
 """servicebus benchmarks, side by side with RabbitMQ, NATS JetStream and Redis Streams.
 
-    tools/bench [--quick] [--runs N] [--only NAME ...] [--no-peers] [--json]
+    tools/bench [--quick] [--runs N] [--only NAME ...] [--no-peers] [--json] [--curve] [--compression]
 
 Every scenario runs against servicebus and (where it applies) each peer, alternating runs,
 3 runs each by default; producer and consumer are separate processes; every run checks that
@@ -74,6 +74,8 @@ SCENARIOS = {
                                     "batch", 200_000, 40_000, False, "journal on within 10 % of off"),
     "e2e-batch-curve": Scenario("e2e-batch with CURVE keys on both buses (--curve)",
                                 "batch", 200_000, 40_000, False, "cost of encryption"),
+    "e2e-batch-zstd": Scenario("e2e-batch with wire_compression='zstd' (--compression)",
+                               "batch", 200_000, 40_000, False, "cost of compression"),
     "latency-curve": Scenario("latency with CURVE keys on both buses (--curve)",
                               "latency", 1_000, 300, False, "cost of encryption"),
     "request-serial": Scenario("request -> handler -> reply, one at a time",
@@ -188,7 +190,8 @@ def role_pub(a: argparse.Namespace) -> None:
         return
     if a.stages:
         stages.install("pub")
-    with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys) as bus:
+    with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys,
+             wire_compression="zstd" if a.zstd else None) as bus:
         wait_until(lambda: bus.status().subscriptions >= a.subscribers, 120, 0.01)
         before = bus.counters().get("fsyncs", 0)
         cpu = cpu_seconds()
@@ -349,6 +352,8 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
     subs_addrs = [free_address() for _ in range(n_subs)]
     pub_flags = list(flags)
     sub_flags = [list(flags) for _ in range(n_subs)]
+    if name.endswith("-zstd"):
+        pub_flags.append("--zstd")
     if name.endswith("-curve"):
         pub_keys, sub_keys = curve_keys(run_dir, pub_addr, subs_addrs)
         pub_flags += ["--keys", pub_keys]
@@ -569,6 +574,9 @@ def main() -> int:
     ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stages", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keys", help=argparse.SUPPRESS)
+    ap.add_argument("--zstd", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compression", action="store_true",
+                    help="also run e2e-batch with wire_compression='zstd' on the publisher")
     ap.add_argument("--curve", action="store_true",
                     help="also run e2e-batch and latency with CURVE keys on both buses")
     ap.add_argument("--quick", action="store_true", help="fewer messages per run")
@@ -590,7 +598,8 @@ def main() -> int:
     if a.switch_interval:
         os.environ["BENCH_SWITCH_INTERVAL"] = str(a.switch_interval)  # the children inherit it
     log = (lambda *x: None) if a.json else (lambda *x: print(*x, file=sys.stderr, flush=True))
-    names = a.only or [n for n in SCENARIOS if a.curve or not n.endswith("-curve")]
+    names = a.only or [n for n in SCENARIOS if (a.curve or not n.endswith("-curve"))
+                       and (a.compression or not n.endswith("-zstd"))]
     tmp = Path(tempfile.mkdtemp(prefix="servicebus-bench-"))
     notes: list[str] = []
     servers: dict[str, peers.Server] = {}
@@ -705,6 +714,11 @@ def print_table(summary: dict) -> None:
     if "e2e-batch" in t and "e2e-batch-nojournal" in t:
         on, off = t["e2e-batch"]["servicebus"]["median"], t["e2e-batch-nojournal"]["servicebus"]["median"]
         print(f"journal cost: e2e-batch with the journal runs at {on / off:.1%} of journal=False")
+    if "servicebus" in t.get("e2e-batch", {}) and "servicebus" in t.get("e2e-batch-zstd", {}):
+        p, c = t["e2e-batch"]["servicebus"], t["e2e-batch-zstd"]["servicebus"]
+        print(f"compression: e2e-batch with zstd frames runs at {c['median'] / p['median']:.0%} of plain"
+              + (f", cpu/msg {c['cpu_us_per_msg'] - p['cpu_us_per_msg']:+.1f} us"
+                 if "cpu_us_per_msg" in c and "cpu_us_per_msg" in p else ""))
     for plain, curve in (("e2e-batch", "e2e-batch-curve"), ("latency", "latency-curve")):
         if "servicebus" in t.get(plain, {}) and "servicebus" in t.get(curve, {}):
             p, c = t[plain]["servicebus"], t[curve]["servicebus"]

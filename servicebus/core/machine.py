@@ -68,6 +68,7 @@ class Core:
         self.receiver = Receiver(s)
         self._next_tick = self._next_gc = self._next_expiry = 0.0
         self._next_prune = self._next_clock_save = 0.0
+        self._codecs = P.codecs()  # what this bus decodes, told to every peer that pings it
 
     @property
     def out(self) -> Effects:
@@ -153,7 +154,8 @@ class Core:
         if isinstance(frame, P.Batch):
             self.receiver.on_batch(ident, frame, source, user)
         elif isinstance(frame, P.Ping):
-            s.out.to_router.append((ident, P.encode_pong(s.node_id, s.boot, s.config.max_payload)))
+            s.out.to_router.append((ident, P.encode_pong(s.node_id, s.boot, s.config.max_payload,
+                                                         self._codecs)))
         elif isinstance(frame, P.Subscribe):
             self.handshake.on_subscribe(ident, frame, source, user)
         elif isinstance(frame, P.Unsubscribe):

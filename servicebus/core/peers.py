@@ -110,6 +110,7 @@ class Roster:
         restarted = peer.boot is not None and peer.boot != pong.boot
         peer.last_pong = now
         peer.max_payload = pong.max_payload
+        peer.codecs = pong.codecs
         peer.boot = pong.boot
         if peer.up and not restarted:
             return False

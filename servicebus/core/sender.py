@@ -195,9 +195,11 @@ class Sender:
             by_kind: dict[int, list[P.Envelope]] = {}
             for kind, env in items:
                 by_kind.setdefault(kind, []).append(env)
+            codec = s.config.wire_compression  # only to a peer whose pongs say it decodes it
+            compress = codec if codec is not None and codec in peer.codecs else None
             for kind, envs in by_kind.items():
                 for chunk in self._frames(envs):
-                    frames = P.encode_batch(Kind(kind), s.node_id, s.address, chunk, s.wall())
+                    frames = P.encode_batch(Kind(kind), s.node_id, s.address, chunk, s.wall(), compress)
                     s.out.to_peers.append((peer.address, frames, len(chunk)))
 
     def _frames(self, envs: list[P.Envelope]) -> list[list[P.Envelope]]:

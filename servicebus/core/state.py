@@ -43,6 +43,7 @@ class Peer:
     consumers: list[Consumer] = field(default_factory=list)
     down_since: float = 0.0
     max_payload: int | None = None  # the largest payload it accepts, as its pongs say
+    codecs: tuple[str, ...] = ()  # the compression codecs it decodes, as its pongs say
     idle_since: float | None = None  # since when nothing is owed to or by it (peer_expiry)
 
 

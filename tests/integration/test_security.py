@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 
+import msgpack
 import pytest
 import zmq
 
@@ -318,3 +319,45 @@ def test_keygen_writes_a_key_pair_with_a_private_secret_and_never_overwrites_one
     assert stat.S_IMODE((tmp_path / "k" / "bus.key_secret").stat().st_mode) == 0o600
     again = subprocess.run([cli, "keygen", str(tmp_path / "k")], capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "already" in again.stderr
+
+
+# --- compression ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("peer_codecs, compressed", [(("zstd",), True), ((), False)],
+                         ids=["peer decodes zstd", "peer does not say so"])
+def test_frames_are_compressed_only_to_a_peer_whose_pongs_say_it_decodes_the_codec(
+        make_bus, raw, peer_codecs, compressed):
+    pytest.importorskip("zstandard", reason="the compression extra is not installed")
+    pub = make_bus("pub", wire_compression="zstd")
+    address = free_address()
+    fake = zmq.Context.instance().socket(zmq.ROUTER)  # a subscriber, by hand
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(address)
+    try:
+        raw(pub.address).send_multipart(P.encode_subscribe("s1", TOPIC, address, "fake"))
+        batches = []
+
+        def serve() -> bool:
+            while fake.poll(10):
+                ident, *frames = fake.recv_multipart()
+                frame = P.decode(frames, max_payload=1 << 20)
+                if isinstance(frame, P.Ping):
+                    fake.send_multipart([ident, *P.encode_pong("fake", "b1", 1 << 20, peer_codecs)])
+                elif isinstance(frame, P.Batch):
+                    batches.append((frames, frame))
+            return bool(batches) or pub.status().subscriptions == 1
+
+        wait_until(serve, 10)
+        pub.publish_many(TOPIC, [{"n": n, "pad": "y" * 500} for n in range(20)])
+        wait_until(lambda: serve() and len(batches) >= 1, 10)
+        frames, frame = batches[0]
+        assert ("z" in msgpack.unpackb(frames[2])) is compressed
+        assert [P.decode_payload(e.body)["n"] for e in frame.messages] == list(range(20))
+    finally:
+        fake.close(linger=0)
+
+
+def test_wire_compression_is_checked_when_the_bus_opens(make_bus):
+    with pytest.raises(ValueError, match="zstd"):
+        make_bus("a", wire_compression="lz4")

@@ -140,3 +140,59 @@ def test_random_junk_never_escapes_as_anything_but_protocol_error():
             P.decode([bytes(f) for f in frames], max_payload=LIMIT)
         except ProtocolError:
             pass
+
+
+# --- compression (issue 14) ------------------------------------------------------------------
+
+zstandard = pytest.importorskip("zstandard", reason="the compression extra is not installed")
+
+
+def big_batch(n=20, size=2000):
+    return [P.Envelope(f"id{i}", "t", 1, P.encode_payload("x" * size), 1, None, None, {}) for i in range(n)]
+
+
+def test_a_compressed_batch_decodes_to_the_same_messages_and_is_smaller():
+    msgs = big_batch()
+    plain = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5)
+    packed = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5, compress="zstd")
+    assert len(packed[3]) < len(plain[3]) / 10
+    assert P.decode(packed, max_payload=1 << 20) == P.decode(plain, max_payload=1 << 20)
+
+
+def test_a_small_batch_is_sent_as_it_is_even_with_compression_on():
+    msgs = big_batch(1, 100)
+    assert P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, compress="zstd") == \
+        P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs)
+
+
+def compressed_frames(body: bytes, codec="zstd", n=1):
+    header = {"sender": "s", "reply_to": "tcp://127.0.0.1:1", "z": codec,
+              "msgs": [[f"i{k}", "t", 1, 1, None, None, {}] for k in range(n)]}
+    return [P.MAGIC, bytes([Kind.EVENT]), msgpack.packb(header), body]
+
+
+def test_a_frame_declaring_more_than_its_messages_may_hold_is_refused_before_decompressing():
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MiB of zeros, ~2 KiB
+    assert len(bomb) < 1 << 16
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(bomb), max_payload=1000)
+    assert err.value.reason == "bad_compression"
+    streamed = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (8 << 20))
+    with pytest.raises(ProtocolError, match="bad_compression|did not|exceed|error"):
+        P.decode(compressed_frames(streamed), max_payload=1000)
+
+
+@pytest.mark.parametrize("codec, body", [("lz77", b"x"), ("zstd", b"not zstd at all")])
+def test_an_unknown_codec_or_a_damaged_body_is_a_protocol_error(codec, body):
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(body, codec), max_payload=1000)
+    assert err.value.reason == "bad_compression"
+
+
+def test_a_pong_says_which_codecs_its_bus_decodes():
+    pong = P.decode(P.encode_pong("n", "b", 10, ("zstd",)), max_payload=10)
+    assert pong.codecs == ("zstd",)
+    assert P.decode(P.encode_pong("n", "b", 10), max_payload=10).codecs == ()
+    header = msgpack.packb({"sender": "n", "boot": "b", "z": "zstd"})
+    with pytest.raises(ProtocolError):
+        P.decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
