@@ -235,9 +235,15 @@ def test_buses_with_keys_deliver_and_a_null_intruder_gets_nothing_in_or_out_and_
     intruder.send_multipart(P.encode_batch(P.Kind.COMMAND, "intruder", "tcp://127.0.0.1:9", [env]))
     pub.publish(TOPIC, {"n": 1})
     wait_until(lambda: got == [{"n": 1}], 10)
-    wait_until(lambda: pub.status().refused_by_reason.get("handshake_failed_protocol", 0) >= 1, 10)
+    # libzmq reports the mechanism mismatch as a protocol failure or, when the intruder's
+    # greeting is cut short, without detail: either is a counted handshake failure.
+    wait_until(lambda: handshake_failures(pub) >= 1, 10)
     assert not intruder.poll(500)  # nothing out
     assert pub.status().subscriptions == 1 and pub.status().incoming == 0  # nothing in
+
+
+def handshake_failures(bus) -> int:
+    return sum(v for k, v in bus.status().refused_by_reason.items() if k.startswith("handshake_failed"))
 
 
 def test_a_client_whose_key_is_not_in_peers_toml_is_refused_at_the_handshake(curve_pair, raw, tmp_path):
