@@ -14,7 +14,9 @@ from .errors import (
     LockedError,
     ProtocolError,
     RemoteError,
+    Reject,
     RequestTimeout,
+    Retry,
     StoreError,
     StoreWriteError,
     SubscribeRefused,
@@ -45,6 +47,8 @@ __all__ = [
     "SubscribeTimeout",
     "RemoteError",
     "RequestTimeout",
+    "Retry",
+    "Reject",
 ]
 
 __version__ = "0.2.0.dev0"  # and setup.cfg (one place: issue 16)

@@ -21,6 +21,8 @@ __all__ = [
     "SubscribeRefused",
     "RemoteError",
     "RequestTimeout",
+    "Retry",
+    "Reject",
 ]
 
 
@@ -110,3 +112,24 @@ class RemoteError(DeliveryError):
 
 class RequestTimeout(BusError, TimeoutError):
     """No reply arrived within the request's timeout."""
+
+
+# --- raised by handlers, not by the bus -------------------------------------------------------
+
+
+class Retry(Exception):
+    """Raise in a handler to have the message run again after ``after`` seconds (default:
+    the bus's backoff). It counts as a failed attempt: after ``max_attempts`` the message
+    is a dead letter, so a handler cannot postpone it forever."""
+
+    def __init__(self, reason: str = "retry requested", *, after: float | None = None) -> None:
+        if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                                  or after < 0):
+            raise ValueError(f"Retry(after=) must be seconds >= 0, got {after!r}")
+        super().__init__(reason)
+        self.after = after
+
+
+class Reject(Exception):
+    """Raise in a handler to make the message a dead letter at once (reason ``rejected``,
+    with this text), without further attempts: input no retry will fix."""

@@ -25,7 +25,7 @@ from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .core.state import Incoming
 from .delivery import backoff
-from .errors import StoreError
+from .errors import Reject, Retry, StoreError
 from .handlers import Handler, Handlers
 from .journal import Journal
 from .letters import incoming_letter
@@ -205,11 +205,25 @@ class Runner:
             return None, self._run_request(item, handlers[0][1], payload, message, nxt)
 
         error: str | None = None
+        retry_after: float | None = None
         for name, handler in handlers:
             if name in done:
                 continue
             try:
                 handler(payload, message)
+            except Reject as exc:
+                rejected = f"Reject: {exc}"
+                log.warning("handler %s rejected %s %s: %s", name, topic, item.id, exc)
+                self._deadletter(item, "rejected", rejected, attempts,
+                                 [_event("handler_failed", item, attempts, rejected)])
+                return None, False
+            except Retry as exc:
+                error = f"Retry: {exc}"
+                if exc.after is not None:
+                    retry_after = max(retry_after or 0.0, exc.after)
+                log.info("handler %s asked to retry %s %s (attempt %d/%d): %s", name, topic,
+                         item.id, attempts, config.max_attempts, exc)
+                continue
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
@@ -228,7 +242,7 @@ class Runner:
         if attempts >= config.max_attempts:
             self._deadletter(item, "handler_failed", error, attempts, [failed])
             return None, False
-        delay = backoff(attempts, config.retry_initial, config.retry_max)
+        delay = backoff(attempts, config.retry_initial, config.retry_max) if retry_after is None else retry_after
 
         def retried(batch: Any) -> None:
             batch.put_runstate(item.id, RunState(attempts, done, error, wall_ms() + int(delay * 1000)))

@@ -1,0 +1,76 @@
+"""A handler says what should happen to its message (issue 15): ``Retry(after=)`` runs it
+again later, ``Reject(reason)`` makes it a dead letter at once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from servicebus import Reject, Retry
+from servicebus.testing import free_address, wait_until
+
+TOPIC = "user.signup"
+
+
+def pair(make_bus, **sub_options):
+    pub = make_bus("pub")
+    sub = make_bus("sub", free_address(), **sub_options)
+    return pub, sub
+
+
+def test_a_handler_that_rejects_its_message_makes_it_a_dead_letter_at_once(make_bus):
+    pub, sub = pair(make_bus, max_attempts=5, retry_initial=0.01)
+    attempts = []
+
+    @sub.every(TOPIC)
+    def validate(payload, message):
+        attempts.append(message.attempt)
+        raise Reject(f"no such plan: {payload['plan']}")
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    mid = pub.publish(TOPIC, {"plan": "platinum"})
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    assert attempts == [1]
+    letter = sub.deadletters()[0]
+    assert (letter.id, letter.reason, letter.error) == (mid, "rejected", "Reject: no such plan: platinum")
+    assert sub.drain(5) and attempts == [1]
+
+
+def test_a_handler_that_asks_to_retry_runs_again_after_the_delay_it_named(make_bus):
+    pub, sub = pair(make_bus, retry_initial=0.01, retry_max=0.02)
+    runs: list[float] = []
+
+    @sub.every(TOPIC)
+    def later(payload, message):
+        runs.append(time.monotonic())
+        if message.attempt == 1:
+            raise Retry("the mail server asked us to wait", after=0.5)
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: len(runs) == 2 and sub.drain(0.1), 10)
+    assert runs[1] - runs[0] >= 0.5  # not the 10-20 ms backoff
+    assert sub.status().deadletters == 0
+
+
+def test_retry_counts_as_an_attempt_so_a_message_cannot_be_postponed_forever(make_bus):
+    pub, sub = pair(make_bus, max_attempts=3)
+    attempts = []
+
+    @sub.every(TOPIC)
+    def never(payload, message):
+        attempts.append(message.attempt)
+        raise Retry(after=0.01)
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    assert attempts == [1, 2, 3]
+    assert sub.deadletters()[0].reason == "handler_failed"
+
+
+@pytest.mark.parametrize("after", [-1, "soon", True])
+def test_retry_refuses_a_delay_that_is_not_seconds(after):
+    with pytest.raises(ValueError, match="seconds"):
+        Retry(after=after)
