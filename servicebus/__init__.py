@@ -24,6 +24,7 @@ from .errors import (
     TransportError,
 )
 from .records import BusStatus, DeadLetter, Message, PeerStatus
+from .timeouts import HandlerTimeout
 
 __all__ = [
     "Bus",
@@ -49,6 +50,7 @@ __all__ = [
     "RequestTimeout",
     "Retry",
     "Reject",
+    "HandlerTimeout",
 ]
 
 __version__ = "0.2.0.dev0"  # and setup.cfg (one place: issue 16)

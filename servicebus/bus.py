@@ -25,6 +25,8 @@ from .sockets import Sockets
 from .clock import wall_ms
 from .config import BusConfig
 from .dispatch import Dispatcher
+from .handlers import handler_name
+from .timeouts import Watchdog
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
@@ -57,6 +59,7 @@ class Bus:
         self.datadir = Path(datadir)
         self._closed = False
         self._close_lock = threading.Lock()
+        self._watchdog = Watchdog()  # handler time limits; its thread starts on first use
         self._lock: DataDirLock | None = None
         # Set by _open; a Bus whose opening failed is never handed out.
         self._store: Store
@@ -271,13 +274,15 @@ class Bus:
         engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id, future))
         return self._wait(future, None) if wait else future
 
-    def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None) -> Any:
+    def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
+               timeout: float | None = None) -> Any:
         """Handle ``command``: ``handler(payload, message)``; its return value is the reply
         to ``request``. One handler per command (``ValueError`` for a second). Also a
         decorator. For a plain ``send`` a raising handler is retried, then dead-lettered;
-        for a ``request`` the exception goes back to the caller as ``RemoteError``."""
+        for a ``request`` the exception goes back to the caller as ``RemoteError``.
+        ``timeout``: as for ``every``."""
         validate_topic(command, "command")
-        return self._register(Kind.COMMAND, command, handler, name)
+        return self._register(Kind.COMMAND, command, handler, name, timeout)
 
     def request_async(self, address: str, command: str, payload: Any,
                       timeout: float = 30.0) -> Future:
@@ -346,7 +351,8 @@ class Bus:
 
     # --- handlers ----------------------------------------------------------------------
 
-    def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None) -> Any:
+    def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
+              timeout: float | None = None) -> Any:
         """Run ``handler(payload, message)`` for each ``topic`` event (also a decorator).
 
         Returning marks the message done; raising retries it with backoff, then moves it
@@ -354,18 +360,28 @@ class Bus:
         needs a name that is stable across restarts and distinct (``name``, by default the
         function's module and qualified name; a ``functools.partial`` or a second lambda
         needs ``name``), as the names of the finished ones are stored with the message.
+
+        ``timeout`` (seconds): a run that takes longer gets ``HandlerTimeout`` raised inside
+        it (at its next Python instruction: a call blocked in C is interrupted when it
+        returns) and counts as a failed attempt (timeouts.py).
         """
         validate_topic(topic)
-        return self._register(Kind.EVENT, topic, handler, name)
+        return self._register(Kind.EVENT, topic, handler, name, timeout)
 
-    def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None) -> Any:
+    def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None,
+                  timeout: float | None = None) -> Any:
         """Register now, or return a decorator that does (``every`` and ``handle``)."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ValueError(f"timeout must be seconds > 0, got {timeout!r}")
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._dispatcher.register(kind, topic, fn, name)
+            stable = name if name is not None else handler_name(fn)  # of the function itself
+            run = fn if timeout is None else self._watchdog.limit(fn, timeout, stable or topic)
+            self._dispatcher.register(kind, topic, run, stable)
             return fn
 
         return register if handler is None else register(handler)
@@ -430,6 +446,7 @@ class Bus:
                 return
             self._closed = True
         self._resources.close()
+        self._watchdog.close()
         log.info("bus %s closed", getattr(self, "node_id", "?"))
 
     def __enter__(self) -> "Bus":

@@ -74,3 +74,64 @@ def test_retry_counts_as_an_attempt_so_a_message_cannot_be_postponed_forever(mak
 def test_retry_refuses_a_delay_that_is_not_seconds(after):
     with pytest.raises(ValueError, match="seconds"):
         Retry(after=after)
+
+
+def busy(seconds: float) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:  # Python bytecode all along: interruptible
+        pass
+
+
+def test_a_handler_past_its_timeout_is_interrupted_and_counted_as_a_failed_attempt(make_bus):
+    pub, sub = pair(make_bus, max_attempts=2, retry_initial=0.01, retry_max=0.02)
+    runs = []
+
+    @sub.every(TOPIC, timeout=0.2)
+    def hangs(payload, message):
+        runs.append(message.attempt)
+        busy(10)  # far past the limit; bounded, should the limit not work
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    started = time.monotonic()
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    assert time.monotonic() - started < 5 and runs == [1, 2]
+    letter = sub.deadletters()[0]
+    assert letter.reason == "handler_failed"
+    assert letter.error.startswith("HandlerTimeout: handler") and "0.2s" in letter.error
+
+
+def test_a_handler_within_its_timeout_and_the_code_after_it_are_not_touched(make_bus):
+    pub, sub = pair(make_bus)
+    done = []
+
+    @sub.every(TOPIC, timeout=1.0)
+    def quick(payload, message):
+        busy(0.01)
+        done.append(payload)
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish_many(TOPIC, list(range(50)))
+    wait_until(lambda: len(done) >= 50 and sub.drain(0.1), 20)
+    assert sorted(done) == list(range(50))  # each ran once: none interrupted, none retried
+    assert sub.status().deadletters == 0 and sub.status().running
+
+
+def test_a_request_handler_past_its_timeout_answers_the_caller_with_the_timeout(make_bus):
+    from servicebus import RemoteError
+
+    server, client = make_bus("server"), make_bus("client")
+
+    @server.handle("slow", timeout=0.2)
+    def slow(payload, message):
+        busy(10)
+
+    with pytest.raises(RemoteError, match="HandlerTimeout"):
+        client.request(server.address, "slow", 1, timeout=10)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "1", True])
+def test_a_timeout_that_is_not_positive_seconds_is_refused(make_bus, timeout):
+    bus = make_bus("a")
+    with pytest.raises(ValueError, match="timeout"):
+        bus.every(TOPIC, lambda p, m: None, timeout=timeout)
