@@ -45,6 +45,16 @@ log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 
+def _check_ttl_headers(ttl: float | None, headers: dict[str, Any] | None) -> None:
+    if ttl is not None:
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+            raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    if headers is not None:
+        if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
+            raise TypeError("headers must be a dict with str keys")
+        encode_payload(headers)  # TypeError now rather than in the engine
+
+
 class Bus:
     """An embedded, durable service bus. See the README for the guarantees.
 
@@ -213,18 +223,26 @@ class Bus:
 
     # --- publishing --------------------------------------------------------------------
 
-    def publish(self, topic: str, payload: Any) -> str:
+    def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
+                headers: dict[str, Any] | None = None) -> str:
         """Store ``payload`` for every subscriber of ``topic``; return its message id.
 
         Returns only after the message is fsynced. Subscriptions are those this bus has
         confirmed when the call is made; with none, nothing is stored. The calling thread
         does the write itself; concurrent callers share one fsync (group commit).
-        """
-        return self.publish_many(topic, [payload])[0]
 
-    def publish_many(self, topic: str, payloads: Iterable[Any]) -> list[str]:
+        ``ttl`` (seconds): not handled in time, it becomes a dead letter with reason
+        ``expired`` wherever it is (at the publisher for a subscriber that has not acked
+        it, at the subscriber otherwise). ``headers``: a dict with str keys, given to
+        handlers as ``message.headers``.
+        """
+        return self.publish_many(topic, [payload], ttl=ttl, headers=headers)[0]
+
+    def publish_many(self, topic: str, payloads: Iterable[Any], *, ttl: float | None = None,
+                     headers: dict[str, Any] | None = None) -> list[str]:
         """Like ``publish`` for a list, with one fsync for all of it; returns the ids."""
         validate_topic(topic)
+        _check_ttl_headers(ttl, headers)
         bodies = [encode_payload(p) for p in payloads]
         limit = self.config.max_payload
         for body in bodies:
@@ -233,8 +251,9 @@ class Bus:
         engine = self._check_open()
         if not bodies:
             return []
+        expires = None if ttl is None else wall_ms() + int(ttl * 1000)
         try:
-            return engine.publish(topic, bodies)
+            return engine.publish(topic, bodies, expires, headers or None)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None
@@ -258,13 +277,7 @@ class Bus:
               wait: bool = True) -> Any:
         validate_address(address)
         validate_topic(command, "command")
-        if ttl is not None:
-            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
-                raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
-        if headers is not None:
-            if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
-                raise TypeError("headers must be a dict with str keys")
-            encode_payload(headers)  # TypeError now rather than in the engine
+        _check_ttl_headers(ttl, headers)
         body = encode_payload(payload)
         if len(body) > self.config.max_payload:
             raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {self.config.max_payload}")

@@ -157,7 +157,8 @@ class Engine(threading.Thread):
                 os.close(self._wake_fd)
                 self._wake_fd = -1
 
-    def publish(self, topic: str, bodies: list[bytes]) -> list[str]:
+    def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
+                headers: dict[str, Any] | None = None) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
         return their ids once fsynced (see ``commit.py``). Thread-safe."""
         if not self.store.writable:
@@ -170,20 +171,20 @@ class Engine(threading.Thread):
             return ids
         stage, journal = self.core.streams.stage_publish, self.journal
 
-        def build(batch: Batch) -> tuple[str, list[str], list[tuple[str, bytes]]]:
-            stream, ids, items, events = stage(batch, topic, bodies)
+        def build(batch: Batch) -> tuple[str, list[str], list[tuple[str, bytes]], bool]:
+            stream, ids, items, events = stage(batch, topic, bodies, expires, headers)
             journal.record(batch, events)
-            return stream, ids, items
+            return stream, ids, items, expires is not None
 
         return self.committer.commit(build)[1]
 
-    def _on_published(self, results: list[tuple[str, list[str], list[tuple[str, bytes]]]]) -> None:
+    def _on_published(self, results: list[tuple[str, list[str], list[tuple[str, bytes]], bool]]) -> None:
         # Under the commit lock, in commit order: the engine sees new ids in stream order.
         with self._count_lock:
-            for stream, ids, items in results:
+            for stream, ids, items, ttl in results:
                 self.published += len(ids)
                 if items:
-                    self._queue.append(Published(stream, items))
+                    self._queue.append(Published(stream, items, ttl=ttl))
         self.wake()
 
     def stop(self, timeout: float | None = None) -> None:

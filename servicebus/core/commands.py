@@ -22,6 +22,7 @@ class Published:
     stream: str
     items: list[tuple[str, bytes]]  # (id, packed outgoing record)
     future: Any = None  # nobody waits: the publish returned already
+    ttl: bool = False  # they carry a TTL: the stream is checked for expiry while a peer is down
 
 
 @dataclass

@@ -80,14 +80,16 @@ class Expiry:
 
     def expire_waiting(self, now: float) -> None:
         """TTLs pass while a receiver is down too: commands and replies waiting for a peer
-        that is down become dead letters when they expire, not when it comes back. (Only
-        command streams carry TTLs.) Reads at most EXPIRY_SCAN stored messages per
+        that is down become dead letters when they expire, not when it comes back; so do
+        events of streams published to with a TTL since this start. Reads at most EXPIRY_SCAN stored messages per
         consumer per call, resuming where the last call stopped."""
         s = self.s
         now_ms = s.wall()
         window, ack_timeout = s.config.window, s.config.ack_timeout
         for consumer in list(s.consumers.values()):
-            if not is_command_stream(consumer.stream) or s.peers[consumer.peer].up:
+            if s.peers[consumer.peer].up:
+                continue
+            if not is_command_stream(consumer.stream) and consumer.stream not in s.ttl_streams:
                 continue
             record: OutgoingRecord | None
             for mid, flight in list(consumer.inflight.items()):

@@ -124,6 +124,9 @@ class State:
     outbox: dict[Peer, list[tuple[int, Envelope]]] = field(default_factory=dict)
     turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)
     gc_floor: dict[str, str | None] = field(default_factory=dict)
+    # Event streams that got messages with a TTL since this start: checked for expiry while
+    # a subscriber is down, as command streams always are (expiry.py).
+    ttl_streams: set[str] = field(default_factory=set)
     orphans_due: bool = True
     tick_due: bool = True  # run the timers at the next turn, whatever the time
     new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon

@@ -7,6 +7,8 @@ a stream has acknowledged are deleted; streams nobody consumes any more are empt
 
 from __future__ import annotations
 
+from typing import Any
+
 import logging
 
 from ..delivery import Consumer, command_stream, event_stream, pack_outgoing
@@ -31,7 +33,8 @@ class Streams:
 
     # --- in ----------------------------------------------------------------------------
 
-    def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes]
+    def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes],
+                      expires: int | None = None, headers: dict[str, Any] | None = None,
                       ) -> tuple[str, list[str], list[tuple[str, bytes]], list[JournalEvent]]:
         """Write ``bodies`` into ``batch`` for every subscriber of ``topic``. Runs on a
         publishing thread under the group commit's lock, so ids are made in the order the
@@ -46,7 +49,7 @@ class Streams:
             sent = s.wall()
             put = batch.put_outgoing
             for mid, body in zip(ids, bodies):
-                record = pack_outgoing(Kind.EVENT, topic, sent, body)
+                record = pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers)
                 put(stream, mid, record)
                 items.append((mid, record))
             if s.journal_on:  # one event per (message, receiver): what the audit reconciles
@@ -56,6 +59,8 @@ class Streams:
 
     def published(self, cmd: Published) -> None:
         s = self.s
+        if cmd.ttl:
+            s.ttl_streams.add(cmd.stream)
         if cmd.stream in s.by_stream:
             s.new.setdefault(cmd.stream, []).extend(cmd.items)
         else:
