@@ -224,7 +224,7 @@ class Bus:
     # --- publishing --------------------------------------------------------------------
 
     def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
-                headers: dict[str, Any] | None = None) -> str:
+                headers: dict[str, Any] | None = None, dedupe_key: str | None = None) -> str:
         """Store ``payload`` for every subscriber of ``topic``; return its message id.
 
         Returns only after the message is fsynced. Subscriptions are those this bus has
@@ -235,12 +235,23 @@ class Bus:
         ``expired`` wherever it is (at the publisher for a subscriber that has not acked
         it, at the subscriber otherwise). ``headers``: a dict with str keys, given to
         handlers as ``message.headers``.
+
+        ``dedupe_key``: a publish with a key used within ``publish_dedupe_window`` returns
+        the first one's id and stores nothing (a publisher that retries after a crash or a
+        timeout publishes once). Keyed publishes are serialized: each pays its own fsync.
         """
-        return self.publish_many(topic, [payload], ttl=ttl, headers=headers)[0]
+        if dedupe_key is not None and (not isinstance(dedupe_key, str) or not dedupe_key
+                                       or len(dedupe_key.encode()) > 512):
+            raise ValueError(f"dedupe_key must be a non-empty str of at most 512 bytes, not {dedupe_key!r}")
+        return self._publish(topic, [payload], ttl, headers, dedupe_key)[0]
 
     def publish_many(self, topic: str, payloads: Iterable[Any], *, ttl: float | None = None,
                      headers: dict[str, Any] | None = None) -> list[str]:
         """Like ``publish`` for a list, with one fsync for all of it; returns the ids."""
+        return self._publish(topic, payloads, ttl, headers, None)
+
+    def _publish(self, topic: str, payloads: Iterable[Any], ttl: float | None,
+                 headers: dict[str, Any] | None, dedupe_key: str | None) -> list[str]:
         validate_topic(topic)
         _check_ttl_headers(ttl, headers)
         bodies = [encode_payload(p) for p in payloads]
@@ -253,7 +264,7 @@ class Bus:
             return []
         expires = None if ttl is None else wall_ms() + int(ttl * 1000)
         try:
-            return engine.publish(topic, bodies, expires, headers or None)
+            return engine.publish(topic, bodies, expires, headers or None, dedupe_key)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None

@@ -70,6 +70,9 @@ class BusConfig:
     #: a directory made by ``servicebus keygen``: CURVE encryption and authentication on
     #: every bus socket, peers and their rights from its ``peers.toml`` (see keys.py)
     keys: str | None = None
+    #: ``publish(..., dedupe_key=K)`` within this long of an earlier publish with the same key
+    #: returns that publish's id and stores nothing (counted on the bus's own running time)
+    publish_dedupe_window: float = 24 * 3600.0
     #: compress batch frames to peers that can decode them: ``"zstd"`` (the
     #: ``servicebus[compression]`` extra) or None. Frames under 1 KiB go as they are
     wire_compression: str | None = None

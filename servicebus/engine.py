@@ -98,6 +98,8 @@ class Engine(threading.Thread):
         self._degraded: str | None = None  # why the store cannot be written, if it cannot
         self._next_recover = 0.0
         self._drains: list[Future] = []
+        self._dedupe_lock = threading.Lock()  # publishes with a dedupe key, one at a time
+        self.clock = clock
         self._key_tried: dict[str, float] = {}  # address -> when its next CURVE key was tried
         self._admin: AdminServer | None = None
         if sockets.admin is not None:
@@ -158,22 +160,43 @@ class Engine(threading.Thread):
                 self._wake_fd = -1
 
     def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
-                headers: dict[str, Any] | None = None) -> list[str]:
+                headers: dict[str, Any] | None = None, dedupe_key: str | None = None) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
-        return their ids once fsynced (see ``commit.py``). Thread-safe."""
+        return their ids once fsynced (see ``commit.py``). Thread-safe. With
+        ``dedupe_key`` (one body): the id of an earlier publish with that key within
+        ``publish_dedupe_window``, storing nothing, or a new one stored with the key."""
         if not self.store.writable:
             # Not even an id for nobody's event: a bus that cannot write cannot deliver.
             raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
+        if dedupe_key is not None:
+            # Keyed publishes one at a time: the lookup and the write that stores the key
+            # must not interleave with another publish of the same key.
+            with self._dedupe_lock:
+                found = self.store.get_publish_key(dedupe_key)
+                now = self.clock.now()
+                if found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000):
+                    return [found[0]]
+                return self._commit(topic, bodies, expires, headers, (dedupe_key, now, found))
         if not self.core.s.stream_peers.get(event_stream(topic)):  # nobody subscribed: nothing to store
             ids = self.ids.many(len(bodies))
             with self._count_lock:
                 self.published += len(ids)
             return ids
+        return self._commit(topic, bodies, expires, headers, None)
+
+    def _commit(self, topic: str, bodies: list[bytes], expires: int | None,
+                headers: dict[str, Any] | None,
+                key: tuple[str, int, tuple[str, int] | None] | None) -> list[str]:
         stage, journal = self.core.streams.stage_publish, self.journal
 
         def build(batch: Batch) -> tuple[str, list[str], list[tuple[str, bytes]], bool]:
             stream, ids, items, events = stage(batch, topic, bodies, expires, headers)
             journal.record(batch, events)
+            if key is not None:  # stored even with nobody subscribed: a retry finds it
+                name, now, old = key
+                if old is not None:  # past the window, not pruned yet: its index entry goes
+                    batch.forget_publish_key(name, old[1])
+                batch.put_publish_key(name, ids[0], now)
             return stream, ids, items, expires is not None
 
         return self.committer.commit(build)[1]

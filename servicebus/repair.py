@@ -50,6 +50,8 @@ ON_UNDECODABLE = {
     "deadletters": "dropped: LOST",
     "handled": "dropped (this id is no longer deduplicated)",
     "handled_index": "dropped (rebuilt from the handled ids)",
+    "publish_keys": "dropped (a publish with this dedupe key is no longer deduplicated)",
+    "publish_keys_index": "dropped (rebuilt from the publish keys)",
     "journal": "dropped (these delivery events are missing from the audit)",
     "segments": "dropped (the segment's retention starts again)",
     "meta": "restored",
@@ -97,6 +99,8 @@ class _Seen:
     runstates: set[str] = field(default_factory=set)
     handled: dict[str, int] = field(default_factory=dict)
     index: list[tuple[int, str]] = field(default_factory=list)
+    publish_keys: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (id, at)
+    publish_index: list[tuple[int, str]] = field(default_factory=list)
     streams: set[str] = field(default_factory=set)
     meta: set[str] = field(default_factory=set)
     bad_meta: set[str] = field(default_factory=set)
@@ -164,6 +168,10 @@ def _collect(seen: _Seen, name: str, key: bytes, record: object) -> None:
         seen.handled[key[2:].decode()] = record  # type: ignore[assignment]
     elif name == "handled_index":
         seen.index.append((int.from_bytes(key[2:10], "big"), key[10:].decode()))
+    elif name == "publish_keys":
+        seen.publish_keys[key[2:].decode()] = (record[0], record[1])  # type: ignore[index]
+    elif name == "publish_keys_index":
+        seen.publish_index.append((int.from_bytes(key[2:10], "big"), key[10:].decode()))
     elif name == "outgoing":
         seen.streams.add(key[2:].partition(SEP)[0].decode())
     elif name == "journal":
@@ -219,6 +227,17 @@ def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datad
         if indexed.get(mid) != at:
             report("handled", mid, "handled id missing from the pruning index", "index restored")
             fix(lambda b, m=mid, a=at: b.put_handled(m, a))
+
+    # The publish-key index (q/) mirrors p/ the same way.
+    by_key = {key: at for at, key in seen.publish_index}
+    for at, key in seen.publish_index:
+        if (seen.publish_keys.get(key) or ("", -1))[1] != at:
+            report("publish_keys_index", f"{at} {key}", "index entry of no publish key", "dropped")
+            fix(lambda b, a=at, k=key: b.delete_raw(KEYSPACES["publish_keys_index"] + a.to_bytes(8, "big") + k.encode()))
+    for key, (mid, at) in sorted(seen.publish_keys.items()):
+        if by_key.get(key) != at:
+            report("publish_keys", key, "publish key missing from the pruning index", "index restored")
+            fix(lambda b, k=key, m=mid, a=at: b.put_publish_key(k, m, a))
 
     _check_meta(seen, report, fix, datadir)
 

@@ -132,6 +132,13 @@ def _stamp(value: bytes) -> int:
     return int.from_bytes(value, "big")
 
 
+def _publish_key(value: bytes) -> list:
+    rec = _unpack(value)
+    _require(isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], str)
+             and type(rec[1]) is int, "not [message id, time]")
+    return rec
+
+
 def _empty(value: bytes) -> bytes:
     _require(value == b"", "index entries carry no value")
     return value
@@ -175,6 +182,8 @@ VALUES: dict[str, Callable[[bytes], Any]] = {
     "deadletters": _deadletter,
     "handled": _stamp,
     "handled_index": _empty,
+    "publish_keys": _publish_key,
+    "publish_keys_index": _empty,
     "journal": _journal,
     "segments": _stamp,
 }
@@ -187,7 +196,7 @@ def _check_key(keyspace: str, rest: bytes) -> None:
     elif keyspace == "journal":
         _require(len(rest) == 8, "key is not a sequence number")
         return
-    elif keyspace == "handled_index":
+    elif keyspace in ("handled_index", "publish_keys_index"):
         _require(len(rest) > 8, "key is not a time and an id")
         rest = rest[8:]
     elif keyspace == "meta":

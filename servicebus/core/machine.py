@@ -292,7 +292,7 @@ class Core:
             self.roster.forget_idle(now)
         if now >= self._next_prune:
             # While ids are due faster than one batch a second, go on next turn.
-            more = self.receiver.prune_handled()
+            more = self.receiver.prune_handled() | self.receiver.prune_publish_keys()
             self._next_prune = now + (0.0 if more else PRUNE_INTERVAL)
         if now >= self._next_clock_save:
             self._next_clock_save = now + CLOCK_SAVE

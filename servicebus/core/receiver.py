@@ -75,6 +75,18 @@ class Receiver:
         if stored:
             batch.sync = True  # the acks leave only after the fsync
 
+    def prune_publish_keys(self) -> bool:
+        """Forget publish dedupe keys older than ``publish_dedupe_window`` (bus clock, from
+        when they were stored). True if there may be more to prune."""
+        s = self.s
+        cutoff = s.clock.now() - int(s.config.publish_dedupe_window * 1000)
+        if cutoff <= 0:
+            return False
+        due = s.store.publish_keys_before(cutoff, PRUNE_BATCH)
+        for key, at in due:
+            s.out.batch.forget_publish_key(key, at)
+        return len(due) >= PRUNE_BATCH
+
     def prune_handled(self) -> bool:
         """Forget handled ids older than the dedupe window, counted on the bus clock from
         when they were handled (not from the sender's id time, nor on the wall clock: a

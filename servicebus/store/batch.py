@@ -7,7 +7,7 @@ from typing import Any
 from ..clock import BusClock
 from ..letters import damaged_letter
 from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, RunState, SubscriptionRecord
-from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _R, _S, _T, _X, _Y, _pack, _pair
+from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _X, _Y, _pack, _pair
 
 __all__ = ["Batch"]
 
@@ -95,6 +95,17 @@ class Batch:
 
     def delete_reply(self, message_id: str) -> None:
         self._delete(_Y + message_id.encode())
+
+    def put_publish_key(self, key: str, message_id: str, at: int) -> None:
+        """``at``: bus-clock ms; the publish dedupe window counts from it."""
+        raw = key.encode()
+        self._put(_P + raw, _pack([message_id, at]))
+        self._put(_Q + at.to_bytes(8, "big") + raw, b"")
+
+    def forget_publish_key(self, key: str, at: int) -> None:
+        raw = key.encode()
+        self._delete(_P + raw)
+        self._delete(_Q + at.to_bytes(8, "big") + raw)
 
     def forget_handled(self, message_id: str, handled_at: int) -> None:
         key = message_id.encode()

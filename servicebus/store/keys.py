@@ -31,10 +31,13 @@ KEYSPACES = {
     "journal": b"j/",
     "handled_index": b"t/",
     "segments": b"g/",
+    "publish_keys": b"p/",  # publish(dedupe_key=): key -> [message id, bus-clock ms]
+    "publish_keys_index": b"q/",  # the same by time, for pruning: time + key -> b""
 }
-_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G = (KEYSPACES[k] for k in (
+_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G, _P, _Q = (KEYSPACES[k] for k in (
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
-    "handled", "deadletters", "replies", "journal", "handled_index", "segments"))
+    "handled", "deadletters", "replies", "journal", "handled_index", "segments",
+    "publish_keys", "publish_keys_index"))
 
 
 _pack = pack

@@ -9,7 +9,7 @@ from ..clock import BusClock
 from .. import schema
 from ..errors import CorruptRecordError
 from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, RunState, SubscriptionRecord
-from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _R, _S, _T, _X, _Y, _end, _pair, _split
+from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _X, _Y, _end, _pair, _split
 
 if TYPE_CHECKING:
     from .db import _Guard
@@ -260,6 +260,29 @@ class Reads:
             for key in bad:
                 batch.delete_raw(key)
             self.write(batch, sync=False)
+        return out
+
+    def get_publish_key(self, key: str) -> tuple[str, int] | None:
+        """(message id, bus-clock ms) a ``publish(dedupe_key=key)`` stored, if any."""
+        raw = _P + key.encode()
+        with self._op():
+            value = self._db.get(raw)
+        if value is None:
+            return None
+        mid, at = schema.decode("publish_keys", raw, value)
+        return mid, at
+
+    def publish_keys_before(self, cutoff: int, limit: int) -> list[tuple[str, int]]:
+        """(dedupe key, bus-clock ms) of publish keys stored before ``cutoff``, oldest first,
+        at most ``limit``."""
+        out = []
+        with self._op():
+            with self._db.iterator(start=_Q, stop=_Q + cutoff.to_bytes(8, "big"),
+                                   include_value=False, fill_cache=False) as it:
+                for key in it:
+                    out.append((key[10:].decode("utf-8", "replace"), int.from_bytes(key[2:10], "big")))
+                    if len(out) >= limit:
+                        break
         return out
 
     def segments(self) -> list[tuple[str, int]]:
