@@ -8,6 +8,8 @@ the bus clock (clock.py), then pruned.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .. import protocol as P
 from ..protocol import KIND_NAMES
 from .state import Incoming, State, incoming_record
@@ -79,13 +81,8 @@ class Receiver:
         """Forget publish dedupe keys older than ``publish_dedupe_window`` (bus clock, from
         when they were stored). True if there may be more to prune."""
         s = self.s
-        cutoff = s.clock.now() - int(s.config.publish_dedupe_window * 1000)
-        if cutoff <= 0:
-            return False
-        due = s.store.publish_keys_before(cutoff, PRUNE_BATCH)
-        for key, at in due:
-            s.out.batch.forget_publish_key(key, at)
-        return len(due) >= PRUNE_BATCH
+        return self._prune(s.config.publish_dedupe_window, s.store.publish_keys_before,
+                           lambda key, at: s.out.batch.forget_publish_key(key, at)) >= PRUNE_BATCH
 
     def prune_handled(self) -> bool:
         """Forget handled ids older than the dedupe window, counted on the bus clock from
@@ -93,11 +90,19 @@ class Receiver:
         clock stepped forward must not forget ids whose resends may still come). True if
         there may be more to prune."""
         s = self.s
-        cutoff = s.clock.now() - int(s.config.dedupe_window * 1000)
+        pruned = self._prune(s.config.dedupe_window, s.store.handled_before,
+                             lambda mid, at: s.out.batch.forget_handled(mid, at))
+        s.counters["dedupe_pruned"] += pruned
+        return pruned >= PRUNE_BATCH
+
+    def _prune(self, window: float, before: Callable[[int, int], list[tuple[str, int]]],
+               forget: Callable[[str, int], None]) -> int:
+        """Forget up to PRUNE_BATCH entries stamped more than ``window`` seconds ago on the
+        bus clock; return how many."""
+        cutoff = self.s.clock.now() - int(window * 1000)
         if cutoff <= 0:
-            return False
-        due = s.store.handled_before(cutoff, PRUNE_BATCH)
-        for mid, at in due:
-            s.out.batch.forget_handled(mid, at)
-        s.counters["dedupe_pruned"] += len(due)
-        return len(due) >= PRUNE_BATCH
+            return 0
+        due = before(cutoff, PRUNE_BATCH)
+        for name, at in due:
+            forget(name, at)
+        return len(due)
