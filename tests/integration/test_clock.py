@@ -1,8 +1,12 @@
 """A wall clock that jumps (set back by an operator, NTP stepping, a VM restored from a
 snapshot) must not lose or duplicate anything: buses under libfaketime."""
 
+import json
 import shutil
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +42,13 @@ def test_messages_published_after_a_restart_with_the_clock_set_back_are_delivere
     assert min(second) > max(pub.published_ids()[:100]), "ids must keep increasing whatever the clock does"
 
 
+def offline_status(datadir) -> dict:
+    out = subprocess.run([str(Path(sys.executable).parent / "servicebus"), "status", str(datadir), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 def test_a_clock_jumping_past_the_dedupe_window_does_not_make_a_resend_handled_twice(make_bus, bus_process):
     # The subscriber handles 50 messages; the publisher then loses their acks (its data
     # directory is put back as it was before), and the subscriber comes back with its
@@ -61,6 +72,9 @@ def test_a_clock_jumping_past_the_dedupe_window_does_not_make_a_resend_handled_t
     sub.stop()
     shutil.rmtree(pub.datadir)
     shutil.copytree(snapshot, pub.datadir)  # the acks are lost
+    # Read from the stopped store: once the publisher is open its resends may be acked
+    # before a status() call gets its turn (seen under load).
+    assert offline_status(pub.datadir)["pending"] == 50
 
     wrap, env = faketime("+8d")
     sub.start(wrap=wrap, env=env)
@@ -68,7 +82,6 @@ def test_a_clock_jumping_past_the_dedupe_window_does_not_make_a_resend_handled_t
         status = query_live(sub.datadir, "status", {})[0]
     assert status["handled"] == 50
     pub = make_bus("pub", address)
-    assert pub.status().pending == 50
     assert pub.drain(20), "the resends were not acknowledged"
     assert sub.done_counts() == Counter({n: 1 for n in range(50)})
     assert query_live(sub.datadir, "status", {})[0]["handled"] == 50
