@@ -37,7 +37,7 @@ from .stored import ReplyRecord
 from .records import BusStatus, DeadLetter, Message
 from .requests import PendingRequests
 from .store import Store
-from .topics import validate_topic
+from .topics import validate_pattern, validate_topic
 
 __all__ = ["Bus"]
 
@@ -362,7 +362,7 @@ class Bus:
 
     def _intent(self, address: str, topic: str, op: str, wait: float | None) -> None:
         validate_address(address)
-        validate_topic(topic)
+        validate_pattern(topic)
         confirmed: Future | None = Future() if wait is not None else None
         self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed))
         if confirmed is not None:
@@ -389,7 +389,7 @@ class Bus:
         it (at its next Python instruction: a call blocked in C is interrupted when it
         returns) and counts as a failed attempt (timeouts.py).
         """
-        validate_topic(topic)
+        validate_pattern(topic)
         return self._register(Kind.EVENT, topic, handler, name, timeout)
 
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None,

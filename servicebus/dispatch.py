@@ -23,6 +23,7 @@ from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .core.state import Incoming
 from .errors import CorruptRecordError, StoreError
+from .topics import is_pattern, matches
 from .handlers import Handler, Handlers
 from .journal import Journal
 from .protocol import Kind
@@ -116,12 +117,13 @@ class Dispatcher:
         """Add ``handler`` (see ``Handlers.add``) and queue its parked messages."""
         with self._cv:
             key = self._handlers.add(kind, topic, handler, name)
-            was_parked = key in self._parked
-            self._parked.discard(key)
-            if was_parked:
+            woken = {k for k in self._parked if k == key or (
+                k[0] == key[0] and is_pattern(topic) and matches(topic, k[1]))}
+            self._parked -= woken
+            if woken:
                 self._refill_pending = True  # not idle until its messages are read
-        if was_parked:
-            self._refill(only=key)
+        if woken:
+            self._refill(only=key if woken == {key} else None)
 
     def _park(self, key: tuple[int, str], expires: int | None) -> None:
         with self._cv:

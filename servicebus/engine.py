@@ -34,7 +34,6 @@ from .clock import BusClock
 from .commit import GroupCommit
 from .config import BusConfig
 from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd
-from .delivery import event_stream
 from .dispatch import Dispatcher
 from .errors import BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
 from .ids import IdGenerator
@@ -177,7 +176,7 @@ class Engine(threading.Thread):
                 if found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000):
                     return [found[0]]
                 return self._commit(topic, bodies, expires, headers, (dedupe_key, now, found))
-        if not self.core.s.stream_peers.get(event_stream(topic)):  # nobody subscribed: nothing to store
+        if not self.core.streams.targets(topic):  # nobody subscribed: nothing to store
             ids = self.ids.many(len(bodies))
             with self._count_lock:
                 self.published += len(ids)
@@ -189,24 +188,24 @@ class Engine(threading.Thread):
                 key: tuple[str, int, tuple[str, int] | None] | None) -> list[str]:
         stage, journal = self.core.streams.stage_publish, self.journal
 
-        def build(batch: Batch) -> tuple[str, list[str], list[tuple[str, bytes]], bool]:
-            stream, ids, items, events = stage(batch, topic, bodies, expires, headers)
+        def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
+            ids, streams, events = stage(batch, topic, bodies, expires, headers)
             journal.record(batch, events)
             if key is not None:  # stored even with nobody subscribed: a retry finds it
                 name, now, old = key
                 if old is not None:  # past the window, not pruned yet: its index entry goes
                     batch.forget_publish_key(name, old[1])
                 batch.put_publish_key(name, ids[0], now)
-            return stream, ids, items, expires is not None
+            return ids, streams, expires is not None
 
-        return self.committer.commit(build)[1]
+        return self.committer.commit(build)[0]
 
-    def _on_published(self, results: list[tuple[str, list[str], list[tuple[str, bytes]], bool]]) -> None:
+    def _on_published(self, results: list[tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]]) -> None:
         # Under the commit lock, in commit order: the engine sees new ids in stream order.
         with self._count_lock:
-            for stream, ids, items, ttl in results:
+            for ids, streams, ttl in results:
                 self.published += len(ids)
-                if items:
+                for stream, items in streams:
                     self._queue.append(Published(stream, items, ttl=ttl))
         self.wake()
 

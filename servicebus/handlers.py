@@ -8,6 +8,7 @@ from typing import Any
 
 from .protocol import Kind
 from .records import Message
+from .topics import is_pattern, matches
 
 __all__ = ["Handler", "Handlers", "handler_name", "UNNAMED"]
 
@@ -30,17 +31,33 @@ def handler_name(handler: Handler) -> str | None:
 
 
 class Handlers:
-    """(kind, topic) -> [(name, handler)]. Added to under the dispatcher's lock; read by
-    workers without it (a dict lookup, and lists are replaced, never changed)."""
+    """(kind, topic) -> [(name, handler)]: the topic's own handlers, then those of every
+    pattern (``orders.*``, topics.py) it matches. Added to under the dispatcher's lock; read
+    by workers without it (dict lookups; lists and dicts are replaced, never changed)."""
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[int, str], list[tuple[str, Handler]]] = {}
+        self._patterns: list[tuple[int, str]] = []  # keys of pattern handlers
+        self._resolved: dict[tuple[int, str], list[tuple[str, Handler]] | None] = {}
 
     def get(self, key: tuple[int, str]) -> list[tuple[str, Handler]] | None:
-        return self._by_key.get(key)
+        if not self._patterns:
+            return self._by_key.get(key)
+        resolved = self._resolved
+        try:
+            return resolved[key]
+        except KeyError:
+            pass
+        found = list(self._by_key.get(key, ()))
+        for kind, pattern in self._patterns:
+            if kind == key[0] and pattern != key[1] and matches(pattern, key[1]):
+                found += self._by_key[(kind, pattern)]
+        if len(resolved) < 10_000:
+            resolved[key] = found or None
+        return found or None
 
     def __contains__(self, key: object) -> bool:
-        return key in self._by_key
+        return self.get(key) is not None  # type: ignore[arg-type]
 
     def add(self, kind: Kind, topic: str, handler: Handler, name: str | None = None) -> tuple[int, str]:
         """Add ``handler``. With several handlers on one topic, the names of the ones that
@@ -57,6 +74,15 @@ class Handlers:
         if kind is Kind.COMMAND and existing:
             # A command has one owner: its handler's return value is the reply.
             raise ValueError(f"command {topic!r} already has a handler ({existing[0][0]})")
+        wildcard = is_pattern(topic)
+        if wildcard or self._patterns:
+            # A topic's handlers and those of the patterns it matches run as one list, whose
+            # finished names are stored: every name must be stable and distinct, across keys.
+            taken = {n for k, hs in self._by_key.items() if k[0] == int(kind) for n, _ in hs}
+            if name is None or name in taken:
+                raise ValueError(
+                    f"with pattern handlers, each handler needs a stable name no other handler "
+                    f"has ({name or '<no stable name>'} on {topic!r}): pass every(topic, handler, name=...)")
         if existing:
             names = [None if n == UNNAMED else n for n, _ in existing] + [name]
             if None in names or len(set(names)) != len(names):
@@ -64,5 +90,8 @@ class Handlers:
                 raise ValueError(
                     f"several handlers on {topic!r} need stable, distinct names ({shown}): "
                     "pass every(topic, handler, name=...)")
-        self._by_key[key] = existing + [(name or UNNAMED, handler)]
+        self._by_key = {**self._by_key, key: existing + [(name or UNNAMED, handler)]}
+        if wildcard and key not in self._patterns:
+            self._patterns = [*self._patterns, key]
+        self._resolved = {}
         return key

@@ -25,7 +25,7 @@ import msgpack
 
 from .errors import ProtocolError
 from .packer import pack
-from .topics import validate_topic
+from .topics import validate_pattern, validate_topic
 
 __all__ = [
     "MAGIC",
@@ -348,6 +348,14 @@ def _int(value: Any, field: str, minimum: int = 0) -> int:
 _valid_topics: set[str] = set()  # a bus sees few distinct topics, each thousands of times
 
 
+def _pattern(value: Any) -> str:
+    """A SUBSCRIBE's topic: a topic or a pattern (topics.py)."""
+    try:
+        return validate_pattern(value)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError("bad_field", str(exc)) from exc
+
+
 def _topic(value: Any) -> str:
     if type(value) is str and value in _valid_topics:  # junk may be unhashable
         return value
@@ -408,7 +416,7 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
         cls = Subscribe if kind is Kind.SUBSCRIBE else Unsubscribe
         return cls(
             _str(header["id"], "id", MAX_ID_LEN),
-            _topic(header["topic"]),
+            _pattern(header["topic"]),
             _address(header["address"], "address"),
             _str(header["sender"], "sender", MAX_NAME_LEN),
         )

@@ -286,10 +286,9 @@ class CoreNode:
     def publish(self, topic: str, *payloads: Any) -> list[str]:
         batch = self.store.batch()
         bodies = [encode_payload(p) for p in payloads]
-        stream, ids, items, _events = self.core.streams.stage_publish(batch, topic, bodies)
+        ids, streams, _events = self.core.streams.stage_publish(batch, topic, bodies)
         self.store.write(batch, sync=True)
-        if items:
-            self.commands.append(Published(stream, items))
+        self.commands.extend(Published(stream, items) for stream, items in streams)
         return ids
 
     def subscribe(self, publisher: str, topic: str, op: str = "subscribe") -> object:

@@ -120,6 +120,9 @@ class State:
     # Event streams with consumers -> their peers. Replaced, never mutated, so that
     # publishing threads can read it without a lock.
     stream_peers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # topic -> the streams a publish to it goes into, for the stream_peers dict it holds
+    targets_cache: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] = (
+        field(default_factory=lambda: ({}, {})))
     new: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # written this turn
     outbox: dict[Peer, list[tuple[int, Envelope]]] = field(default_factory=dict)
     turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)

@@ -11,6 +11,7 @@ from typing import Any
 
 import logging
 
+from ..topics import is_pattern, matches
 from ..delivery import Consumer, command_stream, event_stream, pack_outgoing
 from ..protocol import Kind
 from .commands import Published, QueueReply, SendCmd
@@ -33,29 +34,53 @@ class Streams:
 
     # --- in ----------------------------------------------------------------------------
 
+    def targets(self, topic: str) -> tuple[str, ...]:
+        """The event streams a publish to ``topic`` goes into: its own, if subscribed, and
+        those of the subscribed patterns it matches (topics.py). Called on publishing
+        threads: reads only ``stream_peers`` (replaced, never mutated), and a cache that
+        goes with that very dict."""
+        s = self.s
+        peers = s.stream_peers
+        owner, cache = s.targets_cache
+        if owner is not peers:
+            cache = {}
+            s.targets_cache = (peers, cache)
+        found = cache.get(topic)
+        if found is None:
+            own = event_stream(topic)
+            found = tuple([own] if own in peers else []) + tuple(sorted(
+                stream for stream in peers if is_pattern(stream[2:]) and matches(stream[2:], topic)))
+            if len(cache) < 10_000:
+                cache[topic] = found
+        return found
+
     def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes],
                       expires: int | None = None, headers: dict[str, Any] | None = None,
-                      ) -> tuple[str, list[str], list[tuple[str, bytes]], list[JournalEvent]]:
-        """Write ``bodies`` into ``batch`` for every subscriber of ``topic``. Runs on a
-        publishing thread under the group commit's lock, so ids are made in the order the
-        batches commit; reads only ``stream_peers``, which is replaced, never mutated."""
+                      ) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], list[JournalEvent]]:
+        """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` (each stream it
+        goes into gets the same ids). Runs on a publishing thread under the group commit's
+        lock, so ids are made in the order the batches commit; reads only ``stream_peers``,
+        which is replaced, never mutated. Returns the ids, (stream, items) per stream and
+        the journal events."""
         s = self.s
-        stream = event_stream(topic)
         ids = s.ids.many(len(bodies))
-        peers = s.stream_peers.get(stream, ())
-        items: list[tuple[str, bytes]] = []
+        streams = self.targets(topic)
+        out: list[tuple[str, list[tuple[str, bytes]]]] = []
         events: list[JournalEvent] = []
-        if peers:
+        if streams:
             sent = s.wall()
+            records = [pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers) for body in bodies]
             put = batch.put_outgoing
-            for mid, body in zip(ids, bodies):
-                record = pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers)
-                put(stream, mid, record)
-                items.append((mid, record))
+            for stream in streams:
+                items = list(zip(ids, records))
+                for mid, record in items:
+                    put(stream, mid, record)
+                out.append((stream, items))
             if s.journal_on:  # one event per (message, receiver): what the audit reconciles
+                peers = dict.fromkeys(p for stream in streams for p in s.stream_peers.get(stream, ()))
                 events = [("published", sent, mid, topic, "event", peer, 0, None)
                           for peer in peers for mid in ids]
-        return stream, ids, items, events
+        return ids, out, events
 
     def published(self, cmd: Published) -> None:
         s = self.s
