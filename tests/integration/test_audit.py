@@ -131,3 +131,24 @@ def test_messages_dropped_by_an_unsubscribe_or_an_operator_are_not_reported_lost
                       write=False)
     assert summary["classes"]["lost"] == 0
     assert summary["classes"]["dropped"] == 2 and summary["classes"]["deadlettered"] == 1
+
+
+def test_a_message_sent_twice_for_an_exact_and_a_pattern_subscription_is_audited_once(
+        spark, make_bus, tmp_path):
+    # One subscriber with "orders.created" and "orders.*": each orders.created message is
+    # stored, sent and acked once per subscription, received twice, handled once.
+    pub, sub = make_bus("pub"), make_bus("sub")
+    sub.every("orders.created", lambda p, m: None, name="exact")
+    sub.every("orders.*", lambda p, m: None, name="pattern")
+    sub.subscribe(pub.address, "orders.created", wait=10)
+    sub.subscribe(pub.address, "orders.*", wait=10)
+    for n in range(5):
+        pub.publish("orders.created", n)
+        pub.publish("orders.deleted", n)
+    assert pub.drain(10) and sub.drain(10)
+    sub.close()
+    pub.close()
+    summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
+    assert summary["classes"]["handled"] == 10, summary["classes"]
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
+    assert summary["ok"]
