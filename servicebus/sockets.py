@@ -9,6 +9,7 @@ whatever a failed open left and terminates the context without waiting (linger 0
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -45,21 +46,32 @@ SOCKET_PATH_MAX = 100  # bytes; the OS limit (sun_path) is 107 with the terminat
 
 def private_folder(datadir: Path) -> tuple[Path, Path | None]:
     """A directory for the admin socket that only this user (and root) can enter, and the
-    directory to remove at close if it is a temporary one of our own."""
-    folder = datadir.resolve() / "run"
+    directory to remove at close if it is outside the data directory. For a long data
+    directory path it is named after the path, under $XDG_RUNTIME_DIR or /tmp: the same one
+    after a restart (we hold the data directory's lock), so a killed bus leaves none behind
+    for good."""
+    resolved = datadir.resolve()
+    folder = resolved / "run"
     if len(str(folder / "admin.sock").encode()) < SOCKET_PATH_MAX:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        st = os.lstat(folder)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise TransportError(f"{folder} is not a directory of this user: the admin endpoint "
-                                 "will not be put there (remove it)")
-        os.chmod(folder, 0o700)  # made by an older version, or with another mode
-        return folder, None
+        return _own_folder(folder), None
     base = os.environ.get("XDG_RUNTIME_DIR") or ""
-    if not base or not os.path.isdir(base) or len(base) > SOCKET_PATH_MAX - 40:
+    if not base or not os.path.isdir(base) or len(base) > SOCKET_PATH_MAX - 50:
         base = tempfile.gettempdir()
-    tmp = Path(tempfile.mkdtemp(prefix="servicebus-", dir=base))  # 0700, ours, atomically
-    return tmp, tmp
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:20]
+    folder = _own_folder(Path(base) / f"servicebus-{os.geteuid()}-{digest}")
+    return folder, folder
+
+
+def _own_folder(folder: Path) -> Path:
+    """``folder``, made 0700 if missing; refused unless it is a real directory of this user
+    (not a symlink, not made by someone else to catch the socket)."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise TransportError(f"{folder} is not a directory of this user: the admin endpoint "
+                             "will not be put there (remove it)")
+    os.chmod(folder, 0o700)  # made by an older version, or with another mode
+    return folder
 
 
 HANDSHAKE_EVENTS: dict[int, str] = {

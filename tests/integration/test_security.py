@@ -367,3 +367,44 @@ def test_frames_are_compressed_only_to_a_peer_whose_pongs_say_it_decodes_the_cod
 def test_wire_compression_is_checked_when_the_bus_opens(make_bus):
     with pytest.raises(ValueError, match="zstd"):
         make_bus("a", wire_compression="lz4")
+
+
+def test_a_killed_bus_with_a_long_data_path_leaves_no_admin_directory_behind_for_good(
+        make_bus, tmp_path):
+    import sys
+    import textwrap
+
+    datadir = tmp_path / ("d" * 120) / "bus"
+    script = textwrap.dedent(f"""
+        import os
+        from servicebus import Bus
+        Bus({free_address()!r}, {str(datadir)!r})
+        os.kill(os.getpid(), 9)
+    """)
+    killed = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert killed.returncode == -9
+    left = Path(A.admin_endpoint(datadir)[len("ipc://"):]).parent
+    assert left.is_dir()  # what the killed bus left
+    bus = make_bus("bus", datadir=datadir)
+    assert Path(A.admin_endpoint(datadir)[len("ipc://"):]).parent == left  # taken up again
+    bus.close()
+    assert not left.exists()
+
+
+def test_an_admin_directory_made_in_advance_by_another_user_is_refused(make_bus, tmp_path):
+    from servicebus import TransportError
+    from servicebus.sockets import private_folder
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a directory owned by another user")
+    datadir = tmp_path / ("d" * 120) / "bus"
+    datadir.mkdir(parents=True)
+    expected, _ = private_folder(datadir)  # where the bus will put it
+    expected.rmdir()
+    expected.mkdir(mode=0o777)
+    os.chown(expected, 65534, 65534)  # someone else got there first, to catch the socket
+    try:
+        with pytest.raises(TransportError, match="not a directory of this user"):
+            make_bus("bus", datadir=datadir)
+    finally:
+        expected.rmdir()
