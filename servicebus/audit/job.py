@@ -159,16 +159,20 @@ def spark_session(master: str | None):
     return spark
 
 
-SPARK_LOG = Path(tempfile.gettempdir()) / f"servicebus-audit-{os.getpid()}.log"
+SPARK_LOG: Path | None = None  # where the JVM's own output went, once it started
 
 
 def _start_quietly(builder):
-    """Start the JVM with its stdout/stderr going to SPARK_LOG: its start-up chatter (JDK
-    notices, log4j warnings) is not the operator's output. Our own prints are unaffected."""
+    """Start the JVM with its stdout/stderr going to a new private file (SPARK_LOG): its
+    start-up chatter (JDK notices, log4j warnings) is not the operator's output. Our own
+    prints are unaffected. mkstemp, not a name built from the pid: a name another local
+    user can guess is one they can plant a symlink at."""
+    global SPARK_LOG
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    log_fd = os.open(SPARK_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log_fd, name = tempfile.mkstemp(prefix="servicebus-audit-", suffix=".log")  # 0600, new
+    SPARK_LOG = Path(name)
     try:
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
@@ -426,12 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"servicebus audit: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a Spark failure: say where Spark's own log is
-        print(f"servicebus audit: Spark failed: {str(exc).splitlines()[0]} (Spark's log: {SPARK_LOG})",
-              file=sys.stderr)
+        where = f" (Spark's log: {SPARK_LOG})" if SPARK_LOG is not None else ""
+        print(f"servicebus audit: Spark failed: {str(exc).splitlines()[0]}{where}", file=sys.stderr)
         return 2
     finally:
         spark.stop()
-    SPARK_LOG.unlink(missing_ok=True)
+    if SPARK_LOG is not None:
+        SPARK_LOG.unlink(missing_ok=True)
     print_summary(summary, args.out)
     return 0 if summary["ok"] else 1
 

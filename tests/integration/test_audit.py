@@ -2,6 +2,7 @@
 written by real buses (one of them killed with SIGKILL mid-run)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,9 +93,13 @@ def test_real_buses_with_a_subscriber_killed_mid_run_lose_and_duplicate_nothing(
 
 def test_the_cli_prints_the_table_and_exits_1_naming_the_problem_ids(tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=2000, rate=10, faults={"lost": 1, "duplicate": 1})
+    private_tmp = tmp_path / "tmp"  # where the JVM's own output goes: a new file, removed after
+    private_tmp.mkdir()
     result = subprocess.run([CLI, "audit", str(tmp_path / "fleet"), "--out", str(tmp_path / "out"),
-                             "--master", "local[2]"], capture_output=True, text=True, timeout=300)
+                             "--master", "local[2]"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TMPDIR": str(private_tmp)})
     assert result.returncode == 1, result.stdout + result.stderr
+    assert not [p for p in private_tmp.iterdir() if p.name.startswith("servicebus-audit-")]
     assert injected["lost"][0][0] in result.stdout and injected["duplicate"][0][0] in result.stdout
     assert "PROBLEMS FOUND" in result.stdout
     assert result.stderr.strip() == ""  # Spark's console noise stays out of the output
