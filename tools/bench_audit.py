@@ -57,6 +57,8 @@ def main() -> int:
         audit_s = time.monotonic() - t
     finally:
         spark.stop()
+    if job.SPARK_LOG is not None:
+        job.SPARK_LOG.unlink(missing_ok=True)  # the JVM's own output: kept only if Spark failed
     ok = (summary["classes"]["lost"] == len(injected["lost"])
           and summary["classes"]["handled_more_than_once"] == len(injected["duplicate"]))
     print(f"\ndelivery audit benchmark, {args.master}, {scanned:,} events "

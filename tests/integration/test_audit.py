@@ -27,6 +27,8 @@ def spark():
     session = job.spark_session("local[2]")
     yield session
     session.stop()
+    if job.SPARK_LOG is not None:
+        job.SPARK_LOG.unlink(missing_ok=True)
 
 
 def classes_of(spark, out: Path) -> dict[str, set]:
