@@ -45,10 +45,14 @@ log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 
+def _check_seconds(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
+
+
 def _check_ttl_headers(ttl: float | None, headers: dict[str, Any] | None) -> None:
     if ttl is not None:
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
-            raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        _check_seconds(ttl, "ttl")
     if headers is not None:
         if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
             raise TypeError("headers must be a dict with str keys")
@@ -316,8 +320,7 @@ class Bus:
         The command itself is durable: if no reply comes in time the future fails, but the
         command is still delivered (and handled) later; its late reply is logged and dropped.
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        _check_seconds(timeout, "timeout")
         corr, future = self._requests.new(timeout, f"{command} at {address}")
         try:
             stored = self._send(address, command, payload, ttl=None, headers=None,
@@ -395,9 +398,8 @@ class Bus:
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None,
                   timeout: float | None = None) -> Any:
         """Register now, or return a decorator that does (``every`` and ``handle``)."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout <= 0):
-            raise ValueError(f"timeout must be seconds > 0, got {timeout!r}")
+        if timeout is not None:
+            _check_seconds(timeout, "timeout")
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):

@@ -310,11 +310,10 @@ class Engine(threading.Thread):
                 self._read_dealer(address, sock, now)
 
     def _count_handshakes(self) -> None:
-        counters = self.core.s.counters
+        s = self.core.s
         for name in self.sockets.handshake_failures():
-            counters[name] += 1
-            total = sum(v for k, v in counters.items() if k.startswith("handshake_failed"))
-            if total & (total - 1) == 0:  # the 1st, 2nd, 4th ...: readable under a flood
+            total = s.tally(s.counters, name, "handshake_failed")
+            if total is not None:
                 log.warning("a peer failed the CURVE handshake (%s: a NULL client or an unknown "
                             "key); %d so far", name, total)
 
@@ -328,8 +327,10 @@ class Engine(threading.Thread):
     def _switch_keys(self, now: float) -> None:
         """A peer that stays down although peers.toml lists several keys for it may have
         switched to another: try the next one every KEY_SWITCH_AFTER seconds."""
-        for address, peer in self.core.s.peers.items():
-            if peer.up or now - peer.down_since < KEY_SWITCH_AFTER:
+        peers = self.core.s.peers
+        for address in self.sockets.switchable:
+            peer = peers.get(address)
+            if peer is None or peer.up or now - peer.down_since < KEY_SWITCH_AFTER:
                 continue
             if now - self._key_tried.get(address, 0.0) < KEY_SWITCH_AFTER:
                 continue

@@ -104,10 +104,12 @@ class Sockets:
         self.monitor: zmq.Socket | None = None  # the ROUTER's handshake events, with keys
         self._auth: ThreadAuthenticator | None = None
         self._key_index: dict[str, int] = {}  # address -> which of its server keys is tried
+        # Addresses peers.toml lists several keys for (a key switch): the only ones to retry.
+        self.switchable = tuple(p.address for p in keys.peers if len(p.keys) > 1) if keys else ()
         self.router: zmq.Socket | None = None
         self.admin: zmq.Socket | None = None
         self._admin_path: Path | None = None
-        self._admin_tmp: Path | None = None  # a private directory of our own, removed at close
+        self._admin_tmp: Path | None = None  # the admin directory outside DATADIR, removed at close
         self._dealers: dict[str, zmq.Socket] = {}
         self._address_of: dict[zmq.Socket, str] = {}
         self.poller = zmq.Poller()
@@ -148,9 +150,10 @@ class Sockets:
 
     def bind_admin(self, datadir: Path) -> str:
         """Bind the admin endpoint: a Unix socket in a directory only this user can enter
-        (``DATADIR/run``, mode 0700), or, when that path would pass the OS limit for socket
-        paths (~107 bytes), in a new private directory under $XDG_RUNTIME_DIR or /tmp.
-        Never TCP: the kernel's directory permissions are its access control."""
+        (``DATADIR/run``, mode 0700, or when that path would pass the OS limit for socket
+        paths, ~107 bytes, one named after it under $XDG_RUNTIME_DIR or /tmp: see
+        ``private_folder``). Never TCP: the kernel's directory permissions are its access
+        control."""
         folder, self._admin_tmp = private_folder(datadir)
         path = folder / "admin.sock"
         path.unlink(missing_ok=True)  # left by a killed bus; the data directory lock is ours
@@ -196,10 +199,11 @@ class Sockets:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(address)
-        except (zmq.ZMQError, ValueError) as exc:
+        except ValueError:  # no key for it
             sock.close(linger=0)
-            if isinstance(exc, ValueError):
-                raise
+            raise
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
             raise ValueError(f"cannot connect to {address}: {exc}") from exc
         self._dealers[address] = sock
         self._address_of[sock] = address

@@ -136,11 +136,19 @@ class State:
     waiting_peers: bool = False  # some down peer has messages waiting
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
+    totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally
+
+    def tally(self, counter: Counter[str], name: str, group: str) -> int | None:
+        """Count one ``name`` in ``counter``; the ``group``'s total when it is worth a log
+        line (the 1st, 2nd, 4th, 8th ...: readable under a flood), else None."""
+        counter[name] += 1
+        self.totals[group] += 1
+        total = self.totals[group]
+        return total if total & (total - 1) == 0 else None
 
     def count_malformed(self, reason: str, error: str) -> None:
-        self.malformed[reason] += 1
-        total = sum(self.malformed.values())
-        if total & (total - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... to stay readable
+        total = self.tally(self.malformed, reason, "malformed")
+        if total is not None:
             log.warning("dropped a malformed frame (%s); %d so far", error, total)
 
     def address_refused(self, address: str, source: str | None, user: str | None) -> str | None:
@@ -159,9 +167,8 @@ class State:
 
     def count_refused(self, reason: str, address: str, source: str | None) -> None:
         """An address off the wire the bus will not connect to (policy.py, peer caps)."""
-        self.counters[f"refused_{reason}"] += 1
-        total = sum(v for k, v in self.counters.items() if k.startswith("refused_"))
-        if total & (total - 1) == 0:
+        total = self.tally(self.counters, f"refused_{reason}", "refused")
+        if total is not None:
             log.warning("refused to connect to %r named by a frame from %s (%s); %d refused so far",
                         address[:200], source or "?", reason, total)
 
