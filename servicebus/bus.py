@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
 from .keys import load_keys
 from .lockfile import DataDirLock
-from .protocol import Kind, encode_payload, validate_address, validate_bind
+from .delivery import KEY_HEADER
+from .protocol import Kind, encode_payload, validate_address, validate_bind, validate_group
 from .stored import ReplyRecord
 from .records import BusStatus, DeadLetter, Message
 from .requests import PendingRequests
@@ -56,7 +58,35 @@ def _check_ttl_headers(ttl: float | None, headers: dict[str, Any] | None) -> Non
     if headers is not None:
         if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
             raise TypeError("headers must be a dict with str keys")
+        reserved = [k for k in headers if k.startswith("sb-")]
+        if reserved:
+            raise ValueError(f"header names starting with 'sb-' are the bus's own: {reserved[0]!r}")
         encode_payload(headers)  # TypeError now rather than in the engine
+
+
+def _due(delay: float | None, deliver_at: float | datetime | None) -> int | None:
+    """Wall-clock ms to deliver at, from ``delay`` (seconds from now) or ``deliver_at``
+    (a POSIX timestamp or a timezone-aware datetime); None for now."""
+    if delay is not None and deliver_at is not None:
+        raise ValueError("give delay or deliver_at, not both")
+    if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < 10 * 365 * 86400:
+            raise ValueError(f"delay must be seconds between 0 and 10 years, not {delay!r}")
+        return wall_ms() + int(delay * 1000) if delay > 0 else None
+    if deliver_at is None:
+        return None
+    if isinstance(deliver_at, datetime):
+        if deliver_at.tzinfo is None:
+            raise ValueError("deliver_at must be timezone-aware (a naive datetime's zone is a guess)")
+        at = deliver_at.timestamp()
+    elif isinstance(deliver_at, (int, float)) and not isinstance(deliver_at, bool):
+        at = float(deliver_at)
+    else:
+        raise TypeError(f"deliver_at must be a datetime or a POSIX timestamp, not {type(deliver_at).__name__}")
+    if not 0 <= at < 253402300799:  # the year 9999
+        raise ValueError(f"deliver_at {deliver_at!r} is out of range")
+    due = int(at * 1000)
+    return due if due > wall_ms() else None
 
 
 class Bus:
@@ -228,7 +258,9 @@ class Bus:
     # --- publishing --------------------------------------------------------------------
 
     def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
-                headers: dict[str, Any] | None = None, dedupe_key: str | None = None) -> str:
+                headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
+                key: str | None = None, delay: float | None = None,
+                deliver_at: float | datetime | None = None) -> str:
         """Store ``payload`` for every subscriber of ``topic``; return its message id.
 
         Returns only after the message is fsynced. Subscriptions are those this bus has
@@ -243,21 +275,34 @@ class Bus:
         ``dedupe_key``: a publish with a key used within ``publish_dedupe_window`` returns
         the first one's id and stores nothing (a publisher that retries after a crash or a
         timeout publishes once). Keyed publishes are serialized: each pays its own fsync.
+
+        ``key``: for ordered subscriptions, only messages with the same key wait for each
+        other (given to handlers as ``message.key``). ``delay`` (seconds) or ``deliver_at``
+        (a POSIX timestamp or an aware datetime): stored now, sent to subscribers when
+        due (held durably at the publisher, across restarts); a ``ttl`` counts from then.
         """
         if dedupe_key is not None and (not isinstance(dedupe_key, str) or not dedupe_key
                                        or len(dedupe_key.encode()) > 512):
             raise ValueError(f"dedupe_key must be a non-empty str of at most 512 bytes, not {dedupe_key!r}")
-        return self._publish(topic, [payload], ttl, headers, dedupe_key)[0]
+        return self._publish(topic, [payload], ttl, headers, dedupe_key, key, delay, deliver_at)[0]
 
     def publish_many(self, topic: str, payloads: Iterable[Any], *, ttl: float | None = None,
-                     headers: dict[str, Any] | None = None) -> list[str]:
+                     headers: dict[str, Any] | None = None, key: str | None = None,
+                     delay: float | None = None,
+                     deliver_at: float | datetime | None = None) -> list[str]:
         """Like ``publish`` for a list, with one fsync for all of it; returns the ids."""
-        return self._publish(topic, payloads, ttl, headers, None)
+        return self._publish(topic, payloads, ttl, headers, None, key, delay, deliver_at)
 
     def _publish(self, topic: str, payloads: Iterable[Any], ttl: float | None,
-                 headers: dict[str, Any] | None, dedupe_key: str | None) -> list[str]:
+                 headers: dict[str, Any] | None, dedupe_key: str | None, key: str | None = None,
+                 delay: float | None = None, deliver_at: float | datetime | None = None) -> list[str]:
         validate_topic(topic)
         _check_ttl_headers(ttl, headers)
+        due = _due(delay, deliver_at)
+        if key is not None:
+            if not isinstance(key, str) or not key or len(key.encode()) > 256:
+                raise ValueError(f"key must be a non-empty str of at most 256 bytes, not {key!r}")
+            headers = {**(headers or {}), KEY_HEADER: key}
         bodies = [encode_payload(p) for p in payloads]
         limit = self.config.max_payload
         for body in bodies:
@@ -266,9 +311,9 @@ class Bus:
         engine = self._check_open()
         if not bodies:
             return []
-        expires = None if ttl is None else wall_ms() + int(ttl * 1000)
+        expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
         try:
-            return engine.publish(topic, bodies, expires, headers or None, dedupe_key)
+            return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None
@@ -277,29 +322,33 @@ class Bus:
     # --- commands and requests ----------------------------------------------------------
 
     def send(self, address: str, command: str, payload: Any, *, ttl: float | None = None,
-             headers: dict[str, Any] | None = None) -> str:
+             headers: dict[str, Any] | None = None, delay: float | None = None,
+             deliver_at: float | datetime | None = None) -> str:
         """Send a durable command to the one bus at ``address``; return its message id.
 
         Same durability as ``publish``: fsynced before this returns, resent until the
         receiver acks, deduplicated and handled once there. With ``ttl`` (seconds), a
         command not handled in time becomes a dead letter with reason ``expired`` (at the
-        sender if it was never acknowledged, at the receiver otherwise).
+        sender if it was never acknowledged, at the receiver otherwise). ``delay`` /
+        ``deliver_at``: as for ``publish``.
         """
-        return self._send(address, command, payload, ttl=ttl, headers=headers)
+        return self._send(address, command, payload, ttl=ttl, headers=headers,
+                          due=_due(delay, deliver_at))
 
     def _send(self, address: str, command: str, payload: Any, *, ttl: float | None,
               headers: dict[str, Any] | None, correlation_id: str | None = None,
-              wait: bool = True) -> Any:
+              wait: bool = True, due: int | None = None) -> Any:
         validate_address(address)
         validate_topic(command, "command")
         _check_ttl_headers(ttl, headers)
         body = encode_payload(payload)
         if len(body) > self.config.max_payload:
             raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {self.config.max_payload}")
-        expires = None if ttl is None else wall_ms() + int(ttl * 1000)
+        expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
         engine = self._check_open()
         future: Future = Future()
-        engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id, future))
+        engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id,
+                                future, due))
         return self._wait(future, None) if wait else future
 
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
@@ -349,25 +398,40 @@ class Bus:
 
     # --- subscribing -------------------------------------------------------------------
 
-    def subscribe(self, address: str, topic: str, *, wait: float | None = None) -> None:
+    def subscribe(self, address: str, topic: str, *, wait: float | None = None,
+                  group: str | None = None, ordered: bool = False) -> None:
         """Ask the bus at ``address`` to send this bus its ``topic`` events.
 
         The request is stored durably and retried until the publisher confirms it, across
         restarts of either side. Idempotent: call it on every start. With ``wait``, block
         until confirmed, raising ``SubscribeTimeout`` after ``wait`` seconds (the request
         stays stored and keeps being retried).
+
+        ``group``: join a subscriber group (competing consumers): each message goes to one
+        live member; what a member does not acknowledge within ``ack_timeout`` (dead,
+        frozen, partitioned) goes to another. ``ordered``: this bus handles the
+        subscription's messages one at a time, in publish order (per ``key`` when
+        published with one). Not both. Changing either needs an ``unsubscribe`` first.
         """
-        self._intent(address, topic, "subscribe", wait)
+        if group is not None:
+            validate_group(group)
+            if ordered:
+                raise ValueError("a subscriber group cannot be ordered: its members handle "
+                                 "messages in parallel (subscribe ordered=True without a group)")
+        if not isinstance(ordered, bool):
+            raise TypeError(f"ordered must be a bool, not {type(ordered).__name__}")
+        self._intent(address, topic, "subscribe", wait, group, ordered)
 
     def unsubscribe(self, address: str, topic: str, *, wait: float | None = None) -> None:
         """Stop ``topic`` events from ``address``; durable and retried like ``subscribe``."""
         self._intent(address, topic, "unsubscribe", wait)
 
-    def _intent(self, address: str, topic: str, op: str, wait: float | None) -> None:
+    def _intent(self, address: str, topic: str, op: str, wait: float | None,
+                group: str | None = None, ordered: bool = False) -> None:
         validate_address(address)
         validate_pattern(topic)
         confirmed: Future | None = Future() if wait is not None else None
-        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed))
+        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed, group, ordered))
         if confirmed is not None:
             try:
                 self._wait(confirmed, wait)

@@ -34,7 +34,34 @@ __all__ = [
     "is_command_stream",
     "stream_target",
     "OutgoingRecord",
+    "group_peer",
+    "is_group_peer",
+    "ORDER_HEADER",
+    "KEY_HEADER",
+    "is_delayed",
 ]
+
+# Headers the bus itself sets (a publish may not): an ordered subscription's stream, which
+# tells the receiver to handle its messages one at a time in id order (dispatch.py), and a
+# publish's ordering key (only messages with the same key wait for each other).
+ORDER_HEADER = "sb-order"
+KEY_HEADER = "sb-key"
+_GROUP = "group:"
+
+
+def group_peer(name: str) -> str:
+    """The name a subscriber group's shared consumer is stored under (not an address)."""
+    return _GROUP + name
+
+
+def is_group_peer(peer: str) -> bool:
+    return peer.startswith(_GROUP)
+
+
+def is_delayed(message_id: str) -> bool:
+    """Delayed messages have ids made for their due time, marked by a 25th character
+    (ids.py): the sender holds them until then."""
+    return len(message_id) == 25
 
 
 def event_stream(topic: str) -> str:
@@ -108,7 +135,7 @@ class Consumer:
     """Delivery state of one peer on one stream. Owned by the engine thread."""
 
     __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
-                 "exhausted", "dirty", "last_ack", "scan")
+                 "exhausted", "dirty", "last_ack", "scan", "members", "assigned", "ordered")
 
     def __init__(self, peer: str, stream: str, floor: str | None,
                  acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
@@ -124,6 +151,11 @@ class Consumer:
         self.dirty = False
         self.last_ack: float | None = None
         self.scan: str | None = None  # where the TTL scan of a peer that is down got to
+        # A subscriber group (competing consumers): one cursor shared by ``members``, each
+        # message in flight ``assigned`` to one of them. None for one subscriber.
+        self.members: list[str] | None = None
+        self.assigned: dict[str, str] = {}
+        self.ordered = False  # one frame in flight at a time, handled in order (sender.py)
 
     # --- window ------------------------------------------------------------------------
 
@@ -146,6 +178,8 @@ class Consumer:
     def ack(self, message_id: str) -> bool:
         if self.inflight.pop(message_id, None) is None:
             return False
+        if self.members is not None:
+            self.assigned.pop(message_id, None)
         self._advance()
         return True
 
@@ -171,15 +205,28 @@ class Consumer:
 
     def record(self) -> DeliveryRecord:
         inflight = self.inflight
-        return {
+        record: DeliveryRecord = {
             "floor": self.floor,
             "acked": [i for i in self.order if i not in inflight] + sorted(self.skip),
             "attempts": {i: f.attempt for i, f in inflight.items() if f.attempt > 1},
             "last_ack": self.last_ack,
         }
+        if self.members is not None:
+            # After a restart each message goes back to the member that may hold it: a
+            # resend to another could have two members handle it.
+            record["assigned"] = dict(self.assigned)
+        return record
 
     @classmethod
     def from_record(cls, peer: str, stream: str, record: DeliveryRecord) -> "Consumer":
         consumer = cls(peer, stream, record.get("floor"), record.get("acked"), record.get("attempts"))
         consumer.last_ack = record.get("last_ack")
+        assigned = record.get("assigned")
+        if isinstance(assigned, dict):
+            consumer.assigned = {k: v for k, v in assigned.items() if isinstance(v, str)}
         return consumer
+
+    def journal_peer(self, message_id: str) -> str | None:
+        """Whom the journal names for this message: the subscriber, or in a group the
+        member it went to (None if it went to none yet: nothing to reconcile)."""
+        return self.peer if self.members is None else self.assigned.get(message_id)

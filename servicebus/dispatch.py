@@ -22,6 +22,7 @@ from typing import Any
 from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .core.state import Incoming
+from .delivery import KEY_HEADER, ORDER_HEADER
 from .errors import CorruptRecordError, StoreError
 from .topics import is_pattern, matches
 from .handlers import Handler, Handlers
@@ -37,6 +38,34 @@ __all__ = ["Dispatcher", "RUN"]
 log = logging.getLogger("servicebus")
 
 RUN = 16  # ready messages a worker takes at once, at most
+
+LaneKey = tuple[str, str, "str | None"]
+
+
+def lane_of(item: Incoming) -> LaneKey | None:
+    """The lane of a message from an ordered subscription: (publisher, subscription,
+    key). A lane's messages are handled one at a time in id order (publish order)."""
+    headers = item.record.headers
+    if not headers:
+        return None
+    order = headers.get(ORDER_HEADER)
+    if type(order) is not str:
+        return None
+    key = headers.get(KEY_HEADER)
+    return (item.record.reply_to, order, key if type(key) is str else None)
+
+
+class _Lane:
+    """One lane's state: the message queued, running or waiting for a retry (``head``),
+    those after it (a heap by id), and whether some were left in the store when the queue
+    was full (``gap``: later ones wait for the refill that reads them all in order)."""
+
+    __slots__ = ("head", "waiting", "gap")
+
+    def __init__(self) -> None:
+        self.head: str | None = None
+        self.waiting: list[tuple[str, float, Incoming]] = []
+        self.gap = False
 
 
 class Dispatcher:
@@ -59,6 +88,7 @@ class Dispatcher:
         self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
         self._overflow_gen = 0
+        self._lanes: dict[LaneKey, _Lane] = {}  # ordered subscriptions' lanes with work
         self._refilling = False
         self._refill_pending = False  # a refill was asked for while one ran
         self._closing = False
@@ -159,11 +189,15 @@ class Dispatcher:
                     self._known.discard(item.id)
                 elif item.id in self._known:
                     continue
-                if len(self._known) >= self._config.dispatch_queue:
+                lane = lane_of(item)
+                if len(self._known) >= self._config.dispatch_queue or (
+                        lane is not None and lane in self._lanes and self._lanes[lane].gap):
                     self._overflow = True
                     self._overflow_gen += 1
+                    if lane is not None:
+                        self._lanes.setdefault(lane, _Lane()).gap = True
                     continue
-                self._push(item, 0.0)
+                self._enqueue(item, 0.0, lane)
                 added += 1
             if added:
                 # Wake as many workers as there are runs to take, not all of them: every
@@ -180,6 +214,38 @@ class Dispatcher:
     def _push(self, item: Incoming, due: float) -> None:
         self._known.add(item.id)
         heapq.heappush(self._heap, (due, next(self._seq), item))
+
+    def _enqueue(self, item: Incoming, due: float, lane: LaneKey | None) -> None:
+        """Queue a message; one of an ordered lane waits behind the lane's head. Under _cv."""
+        if lane is None:
+            self._push(item, due)
+            return
+        state = self._lanes.get(lane)
+        if state is None:
+            state = self._lanes[lane] = _Lane()
+        if state.head is None:
+            state.head = item.id
+            self._push(item, due)
+        else:
+            self._known.add(item.id)
+            heapq.heappush(state.waiting, (item.id, due, item))
+
+    def _lane_done(self, item: Incoming) -> None:
+        """``item`` is finished (handled, dead letter, parked): its lane's next one goes.
+        Under _cv."""
+        lane = lane_of(item)
+        state = None if lane is None else self._lanes.get(lane)
+        if state is None or state.head != item.id:
+            return
+        if state.waiting:
+            _mid, due, nxt = heapq.heappop(state.waiting)
+            state.head = nxt.id
+            heapq.heappush(self._heap, (due, next(self._seq), nxt))
+            self._cv.notify()
+        else:
+            state.head = None
+            if not state.gap:
+                del self._lanes[lane]  # type: ignore[arg-type]
 
     def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
         """Read stored incoming messages that are not in memory yet (restart, overflow, a
@@ -202,6 +268,11 @@ class Dispatcher:
                         # Something was turned away while we scanned: its record may sort
                         # before where the scan had got to, so scan again once there is room.
                         self._overflow = not filled or gen != self._overflow_gen
+                        if not self._overflow:  # every lane's messages are in memory, in order
+                            for key, lane in list(self._lanes.items()):
+                                lane.gap = False
+                                if lane.head is None and not lane.waiting:
+                                    del self._lanes[key]
                     again = (self._overflow and not self._closing
                              and len(self._known) < self._config.dispatch_queue // 2)
                     if self._refill_pending and not self._closing:
@@ -294,7 +365,8 @@ class Dispatcher:
                     # A retry time is wall-clock ms from an earlier run. If the clock was
                     # set back since, it is too far off: no retry waits past retry_max.
                     due = now + min((runstate.next_ms - now_ms) / 1000, self._config.retry_max)
-                self._push(Incoming(message_id, record, runstate), due)
+                item = Incoming(message_id, record, runstate)
+                self._enqueue(item, due, lane_of(item))
                 self._cv.notify()
         return True
 
@@ -370,6 +442,7 @@ class Dispatcher:
                 self._cv.notify()
             else:
                 self._known.discard(item.id)
+                self._lane_done(item)
             idle = self._idle()
             refill = self._overflow and not self._refilling and \
                 len(self._known) < self._config.dispatch_queue // 2

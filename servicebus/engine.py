@@ -159,7 +159,8 @@ class Engine(threading.Thread):
                 self._wake_fd = -1
 
     def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
-                headers: dict[str, Any] | None = None, dedupe_key: str | None = None) -> list[str]:
+                headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
+                due: int | None = None) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
         return their ids once fsynced (see ``commit.py``). Thread-safe. With
         ``dedupe_key`` (one body): the id of an earlier publish with that key within
@@ -175,21 +176,21 @@ class Engine(threading.Thread):
                 now = self.clock.now()
                 if found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000):
                     return [found[0]]
-                return self._commit(topic, bodies, expires, headers, (dedupe_key, now, found))
+                return self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due)
         if not self.core.streams.targets(topic):  # nobody subscribed: nothing to store
-            ids = self.ids.many(len(bodies))
+            ids = self.ids.many(len(bodies)) if due is None else self.ids.delayed(len(bodies), due)
             with self._count_lock:
                 self.published += len(ids)
             return ids
-        return self._commit(topic, bodies, expires, headers, None)
+        return self._commit(topic, bodies, expires, headers, None, due)
 
     def _commit(self, topic: str, bodies: list[bytes], expires: int | None,
                 headers: dict[str, Any] | None,
-                key: tuple[str, int, tuple[str, int] | None] | None) -> list[str]:
+                key: tuple[str, int, tuple[str, int] | None] | None, due: int | None) -> list[str]:
         stage, journal = self.core.streams.stage_publish, self.journal
 
         def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
-            ids, streams, events = stage(batch, topic, bodies, expires, headers)
+            ids, streams, events = stage(batch, topic, bodies, expires, headers, due)
             journal.record(batch, events)
             if key is not None:  # stored even with nobody subscribed: a retry finds it
                 name, now, old = key

@@ -33,18 +33,36 @@ class IdGenerator:
 
     def next(self) -> str:
         with self._lock:
-            ms = wall_ms()
-            if ms < self._last_ms:
-                ms = self._last_ms  # the clock went back: keep counting from the last id
-            self._last_ms = ms
-            self._counter = (self._counter + 1) & 0xFFFFFF
-            if self._counter == 0:
-                # The counter wrapped within the same millisecond bucket: move time on.
-                self._last_ms = ms = ms + 1
-            return f"{ms:012x}{self._counter:06x}{self._boot}"
+            return self._next_locked()
+
+    def _next_locked(self) -> str:
+        ms = wall_ms()
+        if ms < self._last_ms:
+            ms = self._last_ms  # the clock went back: keep counting from the last id
+        self._last_ms = ms
+        self._counter = (self._counter + 1) & 0xFFFFFF
+        if self._counter == 0:
+            # The counter wrapped within the same millisecond bucket: move time on.
+            self._last_ms = ms = ms + 1
+        return f"{ms:012x}{self._counter:06x}{self._boot}"
 
     def many(self, count: int) -> list[str]:
         return [self.next() for _ in range(count)]
+
+    def delayed(self, count: int, due_ms: int) -> list[str]:
+        """Ids for messages to deliver at ``due_ms`` (wall clock): made for that time, so
+        they take their place in a stream among what is published then, and marked by a
+        25th character (``delivery.is_delayed``): the sender holds them until due, and
+        they do not move this generator's clock (``after`` skips them at a restart). Not
+        later than the last id made: plain ids, due now."""
+        with self._lock:
+            if due_ms <= max(wall_ms(), self._last_ms):
+                return [self._next_locked() for _ in range(count)]
+            out = []
+            for _ in range(count):
+                self._counter = (self._counter + 1) & 0xFFFFFF
+                out.append(f"{due_ms:012x}{self._counter:06x}{self._boot}~")
+            return out
 
 
 def id_millis(message_id: str | None) -> int:

@@ -40,6 +40,7 @@ __all__ = [
     "Pong",
     "Frame",
     "validate_bind",
+    "validate_group",
     "MESSAGE_KINDS",
     "KIND_NAMES",
     "encode_batch",
@@ -122,6 +123,8 @@ class Subscribe(NamedTuple):
     topic: str
     address: str  # where the subscriber wants its events sent
     sender: str
+    group: str | None = None  # header "group", optional: a subscriber group it joins
+    ordered: bool = False  # header "ordered", optional: one frame at a time, in order
 
 
 class Unsubscribe(NamedTuple):
@@ -233,6 +236,18 @@ def validate_bind(bind: object, advertise: str | None) -> None:
 # --- encoding ------------------------------------------------------------------------------
 
 
+_GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_group(name: object) -> str:
+    """A subscriber group's name: 1-64 of letters, digits, ``_ . -``; else an error."""
+    if not isinstance(name, str):
+        raise TypeError(f"group must be a str, not {type(name).__name__}")
+    if not _GROUP_NAME.match(name):
+        raise ValueError(f"group {name[:80]!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return name
+
+
 def codecs() -> tuple[str, ...]:
     """Codecs this process can decode (and encode): zstd with the ``compression`` extra."""
     return ("zstd",) if _zstd() is not None else ()
@@ -295,8 +310,14 @@ def encode_nack(ids: list[str] | tuple[str, ...], reason: str) -> list[bytes]:
     return _control(Kind.NACK, {"ids": list(ids), "reason": reason})
 
 
-def encode_subscribe(id: str, topic: str, address: str, sender: str) -> list[bytes]:
-    return _control(Kind.SUBSCRIBE, {"id": id, "topic": topic, "address": address, "sender": sender})
+def encode_subscribe(id: str, topic: str, address: str, sender: str, group: str | None = None,
+                     ordered: bool = False) -> list[bytes]:
+    header: dict[str, Any] = {"id": id, "topic": topic, "address": address, "sender": sender}
+    if group is not None:
+        header["group"] = group
+    if ordered:
+        header["ordered"] = True
+    return _control(Kind.SUBSCRIBE, header)
 
 
 def encode_unsubscribe(id: str, topic: str, address: str, sender: str) -> list[bytes]:
@@ -413,13 +434,23 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
         return Nack(_ids(header["ids"]), _str(header["reason"], "reason", MAX_REASON_LEN))
     if kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBE):
         _require(header, "id", "topic", "address", "sender")
-        cls = Subscribe if kind is Kind.SUBSCRIBE else Unsubscribe
-        return cls(
+        fields = (
             _str(header["id"], "id", MAX_ID_LEN),
             _pattern(header["topic"]),
             _address(header["address"], "address"),
             _str(header["sender"], "sender", MAX_NAME_LEN),
         )
+        if kind is Kind.UNSUBSCRIBE:
+            return Unsubscribe(*fields)
+        group, ordered = header.get("group"), header.get("ordered", False)
+        if group is not None:
+            try:
+                group = validate_group(group)
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError("bad_field", str(exc)) from exc
+        if type(ordered) is not bool:
+            raise ProtocolError("bad_field", "ordered must be a bool")
+        return Subscribe(*fields, group, ordered)
     _require(header, "sender", "boot")
     sender, boot = _str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN)
     if kind is Kind.PING:

@@ -49,8 +49,15 @@ class Message(_MessageFields):
 
     @property
     def headers(self) -> Mapping[str, object]:
+        """The publisher's headers, and the bus's own (names starting ``sb-``)."""
         raw = self.headers_raw
         return MappingProxyType(raw) if raw else EMPTY
+
+    @property
+    def key(self) -> str | None:
+        """The ordering key it was published with (``publish(key=)``), or None."""
+        raw = self.headers_raw
+        return raw.get("sb-key") if raw else None
 
 
 @dataclass(frozen=True, slots=True)

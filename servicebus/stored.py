@@ -49,21 +49,25 @@ class ReplyRecord(NamedTuple):
     body: bytes
 
 
-class SubscriptionRecord(TypedDict):
+class SubscriptionRecord(TypedDict, total=False):
     """``s/<subscriber>\\0<topic>``: who subscribed to us, from which id on."""
 
     since: str
     created: int
     node: str
+    group: str  # optional: a subscriber group (competing consumers) it is a member of
+    ordered: bool  # optional: handled one at a time in publish order
 
 
-class IntentRecord(TypedDict):
+class IntentRecord(TypedDict, total=False):
     """``i/<publisher>\\0<topic>``: a subscribe or unsubscribe we asked for."""
 
     op: str  # "subscribe" | "unsubscribe"
     id: str
     confirmed: bool
     updated: int
+    group: str  # optional, as in SubscriptionRecord
+    ordered: bool  # optional
 
 
 class DeliveryRecord(TypedDict, total=False):
@@ -73,6 +77,7 @@ class DeliveryRecord(TypedDict, total=False):
     acked: list[str]  # acknowledged above the floor
     attempts: dict[str, int]  # resend counts above 1
     last_ack: float | None
+    assigned: dict[str, str]  # a subscriber group's messages in flight -> the member sent to
 
 
 # (event, ts_ms, message_id, topic, kind, peer, attempt, error), one per change, stored in

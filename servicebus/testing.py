@@ -291,9 +291,10 @@ class CoreNode:
         self.commands.extend(Published(stream, items) for stream, items in streams)
         return ids
 
-    def subscribe(self, publisher: str, topic: str, op: str = "subscribe") -> object:
+    def subscribe(self, publisher: str, topic: str, op: str = "subscribe", group: str | None = None,
+                  ordered: bool = False) -> object:
         confirmed = object()
-        self.commands.append(SubscribeCmd(publisher, topic, op, object(), confirmed))
+        self.commands.append(SubscribeCmd(publisher, topic, op, object(), confirmed, group, ordered))
         return confirmed
 
     def send(self, address: str, command: str, payload: Any, ttl: float | None = None) -> None:

@@ -57,6 +57,10 @@ def main() -> None:
     ap.add_argument("--retry-initial", type=float, default=0.1)
     ap.add_argument("--retry-max", type=float, default=30.0)
     ap.add_argument("--ack-timeout", type=float, default=5.0)
+    ap.add_argument("--group", help="subscribe in this subscriber group")
+    ap.add_argument("--ordered", action="store_true", help="subscribe ordered")
+    ap.add_argument("--keys", type=int, default=0, help="publish with key n %% KEYS")
+    ap.add_argument("--handler-ms", type=float, default=0.0, help="each handler run takes this long")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -70,6 +74,8 @@ def main() -> None:
     def handler(payload, message):
         n = payload["n"]
         append(args.out, f"start {message.id} {n} {message.attempt}")
+        if args.handler_ms:
+            threading.Event().wait(args.handler_ms / 1000)
         if args.fail_first and message.attempt == 1:
             raise RuntimeError("failing the first attempt, as asked")
         if args.die_always_at is not None and n == args.die_always_at:
@@ -92,7 +98,7 @@ def main() -> None:
         bus.request_async(args.request[0], args.request[1], {"n": 0}, timeout=120)
 
     for address, topic in args.subscribe:
-        bus.subscribe(address, topic, wait=30)
+        bus.subscribe(address, topic, wait=30, group=args.group, ordered=args.ordered)
 
     if args.publish:
         wait_until(lambda: bus.status().subscriptions > 0, 30, 0.05, "a subscriber")
@@ -104,7 +110,12 @@ def main() -> None:
             size = max(1, args.batch)
             payloads = [{"n": i, "pad": os.urandom(args.pad) if args.random_pad else "x" * args.pad}
                         for i in range(n, min(end, n + size))]
-            ids = bus.publish_many(args.publish, payloads) if args.batch else [bus.publish(args.publish, payloads[0])]
+            if args.keys:
+                ids = [bus.publish(args.publish, p, key=f"k{p['n'] % args.keys}") for p in payloads]
+            elif args.batch:
+                ids = bus.publish_many(args.publish, payloads)
+            else:
+                ids = [bus.publish(args.publish, payloads[0])]
             if args.ids:
                 append(args.ids, "\n".join(ids))
             n += len(ids)

@@ -36,6 +36,7 @@ class SendCmd:
     headers: dict[str, Any] | None
     correlation_id: str | None
     future: Any
+    due: int | None = None  # wall-clock ms to deliver it at (a delayed command), or now
 
 
 @dataclass
@@ -54,3 +55,5 @@ class SubscribeCmd:
     op: str  # "subscribe" | "unsubscribe"
     future: Any  # released when the intent is stored
     confirmed: Any = None  # released when the publisher confirmed
+    group: str | None = None  # a subscriber group to join (competing consumers)
+    ordered: bool = False  # handled one at a time, in publish order

@@ -9,7 +9,7 @@ import logging
 from ..delivery import Consumer, OutgoingRecord, is_command_stream, unpack_outgoing
 from ..letters import damaged_letter, outgoing_letter
 from ..protocol import KIND_NAMES, Kind
-from .state import State
+from .state import Peer, State
 
 __all__ = ["Expiry", "EXPIRY_SCAN"]
 
@@ -45,13 +45,14 @@ class Expiry:
     def expire(self, consumer: Consumer, mid: str, record: OutgoingRecord, attempt: int) -> None:
         """A message whose TTL passed before its receiver acked it: a dead letter here."""
         s = self.s
+        peer = consumer.journal_peer(mid)  # before settling: that forgets a group's member
         consumer.settle(mid)
         s.out.batch.put_deadletter(mid, outgoing_letter("expired", None, record, consumer.peer,
                                                         consumer.stream))
         s.counters["expired"] += 1
-        if s.journal_on:
+        if s.journal_on and peer is not None:
             s.journal("expired_at_sender", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
-                      consumer.peer, attempt, "expired")
+                      peer, attempt, "expired")
         log.warning("%s %s to %s expired before it was acknowledged: dead letter",
                     Kind(record.kind).name.lower(), mid, consumer.peer)
 
@@ -60,18 +61,18 @@ class Expiry:
         """A message its receiver cannot take: a dead letter at the sender (replayable with
         ``servicebus replay`` once the receiver's ``max_payload`` allows it)."""
         s = self.s
+        peer = consumer.journal_peer(mid)
         consumer.settle(mid)
         kind = Kind(record.kind).name.lower()
         s.out.batch.put_deadletter(mid, outgoing_letter(reason, error, record, consumer.peer,
                                                         consumer.stream))
         s.counters["refused"] += 1
-        if s.journal_on:
-            s.journal("deadlettered_at_sender", s.wall(), mid, record.topic, kind,
-                      consumer.peer, 0, reason)
+        if s.journal_on and peer is not None:
+            s.journal("deadlettered_at_sender", s.wall(), mid, record.topic, kind, peer, 0, reason)
         log.error("%s %s to %s: %s; dead letter", kind, mid, consumer.peer, error)
 
-    def too_large(self, consumer: Consumer, mid: str, record: OutgoingRecord) -> bool:
-        limit = self.s.peers[consumer.peer].max_payload
+    def too_large(self, consumer: Consumer, mid: str, record: OutgoingRecord, peer: Peer) -> bool:
+        limit = peer.max_payload
         if limit is None or len(record.body) <= limit:
             return False
         self.refuse(consumer, mid, record, "too_large",
@@ -87,7 +88,7 @@ class Expiry:
         now_ms = s.wall()
         window, ack_timeout = s.config.window, s.config.ack_timeout
         for consumer in list(s.consumers.values()):
-            if s.peers[consumer.peer].up:
+            if s.up(consumer):
                 continue
             if not is_command_stream(consumer.stream) and consumer.stream not in s.ttl_streams:
                 continue

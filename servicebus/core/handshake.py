@@ -52,7 +52,8 @@ class Handshake:
     # --- subscriber side ---------------------------------------------------------------
 
     def load_intent(self, publisher: str, topic: str, record: IntentRecord) -> None:
-        intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"])
+        intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"],
+                        group=record.get("group"), ordered=bool(record.get("ordered")))
         try:
             self.roster.peer(publisher)
         except ValueError as exc:
@@ -68,8 +69,9 @@ class Handshake:
         old = s.intents.get(key)
         if old is not None:
             s.intent_ids.pop(old.id, None)
-        intent = Intent(cmd.publisher, cmd.topic, cmd.op, s.ids.next(), False)
-        if old is not None and old.op == cmd.op:
+        intent = Intent(cmd.publisher, cmd.topic, cmd.op, s.ids.next(), False,
+                        group=cmd.group, ordered=cmd.ordered)
+        if old is not None and old.op == cmd.op and (old.group, old.ordered) == (cmd.group, cmd.ordered):
             intent.waiters = old.waiters
         if cmd.confirmed is not None:
             intent.waiters.append(cmd.confirmed)
@@ -145,9 +147,12 @@ class Handshake:
             if intent.confirmed or now < intent.next_try:
                 continue
             intent.next_try = now + INTENT_RETRY
-            encode = P.encode_subscribe if intent.op == "subscribe" else P.encode_unsubscribe
-            self.roster.send(s.peers[intent.publisher],
-                             encode(intent.id, intent.topic, s.address, s.node_id))
+            if intent.op == "subscribe":
+                frames = P.encode_subscribe(intent.id, intent.topic, s.address, s.node_id,
+                                            intent.group, intent.ordered)
+            else:
+                frames = P.encode_unsubscribe(intent.id, intent.topic, s.address, s.node_id)
+            self.roster.send(s.peers[intent.publisher], frames)
 
     # --- publisher side ----------------------------------------------------------------
 
@@ -162,8 +167,16 @@ class Handshake:
                      user: str | None = None) -> None:
         s = self.s
         key = (frame.address, frame.topic)
-        if key in s.subscriptions:  # a repeat: acked again, changes nothing
-            s.out.batch.sync = True
+        existing = s.subscriptions.get(key)
+        if existing is not None:
+            if (existing.get("group"), bool(existing.get("ordered"))) != (frame.group, frame.ordered):
+                s.counters["refused_options_changed"] += 1
+                s.out.to_router.append((ident, P.encode_nack([frame.id], (
+                    f"{frame.address[:200]} is subscribed to {frame.topic!r} with other options "
+                    f"(group {existing.get('group')!r}, ordered {bool(existing.get('ordered'))}); "
+                    "unsubscribe first"))))
+                return
+            s.out.batch.sync = True  # a repeat: acked again, changes nothing
             s.out.acks.setdefault(ident, []).append(frame.id)
             return
         reason = s.address_refused(frame.address, source, user)
@@ -201,13 +214,23 @@ class Handshake:
         if key not in s.subscriptions:
             since = s.ids.next()
             record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
+            if frame.group is not None:
+                record["group"] = frame.group
+            if frame.ordered:
+                record["ordered"] = True
+            stream = event_stream(frame.topic)
+            if frame.group is not None:
+                self.roster.join_group(frame.group, stream, frame.address, None, since)
+            else:
+                consumer = Consumer(frame.address, stream, since)
+                consumer.exhausted = True  # it starts at the end of the stream
+                consumer.dirty = True
+                consumer.ordered = frame.ordered
+                self.roster.add_consumer(consumer)
             s.subscriptions[key] = record
             s.out.batch.put_subscription(frame.address, frame.topic, record)
-            consumer = Consumer(frame.address, event_stream(frame.topic), since)
-            consumer.exhausted = True  # it starts at the end of the stream
-            consumer.dirty = True
-            self.roster.add_consumer(consumer)
-            log.info("%s subscribed to %s", frame.address, frame.topic)
+            log.info("%s subscribed to %s%s", frame.address, frame.topic,
+                     f" in group {frame.group}" if frame.group else "")
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
 
@@ -223,7 +246,10 @@ class Handshake:
         if pending is not None:
             pending.frames.pop(frame.topic, None)
         key = (frame.address, frame.topic)
-        if s.subscriptions.pop(key, None) is not None:
+        record = s.subscriptions.pop(key, None)
+        if record is not None and record.get("group"):
+            self._leave_group(record["group"], frame.address, frame.topic)
+        elif record is not None:
             stream = event_stream(frame.topic)
             consumer = s.consumers.get((frame.address, stream))
             if consumer is not None:
@@ -237,6 +263,23 @@ class Handshake:
             log.info("%s unsubscribed from %s", frame.address, frame.topic)
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
+
+    def _leave_group(self, group: str, address: str, topic: str) -> None:
+        """A member leaves: what was in flight to it goes to the others (``Roster``); the
+        last one out ends the group, and its messages are owed to no one."""
+        s = self.s
+        s.out.batch.delete_subscription(address, topic)
+        log.info("%s left group %s on %s", address, group, topic)
+        consumer = self.roster.leave_group(group, event_stream(topic), address)
+        if consumer is None:
+            return
+        if s.journal_on:
+            ts = s.wall()
+            for mid, member in consumer.assigned.items():
+                s.journal("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed")
+        s.out.batch.delete_delivery(consumer.peer, consumer.stream)
+        s.gc_floor.pop(consumer.stream, None)
+        s.orphans_due = True
 
     def _journal_dropped(self, consumer: Consumer, topic: str, why: str) -> None:
         """Journal every message ``consumer`` was still owed as dropped (the audit must not

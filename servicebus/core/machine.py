@@ -18,6 +18,7 @@ given, so a test drives all three.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from .. import protocol as P
 from ..clock import BusClock, wall_ms
 from ..config import BusConfig
-from ..delivery import Consumer, event_stream, is_command_stream, stream_target
+from ..delivery import Consumer, event_stream, group_peer, is_command_stream, stream_target
 from ..ids import IdGenerator
 from ..policy import AddressPolicy
 from ..trust import Keys
@@ -85,11 +86,20 @@ class Core:
         states = {(peer, stream): rec for peer, stream, rec in s.store.deliveries()}
         for (subscriber, topic), record in s.subscriptions.items():
             stream = event_stream(topic)
+            group = record.get("group")
+            if group:
+                try:
+                    self.roster.join_group(group, stream, subscriber,
+                                           states.pop((group_peer(group), stream), None), record["since"])
+                except ValueError as exc:
+                    log.error("not delivering to %s: %s", subscriber, exc)
+                continue
             state = states.pop((subscriber, stream), None)
             if state is None:
                 consumer = Consumer(subscriber, stream, record["since"])
             else:
                 consumer = Consumer.from_record(subscriber, stream, state)
+            consumer.ordered = bool(record.get("ordered"))
             self._load_consumer(consumer)
         for (peer, stream), state in list(states.items()):
             if is_command_stream(stream):
@@ -255,6 +265,7 @@ class Core:
         when due. True if the timers ran."""
         s = self.s
         s.now = now
+        s.due_bound = f"{s.wall() + 1:012x}"
         if s.new:
             self.sender.deliver_new(now)
         self.sender.fill_windows(now)
@@ -281,6 +292,13 @@ class Core:
         return frames
 
     def _timers(self, now: float) -> None:
+        s = self.s
+        if s.timers:
+            now_ms = s.wall()
+            while s.timers and s.timers[0][0] <= now_ms:
+                _due, stream = heapq.heappop(s.timers)
+                for consumer in s.by_stream.get(stream, ()):
+                    consumer.exhausted = False  # a delayed message is due: read on
         self.roster.check(now)
         self.handshake.retry(now)
         self.handshake.expire_unverified(now)
@@ -331,8 +349,9 @@ class Core:
     def snapshot(self, now: float) -> dict[str, Any]:
         s = self.s
         peers = tuple(
-            PeerStatus(p.address, p.up, sum(len(c.inflight) for c in p.consumers),
-                       None if p.last_pong is None else now - p.last_pong)
+            PeerStatus(p.address, p.up, sum(
+                len(c.inflight) if c.members is None else sum(1 for m in c.assigned.values() if m == p.address)
+                for c in p.consumers), None if p.last_pong is None else now - p.last_pong)
             for p in s.peers.values()
         )
         consumers = [(c.peer, c.stream, c.floor, len(c.order) - len(c.inflight) + len(c.skip))

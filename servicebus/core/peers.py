@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 
 from .. import protocol as P
-from ..delivery import Consumer, is_command_stream
+from ..delivery import Consumer, group_peer, is_command_stream
+from ..stored import DeliveryRecord
 from .state import Peer, State
 
 __all__ = ["Roster", "PeerLimit", "DOWN_PING", "WAITING_PING", "WAITING_FAST"]
@@ -65,6 +66,58 @@ class Roster:
         peer.consumers.append(consumer)
         self._update_stream_peers(consumer.stream)
 
+    def join_group(self, name: str, stream: str, member: str, state: DeliveryRecord | None,
+                   since: str | None) -> Consumer:
+        """Add ``member`` to the subscriber group ``name`` on ``stream``, making the group's
+        shared consumer first if needed (from its stored ``state``, or starting after
+        ``since``). ``ValueError`` before any change if ``member`` cannot be connected."""
+        s = self.s
+        peer = self.peer(member)
+        key = (group_peer(name), stream)
+        consumer = s.consumers.get(key)
+        if consumer is None:
+            if state is not None:
+                consumer = Consumer.from_record(key[0], stream, state)
+            else:
+                consumer = Consumer(key[0], stream, since)
+                consumer.exhausted = True  # it starts at the end of the stream
+            consumer.members = []
+            consumer.dirty = True
+            s.consumers[key] = consumer
+            s.by_stream[stream].append(consumer)
+            self._update_stream_peers(stream)
+        assert consumer.members is not None
+        if member not in consumer.members:
+            consumer.members.append(member)
+            peer.consumers.append(consumer)
+        return consumer
+
+    def leave_group(self, name: str, stream: str, member: str) -> Consumer | None:
+        """Take ``member`` out of its group: its messages in flight are sent again to the
+        others at once. Returns the group's consumer if it was the last member (the group
+        is gone then), else None."""
+        s = self.s
+        consumer = s.consumers.get((group_peer(name), stream))
+        if consumer is None or consumer.members is None or member not in consumer.members:
+            return None
+        consumer.members.remove(member)
+        peer = s.peers.get(member)
+        if peer is not None and consumer in peer.consumers:
+            peer.consumers.remove(consumer)
+        if consumer.members:
+            for mid, to in consumer.assigned.items():
+                flight = consumer.inflight.get(mid)
+                if to == member and flight is not None:
+                    flight.deadline = 0.0
+            s.tick_due = True
+            return None
+        del s.consumers[(consumer.peer, stream)]
+        s.by_stream[stream].remove(consumer)
+        if not s.by_stream[stream]:
+            del s.by_stream[stream]
+        self._update_stream_peers(stream)
+        return consumer
+
     def remove_consumer(self, consumer: Consumer) -> None:
         s = self.s
         s.consumers.pop((consumer.peer, consumer.stream), None)
@@ -104,6 +157,13 @@ class Roster:
             log.info("peer %s is down (cannot send)", address)
             peer.down_since = now
         peer.up = False
+        for consumer in peer.consumers:  # a group's other members take over at once
+            if consumer.members is not None and len(consumer.members) > 1:
+                for mid, to in consumer.assigned.items():
+                    flight = consumer.inflight.get(mid)  # restored ones wait to be read
+                    if to == address and flight is not None:
+                        flight.deadline = 0.0
+                self.s.tick_due = True
 
     def on_pong(self, peer: Peer, pong: P.Pong, now: float) -> bool:
         """Record a pong; True if the peer just came up or restarted (a new boot id)."""

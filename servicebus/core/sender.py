@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 
 from .. import protocol as P
-from ..delivery import Consumer, backoff, envelope_from_record, is_command_stream, stream_target
+from ..delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
+                        is_command_stream, is_delayed, stream_target)
+from ..ids import id_millis
 from ..protocol import KIND_NAMES, Kind
 from collections.abc import Iterable
 from .expiry import Expiry
@@ -66,54 +68,139 @@ class Sender:
 
     def peer_up(self, peer: Peer) -> None:
         """A peer (re)appeared: what it had in flight may be lost, so send it again now
-        rather than at the end of a long backoff."""
+        rather than at the end of a long backoff (in a group: what went to it)."""
         for consumer in peer.consumers:
             consumer.exhausted = False
-            for flight in consumer.inflight.values():
-                flight.deadline = 0.0
+            assigned = consumer.assigned if consumer.members is not None else None
+            for mid, flight in consumer.inflight.items():
+                if assigned is None or assigned.get(mid) == peer.address:
+                    flight.deadline = 0.0
+
+    # --- whom to send to ---------------------------------------------------------------
+
+    def _room(self, consumer: Consumer, window: int) -> int:
+        """How many more messages the consumer's window takes now. An ordered one takes a
+        frame's worth, and only once the last one is all acknowledged: the next frame
+        cannot overtake it then, whatever the network loses."""
+        if consumer.ordered:
+            return 0 if consumer.order else self.s.config.max_batch
+        if consumer.members is not None:
+            return consumer.room(window * max(1, len(consumer.members)))
+        return consumer.room(window)
+
+    def _member(self, consumer: Consumer, avoid: str | None = None) -> Peer | None:
+        """The up member of a group with the fewest messages in flight (not ``avoid``,
+        unless it is the only one up)."""
+        peers = self.s.peers
+        live = [m for m in consumer.members or () if peers[m].up]
+        if not live:
+            return None
+        others = [m for m in live if m != avoid] or live
+        load = dict.fromkeys(others, 0)
+        for m in consumer.assigned.values():
+            if m in load:
+                load[m] += 1
+        return peers[min(others, key=load.__getitem__)]
+
+    def _delayed(self, consumer: Consumer, mid: str) -> bool:
+        """A delayed message not due yet: the consumer stops reading at it (every id after
+        it is later still) and a timer wakes it when due."""
+        s = self.s
+        if len(mid) != 25 or mid <= s.due_bound:
+            return False
+        s.wake(id_millis(mid), consumer.stream)
+        return True
 
     # --- into the windows --------------------------------------------------------------
 
-    def _admit(self, consumer: Consumer, mid: str, data: bytes, now: float,
-               out: list[tuple[int, P.Envelope]]) -> None:
+    def _admit(self, consumer: Consumer, mid: str, data: bytes, now: float, peer: Peer) -> int:
+        """Take ``mid`` into the window and queue it for ``peer`` (in a group: the member
+        picked for it). Returns the payload bytes queued."""
         s = self.s
         flight = consumer.admit(mid, now, s.config.ack_timeout)
         if flight is None:
-            return  # acknowledged before a restart
+            return 0  # acknowledged before a restart
         record = self.expiry.record(consumer, mid, data)
         if record is None:
-            return
+            return 0
         if self.expiry.expired(record):
             self.expiry.expire(consumer, mid, record, flight.attempt)
-            return
-        if self.expiry.too_large(consumer, mid, record):
-            return
-        out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
+            return 0
+        if consumer.members is not None:
+            to = consumer.assigned.get(mid)  # sent before a restart: to the same member
+            member = s.peers.get(to) if to is not None and to in consumer.members else None
+            if member is None or not member.up:
+                member = self._member(consumer)
+                if member is None:
+                    consumer.inflight[mid].deadline = 0.0  # all went down meanwhile
+                    return 0
+                self._assign(consumer, mid, record, member, None)
+            peer = member
+        if self.expiry.too_large(consumer, mid, record, peer):
+            return 0
+        self._queue(consumer, peer, record, mid, flight.attempt)
+        return len(record.body)
+
+    def _queue(self, consumer: Consumer, peer: Peer, record: OutgoingRecord, mid: str,
+               attempt: int) -> None:
+        s = self.s
+        env = envelope_from_record(mid, record, attempt)
+        if consumer.ordered:
+            env = env._replace(headers={**(record.headers or {}), ORDER_HEADER: consumer.stream})
+            s.outbox.setdefault(peer, []).append(((record.kind, consumer.stream), env))
+        else:
+            s.outbox.setdefault(peer, []).append((record.kind, env))
         if s.journal_on:
             s.out.journal.append(("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
-                                  consumer.peer, flight.attempt, None))
+                                  peer.address, attempt, None))
+
+    def _assign(self, consumer: Consumer, mid: str, record: OutgoingRecord, member: Peer,
+                old: str | None) -> None:
+        """Give a group's message to ``member``. The journal says it was published to the
+        member (the audit reconciles members, not groups) and, if it goes to another one
+        than before, that the first one was dropped: only such reassigned messages can be
+        handled by two members (one that was slow to ack, not dead), counted here."""
+        s = self.s
+        consumer.assigned[mid] = member.address
+        consumer.dirty = True
+        if old is not None:
+            s.counters["group_reassigned"] += 1
+        if s.journal_on:
+            ts = s.wall()
+            if old is not None:
+                s.journal("dropped_at_sender", ts, mid, record.topic, "event", old, 0, "reassigned")
+            s.journal("published", record.sent, mid, record.topic, "event", member.address)
 
     def deliver_new(self, now: float) -> None:
         """Messages written this turn go straight into windows that had caught up."""
         s = self.s
         new, s.new = s.new, {}
         window = s.config.window
+        peers = s.peers
         for stream, items in new.items():
             for consumer in s.by_stream.get(stream, ()):
-                peer = s.peers[consumer.peer]
-                if not consumer.exhausted or not peer.up:
+                group = consumer.members is not None
+                peer = None if group else peers[consumer.peer]
+                up = s.up(consumer) if group else peer.up  # type: ignore[union-attr]
+                if not consumer.exhausted or not up:
                     consumer.exhausted = False
-                    s.new_peer_work = s.new_peer_work or not peer.up
+                    s.new_peer_work = s.new_peer_work or not up
                     continue
-                out = s.outbox.setdefault(peer, [])
                 pos = consumer.pos or ""
+                room = self._room(consumer, window)
+                size = 0
                 for mid, record in items:
                     if mid <= pos:
                         continue  # read from the store before this notice arrived
-                    if consumer.room(window) <= 0:
+                    if len(mid) == 25 and self._delayed(consumer, mid):
+                        continue  # read from the store when due
+                    if room <= 0 or size >= FRAME_BYTES:
                         consumer.exhausted = False  # the rest is read from the store later
                         break
-                    self._admit(consumer, mid, record, now, out)
+                    n = self._admit(consumer, mid, record, now, peer)  # type: ignore[arg-type]
+                    room -= 1
+                    if consumer.ordered:
+                        size += n
 
     def fill_windows(self, now: float) -> None:
         """Read backlog from the store into windows with room (never more than a window)."""
@@ -122,30 +209,46 @@ class Sender:
         for consumer in list(s.consumers.values()):
             if consumer.exhausted:
                 continue
-            peer = s.peers[consumer.peer]
-            room = consumer.room(window)
-            if not peer.up:
-                continue  # check_down learns whether anything waits for it
+            peer: Peer | None = None
+            if consumer.members is None:
+                peer = s.peers[consumer.peer]
+                if not peer.up:
+                    continue  # check_down learns whether anything waits for it
+            elif not s.up(consumer):
+                continue
+            room = self._room(consumer, window)
             if room <= 0:
                 continue
             items = s.store.iter_stream(consumer.stream, after=consumer.pos, limit=room)
             if len(items) < room:
                 consumer.exhausted = True
-            out = s.outbox.setdefault(peer, [])
+            size = 0
             for mid, data in items:
-                self._admit(consumer, mid, data, now, out)
+                if len(mid) == 25 and self._delayed(consumer, mid):
+                    consumer.exhausted = True  # until the timer wakes it
+                    break
+                if consumer.ordered and size >= FRAME_BYTES:
+                    consumer.exhausted = False
+                    break
+                size += self._admit(consumer, mid, data, now, peer)  # type: ignore[arg-type]
 
     def resend_due(self, now: float) -> None:
         s = self.s
         cfg = s.config
         now_ms = s.wall()
         for consumer in list(s.consumers.values()):
-            peer = s.peers[consumer.peer]
-            if not peer.up or not consumer.inflight:
+            if not consumer.inflight:
                 continue
-            out = None
+            group = consumer.members is not None
+            peer = None if group else s.peers[consumer.peer]
+            if not (s.up(consumer) if group else peer.up):  # type: ignore[union-attr]
+                continue
+            # An ordered window goes again whole, in one frame, when any of it is due.
+            ordered_due = consumer.ordered and any(f.deadline <= now for f in consumer.inflight.values())
+            deadline = now + backoff(max(f.attempt for f in consumer.inflight.values()),
+                                     cfg.ack_timeout, cfg.resend_max) if ordered_due else 0.0
             for mid, flight in list(consumer.inflight.items()):
-                if flight.deadline > now:
+                if flight.deadline > now and not ordered_due:
                     continue
                 data = s.store.get_outgoing(consumer.stream, mid)
                 if data is None:  # cannot happen unless the store was edited underneath us
@@ -158,26 +261,32 @@ class Sender:
                 if self.expiry.expired(record, now_ms):
                     self.expiry.expire(consumer, mid, record, flight.attempt)
                     continue
-                if self.expiry.too_large(consumer, mid, record):
+                if group:
+                    # Due means its member is down or did not ack in time: another one
+                    # gets it (the same one if no other is up).
+                    old = consumer.assigned.get(mid)
+                    peer = self._member(consumer, avoid=old)
+                    if peer is None:
+                        continue
+                    if peer.address != old:
+                        self._assign(consumer, mid, record, peer, old)
+                if self.expiry.too_large(consumer, mid, record, peer):  # type: ignore[arg-type]
                     continue
                 flight.attempt += 1
-                flight.deadline = now + backoff(flight.attempt - 1, cfg.ack_timeout, cfg.resend_max)
+                flight.deadline = deadline or now + backoff(flight.attempt - 1, cfg.ack_timeout,
+                                                            cfg.resend_max)
                 consumer.dirty = True
-                if out is None:
-                    out = s.outbox.setdefault(peer, [])
-                out.append((record.kind, envelope_from_record(mid, record, flight.attempt)))
+                self._queue(consumer, peer, record, mid, flight.attempt)  # type: ignore[arg-type]
                 s.counters["resent"] += 1
-                if s.journal_on:
-                    s.journal("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
-                              consumer.peer, flight.attempt)
 
     def check_down(self) -> None:
         """Whether anything waits for peers that are down (drain and status need it): one
         seek per consumer per tick, not per turn."""
         s = self.s
         for consumer in s.consumers.values():
-            if not consumer.exhausted and not s.peers[consumer.peer].up:
-                if not s.store.stream_ids(consumer.stream, after=consumer.pos, limit=1):
+            if not consumer.exhausted and not s.up(consumer):
+                ids = s.store.stream_ids(consumer.stream, after=consumer.pos, limit=1)
+                if not ids or (is_delayed(ids[0]) and ids[0] > s.due_bound):
                     consumer.exhausted = True
 
     # --- out -----------------------------------------------------------------------------
@@ -192,14 +301,17 @@ class Sender:
         for peer, items in outbox.items():
             if not items or not peer.up:
                 continue
-            by_kind: dict[int, list[P.Envelope]] = {}
-            for kind, env in items:
-                by_kind.setdefault(kind, []).append(env)
+            # Per kind; an ordered consumer's messages (key (kind, stream)) apart, in a
+            # frame of their own.
+            by_kind: dict[object, list[P.Envelope]] = {}
+            for key, env in items:
+                by_kind.setdefault(key, []).append(env)
             codec = s.config.wire_compression  # only to a peer whose pongs say it decodes it
             compress = codec if codec is not None and codec in peer.codecs else None
-            for kind, envs in by_kind.items():
+            for key, envs in by_kind.items():
+                kind = Kind(key if type(key) is int else key[0])  # type: ignore[index]
                 for chunk in self._frames(envs):
-                    frames = P.encode_batch(Kind(kind), s.node_id, s.address, chunk, s.wall(), compress)
+                    frames = P.encode_batch(kind, s.node_id, s.address, chunk, s.wall(), compress)
                     s.out.to_peers.append((peer.address, frames, len(chunk)))
 
     def _frames(self, envs: list[P.Envelope]) -> list[list[P.Envelope]]:

@@ -9,6 +9,7 @@ effects in the order of DESIGN.md section 9 and starts the next turn with empty 
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -58,9 +59,16 @@ class Intent:
     confirmed: bool
     next_try: float = 0.0
     waiters: list[Any] = field(default_factory=list)  # callers released when confirmed
+    group: str | None = None
+    ordered: bool = False
 
     def record(self, wall: int) -> IntentRecord:
-        return {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
+        record: IntentRecord = {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
+        if self.group is not None:
+            record["group"] = self.group
+        if self.ordered:
+            record["ordered"] = True
+        return record
 
 
 class Incoming(NamedTuple):
@@ -124,7 +132,8 @@ class State:
     targets_cache: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] = (
         field(default_factory=lambda: ({}, {})))
     new: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # written this turn
-    outbox: dict[Peer, list[tuple[int, Envelope]]] = field(default_factory=dict)
+    # peer -> (kind, or (kind, stream) for an ordered consumer's frame, envelope)
+    outbox: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
     turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)
     gc_floor: dict[str, str | None] = field(default_factory=dict)
     # Event streams that got messages with a TTL since this start: checked for expiry while
@@ -134,9 +143,24 @@ class State:
     tick_due: bool = True  # run the timers at the next turn, whatever the time
     new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon
     waiting_peers: bool = False  # some down peer has messages waiting
+    # Delayed messages are held until the wall clock passes their id's time: ids above
+    # this one (set each turn: now + 1 ms) are not due. Timers: (due ms, stream), a heap.
+    due_bound: str = ""
+    timers: list[tuple[int, str]] = field(default_factory=list)
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally
+
+    def up(self, consumer: Consumer) -> bool:
+        """Whether the consumer's subscriber (in a group: any member) is up."""
+        if consumer.members is None:
+            return self.peers[consumer.peer].up
+        return any(self.peers[m].up for m in consumer.members)
+
+    def wake(self, due_ms: int, stream: str) -> None:
+        """Have the consumers of ``stream`` read it again at ``due_ms`` (a delayed message)."""
+        if (due_ms, stream) not in self.timers:
+            heapq.heappush(self.timers, (due_ms, stream))
 
     def tally(self, counter: Counter[str], name: str, group: str) -> int | None:
         """Count one ``name`` in ``counter``; the ``group``'s total when it is worth a log

@@ -12,7 +12,7 @@ from typing import Any
 import logging
 
 from ..topics import is_pattern, matches
-from ..delivery import Consumer, command_stream, event_stream, pack_outgoing
+from ..delivery import Consumer, command_stream, event_stream, is_group_peer, pack_outgoing
 from ..protocol import Kind
 from .commands import Published, QueueReply, SendCmd
 from .peers import Roster
@@ -56,14 +56,14 @@ class Streams:
 
     def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes],
                       expires: int | None = None, headers: dict[str, Any] | None = None,
-                      ) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], list[JournalEvent]]:
+                      due: int | None = None) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], list[JournalEvent]]:
         """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` (each stream it
-        goes into gets the same ids). Runs on a publishing thread under the group commit's
+        goes into gets the same ids; ``due``: wall-clock ms to deliver them at). Runs on a publishing thread under the group commit's
         lock, so ids are made in the order the batches commit; reads only ``stream_peers``,
         which is replaced, never mutated. Returns the ids, (stream, items) per stream and
         the journal events."""
         s = self.s
-        ids = s.ids.many(len(bodies))
+        ids = s.ids.many(len(bodies)) if due is None else s.ids.delayed(len(bodies), due)
         streams = self.targets(topic)
         out: list[tuple[str, list[tuple[str, bytes]]]] = []
         events: list[JournalEvent] = []
@@ -77,7 +77,9 @@ class Streams:
                     put(stream, mid, record)
                 out.append((stream, items))
             if s.journal_on:  # one event per (message, receiver): what the audit reconciles
-                peers = dict.fromkeys(p for stream in streams for p in s.stream_peers.get(stream, ()))
+                # A group's messages are journaled per member when one is picked (sender.py).
+                peers = dict.fromkeys(p for stream in streams for p in s.stream_peers.get(stream, ())
+                                      if not is_group_peer(p))
                 events = [("published", sent, mid, topic, "event", peer, 0, None)
                           for peer in peers for mid in ids]
         return ids, out, events
@@ -103,7 +105,7 @@ class Streams:
     def send(self, cmd: SendCmd) -> None:
         s = self.s
         stream = self._command_consumer(cmd.address)
-        mid = s.ids.next()
+        mid = s.ids.delayed(1, cmd.due)[0] if cmd.due is not None else s.ids.next()
         record = pack_outgoing(Kind.COMMAND, cmd.command, s.wall(), cmd.body, cmd.expires,
                                cmd.correlation_id, cmd.headers)
         s.out.batch.put_outgoing(stream, mid, record)

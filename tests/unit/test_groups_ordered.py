@@ -1,0 +1,201 @@
+"""Subscriber groups (competing consumers) and ordered subscriptions, in the sans-IO core:
+cores joined by an in-memory network that loses what a test tells it to."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from servicebus import protocol as P
+from servicebus.delivery import group_peer
+from servicebus.testing import Network
+
+TOPIC = "orders.created"
+
+
+@pytest.fixture
+def net():
+    return Network(ack_timeout=1.0, resend_max=2.0, window=50)
+
+
+def join(net, pub, subs, **options):
+    tokens = [(sub, sub.subscribe(pub.address, TOPIC, **options)) for sub in subs]
+    net.run(lambda: all(any(t is tok for t, _ in sub.released) for sub, tok in tokens))
+
+
+def handled_ids(*nodes):
+    return Counter(item.id for node in nodes for item in node.handled)
+
+
+def test_each_message_published_to_a_group_is_handled_by_exactly_one_member(net):
+    pub = net.node("pub")
+    members = [net.node(f"m{i}") for i in range(3)]
+    join(net, pub, members, group="email")
+    ids = pub.publish(TOPIC, *range(300))
+    net.run(lambda: pub.core.idle() and len(handled_ids(*members)) == 300)
+
+    assert handled_ids(*members) == Counter(ids)  # each once, none twice
+    assert all(member.handled for member in members), "the work is shared, not all on one"
+    assert list(pub.store.delivery) == [(group_peer("email"), "e:" + TOPIC)]  # one shared cursor
+
+
+def test_a_group_and_a_plain_subscriber_each_get_every_message(net):
+    pub, alone = net.node("pub"), net.node("alone")
+    members = [net.node("m0"), net.node("m1")]
+    join(net, pub, members, group="email")
+    join(net, pub, [alone])
+    ids = pub.publish(TOPIC, *range(40))
+    net.run(lambda: pub.core.idle())
+    assert handled_ids(*members) == Counter(ids)
+    assert handled_ids(alone) == Counter(ids)
+
+
+def test_what_a_dead_member_did_not_acknowledge_goes_to_another_after_ack_timeout(net):
+    pub = net.node("pub")
+    alive, dying = net.node("alive"), net.node("dying")
+    join(net, pub, [alive, dying], group="email")
+    # "dying" dies before it can store anything sent to it: nothing it was given is acked.
+    dying.stop()
+    net.lose = lambda s, d, f: d == dying.address
+    ids = pub.publish(TOPIC, *range(60))
+    net.run(lambda: pub.core.idle(), seconds=30)
+
+    assert handled_ids(alive) == Counter(ids)
+    assert dying.handled == []
+
+
+def test_a_member_that_stops_acknowledging_has_its_messages_reassigned_and_counted(net):
+    pub = net.node("pub")
+    a, b = net.node("a"), net.node("b")
+    join(net, pub, [a, b], group="email")
+    # b is up (it answers pings) but its acks never arrive: a frozen engine, a half partition.
+    net.lose = lambda s, d, f: s == b.address and isinstance(f, P.Ack)
+    ids = pub.publish(TOPIC, *range(40))
+    net.run(lambda: pub.core.idle(), seconds=30)
+
+    reassigned = pub.core.s.counters["group_reassigned"]
+    assert set(handled_ids(a)) == set(ids)  # a got every one in the end
+    assert reassigned == len(b.handled) > 0  # only reassigned ones can be handled twice
+    assert sum(handled_ids(a, b).values()) == len(ids) + reassigned
+
+
+def test_a_restarted_publisher_resends_a_group_message_to_the_member_it_chose(net):
+    pub = net.node("pub")
+    a, b = net.node("a"), net.node("b")
+    join(net, pub, [a, b], group="email")
+    net.lose = lambda s, d, f: isinstance(f, P.Ack)  # stored by members, never acked
+    ids = pub.publish(TOPIC, *range(20))
+    net.run(lambda: len(handled_ids(a, b)) == 20)
+    net.run(seconds=0.3)  # the assignment is written with the next turn's batch
+    first = {item.id: node.address for node in (a, b) for item in node.handled}
+    pub.stop()
+    net.lose = lambda s, d, f: False
+    pub.start()
+    net.run(lambda: pub.core.idle(), seconds=30)
+
+    assert handled_ids(a, b) == Counter(ids)  # resent to the same member: deduplicated there
+    assert {item.id: node.address for node in (a, b) for item in node.handled} == first
+    assert a.core.s.counters["duplicates"] + b.core.s.counters["duplicates"] >= 20
+
+
+def test_a_member_that_leaves_hands_its_unacknowledged_messages_to_the_others(net):
+    pub = net.node("pub")
+    a, b = net.node("a"), net.node("b")
+    join(net, pub, [a, b], group="email")
+    net.lose = lambda s, d, f: d == b.address and isinstance(f, P.Batch)  # b never gets any
+    ids = pub.publish(TOPIC, *range(30))
+    net.run(seconds=0.2)
+    left = b.subscribe(pub.address, TOPIC, op="unsubscribe")
+    net.run(lambda: any(t is left for t, _ in b.released))
+    net.run(lambda: pub.core.idle(), seconds=10)
+    assert handled_ids(a) == Counter(ids)
+    assert pub.core.s.consumers[(group_peer("email"), "e:" + TOPIC)].members == [a.address]
+
+
+def test_the_last_member_leaving_ends_the_group_and_its_cursor(net):
+    pub, a = net.node("pub"), net.node("a")
+    join(net, pub, [a], group="email")
+    left = a.subscribe(pub.address, TOPIC, op="unsubscribe")
+    net.run(lambda: any(t is left for t, _ in a.released))
+    net.run(lambda: not pub.store.delivery)
+    assert not pub.store.subs
+    assert pub.core.s.consumers == {}
+
+
+def test_subscribing_again_with_other_options_is_refused_until_unsubscribed(net):
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub])
+    sub.subscribe(pub.address, TOPIC, group="email")
+    net.run(seconds=2)
+    nacks = net.sent(pub.address, sub.address, P.Nack)
+    assert nacks and "unsubscribe first" in nacks[-1].reason
+    assert pub.store.subs[(sub.address, TOPIC)].get("group") is None
+
+
+def test_a_group_survives_a_publisher_restart_with_its_members(net):
+    pub = net.node("pub")
+    a, b = net.node("a"), net.node("b")
+    join(net, pub, [a, b], group="email")
+    pub.stop()
+    pub.start()
+    ids = pub.publish(TOPIC, *range(50))
+    net.run(lambda: pub.core.idle(), seconds=30)
+    assert handled_ids(a, b) == Counter(ids)
+    assert a.handled and b.handled
+
+
+# --- ordered -------------------------------------------------------------------------------
+
+
+def lossy(seed: int, rate: float, dst: str):
+    rng = random.Random(seed)
+    return lambda s, d, f: d == dst and isinstance(f, P.Batch) and rng.random() < rate
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_ordered_subscription_is_handed_its_messages_in_publish_order_whatever_is_lost(net, seed):
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub], ordered=True)
+    net.lose = lossy(seed, 0.3, sub.address)
+    ids = []
+    for i in range(10):
+        ids += pub.publish(TOPIC, *range(i * 30, i * 30 + 30))
+        net.run(seconds=0.05)
+    net.run(lambda: pub.core.idle(), seconds=60)
+    assert [item.id for item in sub.handled] == ids
+
+
+def test_the_same_losses_reorder_an_unordered_subscription(net):
+    """The test above can fail: without ``ordered`` the losses do reorder messages."""
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub])
+    net.lose = lossy(0, 0.3, sub.address)
+    ids = []
+    for i in range(10):
+        ids += pub.publish(TOPIC, *range(i * 30, i * 30 + 30))
+        net.run(seconds=0.05)
+    net.run(lambda: pub.core.idle(), seconds=60)
+    assert sorted(item.id for item in sub.handled) == ids
+    assert [item.id for item in sub.handled] != ids
+
+
+def test_an_ordered_subscription_has_one_frame_in_flight_and_marks_its_messages(net):
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub], ordered=True)
+    net.lose = lambda s, d, f: isinstance(f, P.Ack)  # nothing is ever acked
+    pub.publish(TOPIC, *range(500))
+    net.run(seconds=3)
+    frames = net.sent(pub.address, sub.address, P.Batch)
+    first = [env.id for env in frames[0].messages]
+    assert len(first) == net.config.max_batch
+    # Every later frame is the same window again (resends), never the next messages.
+    assert all([env.id for env in f.messages] == first for f in frames)
+    assert {env.headers["sb-order"] for env in frames[0].messages} == {"e:" + TOPIC}
+
+
+def test_a_group_cannot_be_ordered():
+    from servicebus import Bus  # checked before anything is opened
+    with pytest.raises(ValueError, match="cannot be ordered"):
+        Bus.subscribe(None, "tcp://127.0.0.1:1", TOPIC, group="g", ordered=True)  # type: ignore[arg-type]
