@@ -163,6 +163,14 @@ class FakeStore:
     def stream_names(self) -> list[str]:
         return sorted(name for name, msgs in self.streams.items() if msgs)
 
+    def highest_own_id(self) -> str | None:
+        """As ``Store.highest_own_id``: what a restarted core's ids must sort above."""
+        found = [mid for msgs in self.streams.values() for mid in msgs if len(mid) != 25]
+        found += [r.get("floor") or "" for r in self.delivery.values()]
+        found += [r.get("since") or "" for r in self.subs.values()]
+        found += [r.get("id") or "" for r in self.intent.values()]
+        return max(found, default=None) or None
+
     def stream_ids(self, stream: str, after: str | None = None, upto: str | None = None,
                    limit: int | None = None) -> list[str]:
         ids = [mid for mid in sorted(self.streams.get(stream, {}))
@@ -263,7 +271,7 @@ class CoreNode:
         clock = self.net.clock
         self.core = Core(config=self.net.config, store=self.store, links=self, batch=self.store.batch(),
                          address=self.address, node_id=self.address, boot=os.urandom(6).hex(),
-                         ids=IdGenerator(), clock=clock, wall=clock.wall_ms, journal_on=False,
+                         ids=IdGenerator(after=self.store.highest_own_id()), clock=clock, wall=clock.wall_ms, journal_on=False,
                          now=clock.monotonic(), uid=os.getuid())
         self.commands: list[Any] = list(self.core.load())
         self.inbox.clear()  # what the dead process had not read is gone with it

@@ -22,7 +22,12 @@ Faults: kill -9 of either side; SIGSTOP/SIGCONT; a network partition between two
 namespaces joined by a veth pair (link down, then iptables random drop), healed; disk full
 on a small tmpfs, then freed; the wall clock moved back (publisher) and forward past the
 dedupe window (subscriber) with libfaketime; store damage (missing CURRENT, a garbage
-record, a truncated table, flipped bits) followed by `servicebus check --repair`. Faults
+record, a truncated table, flipped bits) followed by `servicebus check --repair`; kill -9
+of a member of a two-member subscriber group (or of the publisher); kill -9 of either side
+of an ordered subscription, where "out of order" counts messages first handled after one
+published later (must be 0). In a group, a message the killed member had stored but not
+acknowledged is also given to the other member: counted apart ("group handovers"), the
+bound the README states. Faults
 that need root or a kernel feature this machine lacks are skipped with a note saying why.
 Exit code 0 when nothing was lost or duplicated, 1 otherwise.
 """
@@ -62,6 +67,10 @@ KINDS = {
     "disk-full": (2, 12),
     "clock": (2, 12),
     "store-damage": (4, 12),
+    # A subscriber group of two members, one of them (or the publisher) killed with SIGKILL.
+    "group-kill": (2, 10),
+    # An ordered subscription, either side killed with SIGKILL: handled in publish order.
+    "ordered-kill": (2, 10),
 }
 DAMAGE = ("missing CURRENT", "garbage record", "truncated table", "flipped bits")
 
@@ -75,18 +84,21 @@ def log(text: str) -> None:
 
 class Node:
     def __init__(self, role: str, work: Path, bind: str, prefix: list[str], peer: str | None = None,
-                 disk: SmallDisk | None = None) -> None:
+                 disk: SmallDisk | None = None, name: str | None = None,
+                 options: tuple[str, ...] = ()) -> None:
         self.role, self.bind, self.prefix, self.peer, self.disk = role, bind, prefix, peer, disk
+        self.name, self.options = name or role, options
         base = disk.path if disk is not None else work
-        self.datadir = base / role
-        self.ready = work / f"{role}.ready"
-        self.log = work / f"{role}.log"
-        self.stop_file = work / f"{role}.stop"
-        self.quiet = work / f"{role}.quiet"
+        self.datadir = base / self.name
+        self.ready = work / f"{self.name}.ready"
+        self.log = work / f"{self.name}.log"
+        self.stop_file = work / f"{self.name}.stop"
+        self.quiet = work / f"{self.name}.quiet"
         self.acks = work / "acks"
         self.handled = work / "handled"
         self.proc: subprocess.Popen | None = None
         self.killed: set[int] = set()  # pids ended with SIGKILL
+        self.pids: set[int] = set()  # every pid it ran as
         self.clock = ""  # libfaketime offset of the running process
 
     def start(self, wait: bool = True) -> bool:
@@ -98,7 +110,7 @@ class Node:
         cmd = [*self.prefix, *wrap, sys.executable, NODE, "--role", self.role, "--bind", self.bind,
                "--datadir", str(self.datadir), "--ready", str(self.ready), "--stop", str(self.stop_file)]
         if self.role == "sub":
-            cmd += ["--peer", self.peer, "--handled", str(self.handled)]
+            cmd += ["--peer", self.peer, "--handled", str(self.handled), *self.options]
         else:
             cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet)]
         with open(self.log, "ab") as out:
@@ -113,6 +125,7 @@ class Node:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.ready.exists():
+                self.pids.add(self.pid)
                 return True
             if self.proc.poll() is not None:
                 return False
@@ -167,6 +180,8 @@ class Run:
     lost: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     reruns_after_kill: int = 0
+    handovers_after_kill: int = 0  # group: stored by a member killed before it acked, also given to another
+    out_of_order: int = 0  # ordered: handled (first time) after a message published later
     reported_lost: set[str] = field(default_factory=set)
     deadletters: set[str] = field(default_factory=set)
     repairs: int = 0
@@ -181,6 +196,7 @@ class Chaos:
         self.run = Run(kind)
         self.sub: Node = None  # type: ignore[assignment]
         self.pub: Node = None  # type: ignore[assignment]
+        self.subs: list[Node] = []  # every subscriber process (two members for group-kill)
 
     # -- the workload --
 
@@ -196,24 +212,33 @@ class Chaos:
         else:
             pub_bind, sub_bind = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
             pub_prefix = sub_prefix = []
+        options: tuple[str, ...] = {"group-kill": ("--group", "workers"),
+                                    "ordered-kill": ("--ordered",)}.get(self.kind, ())
         self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"))
-        self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=pub_bind, disk=disks.get("sub"))
+        self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=pub_bind, disk=disks.get("sub"),
+                        options=options)
+        self.subs = [self.sub]
+        if self.kind == "group-kill":
+            bind2 = sub_bind.rsplit(":", 1)[0] + f":{port + 2}"
+            self.subs.append(Node("sub", self.work, bind2, sub_prefix, peer=pub_bind, name="sub2",
+                                  options=options))
         stack.callback(self._stop_all)
         self.pub.start(wait=False)
-        if not self.sub.start():
-            raise RuntimeError(f"the subscriber did not start:\n{self.sub.tail()}")
+        for sub in self.subs:
+            if not sub.start():
+                raise RuntimeError(f"the subscriber did not start:\n{sub.tail()}")
         if not self.pub.wait_ready():
             raise RuntimeError(f"the publisher did not start:\n{self.pub.tail()}")
 
     def _stop_all(self) -> None:
-        for node in (self.pub, self.sub):
+        for node in (self.pub, *self.subs):
             if node is not None:
                 node.stop()
 
     def supervise(self) -> None:
         """A node that exited on its own (a store damaged while running, found after the
         fault) is repaired and restarted: what a careful operator would do."""
-        for node in (self.pub, self.sub):
+        for node in (self.pub, *self.subs):
             if node.alive():
                 continue
             if node.proc.returncode == 3:
@@ -259,6 +284,17 @@ class Chaos:
     def fault_kill_publisher(self, i: int) -> None:
         self.pub.kill()
         self.restart(self.pub)
+
+    def fault_group_kill(self, i: int) -> None:
+        node = self.rng.choice((*self.subs, *self.subs, self.pub))  # mostly a member
+        node.kill()
+        time.sleep(self.rng.uniform(0.0, 2.0))  # the other member takes over meanwhile
+        self.restart(node)
+
+    def fault_ordered_kill(self, i: int) -> None:
+        node = (self.sub, self.pub)[i % 2]
+        node.kill()
+        self.restart(node)
 
     def fault_pause(self, i: int) -> None:
         node = self.rng.choice((self.pub, self.sub))
@@ -311,10 +347,13 @@ class Chaos:
     def count(self) -> None:
         acked = self.pub.acks.read_text().split() if self.pub.acks.exists() else []
         handlings: dict[str, list[int]] = {}
+        order: list[str] = []  # ids in the order they were first handled
         if self.sub.handled.exists():
             for line in self.sub.handled.read_text().splitlines():
                 parts = line.split()
                 if len(parts) == 2:
+                    if parts[0] not in handlings:
+                        order.append(parts[0])
                     handlings.setdefault(parts[0], []).append(int(parts[1]))
         run = self.run
         run.acknowledged = len(acked)
@@ -325,16 +364,22 @@ class Chaos:
             run.deadletters |= {json.loads(line)["id"] for line in listed.stdout.splitlines()}
         run.lost = [mid for mid in acked if mid not in handlings
                     and mid not in run.reported_lost and mid not in run.deadletters]
+        killed = {pid for sub in self.subs for pid in sub.killed}
+        members = {pid: sub.name for sub in self.subs for pid in sub.pids}
         for mid, pids in handlings.items():
-            for earlier, _later in zip(pids, pids[1:]):
-                if earlier in self.sub.killed:
+            for earlier, later in zip(pids, pids[1:]):
+                if earlier in killed:
                     run.reruns_after_kill += 1  # the documented window (see the docstring)
+                elif members.get(earlier) != members.get(later) and killed:
+                    run.handovers_after_kill += 1  # the documented group bound (README)
                 else:
                     run.duplicated.append(mid)
+        if self.kind == "ordered-kill":
+            run.out_of_order = sum(1 for a, b in zip(order, order[1:]) if b < a)
 
     def evidence(self) -> None:
         """What the buses themselves logged about the faults: proof they were real."""
-        logs = "".join(n.log.read_text(errors="replace") for n in (self.pub, self.sub) if n.log.exists())
+        logs = "".join(n.log.read_text(errors="replace") for n in (self.pub, *self.subs) if n.log.exists())
         seen = {
             "disk-full": ("the store cannot be written", "store failures logged"),
             "partition": ("is down", "peers seen down"),
@@ -342,8 +387,9 @@ class Chaos:
         }.get(self.kind)
         if seen:
             self.run.notes.append(f"{logs.count(seen[0])} {seen[1]}")
-        if self.kind.startswith("kill"):
-            self.run.notes.append(f"{len(self.pub.killed) + len(self.sub.killed)} processes killed with SIGKILL")
+        if "kill" in self.kind:
+            killed = len(self.pub.killed) + sum(len(sub.killed) for sub in self.subs)
+            self.run.notes.append(f"{killed} processes killed with SIGKILL")
 
     def settle(self, timeout: float = 120.0) -> None:
         """Stop publishing and wait until every acknowledged message is accounted for."""
@@ -352,6 +398,7 @@ class Chaos:
         while time.monotonic() < deadline:
             self.supervise()
             acked = set(self.pub.acks.read_text().split()) if self.pub.acks.exists() else set()
+            # A group's members write to one file (appends of a line each are atomic).
             done = {line.split()[0] for line in self.sub.handled.read_text().splitlines() if line.strip()} \
                 if self.sub.handled.exists() else set()
             if acked <= done | self.run.reported_lost:
@@ -434,7 +481,7 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
                 chaos.inject(i)
             time.sleep(1.0)
             chaos.settle()
-            for node in (chaos.pub, chaos.sub):
+            for node in (chaos.pub, *chaos.subs):
                 node.stop()
             chaos.count()
             chaos.evidence()
@@ -452,18 +499,21 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
 
 def table(runs: list[Run]) -> str:
     head = ("fault", "injected", "acknowledged", "handled", "lost", "duplicated",
-            "reruns after kill -9", "reported lost by repair", "dead letters", "seconds")
+            "reruns after kill -9", "group handovers after kill -9", "out of order",
+            "reported lost by repair", "dead letters", "seconds")
     rows = []
     for r in runs:
         if r.skipped:
-            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", ""))
+            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", "", "", ""))
             continue
         rows.append((r.kind, r.faults, r.acknowledged, r.handled, len(r.lost), len(r.duplicated),
-                     r.reruns_after_kill, len(r.reported_lost), len(r.deadletters), f"{r.seconds:.0f}"))
+                     r.reruns_after_kill, r.handovers_after_kill, r.out_of_order,
+                     len(r.reported_lost), len(r.deadletters), f"{r.seconds:.0f}"))
     done = [r for r in runs if not r.skipped]
     rows.append(("total", sum(r.faults for r in done), sum(r.acknowledged for r in done),
                  sum(r.handled for r in done), sum(len(r.lost) for r in done),
                  sum(len(r.duplicated) for r in done), sum(r.reruns_after_kill for r in done),
+                 sum(r.handovers_after_kill for r in done), sum(r.out_of_order for r in done),
                  sum(len(r.reported_lost) for r in done), sum(len(r.deadletters) for r in done),
                  f"{sum(r.seconds for r in done):.0f}"))
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
@@ -489,7 +539,7 @@ def main() -> int:
             count = KINDS[kind][1 if args.long else 0]
             log(f"== {kind}: {count} fault(s)")
             run = run_kind(kind, count, env, rng, args.keep)
-            log(f"   {run.skipped and 'skipped: ' + run.skipped or f'acknowledged {run.acknowledged}, lost {len(run.lost)}, duplicated {len(run.duplicated)}'}")
+            log(f"   {run.skipped and 'skipped: ' + run.skipped or f'acknowledged {run.acknowledged}, lost {len(run.lost)}, duplicated {len(run.duplicated)}, out of order {run.out_of_order}'}")
             runs.append(run)
     if args.json:
         print(json.dumps({"seed": seed, "runs": [{
@@ -506,7 +556,7 @@ def main() -> int:
                 print(f"LOST ({r.kind}): {' '.join(r.lost[:20])}")
             if r.duplicated:
                 print(f"DUPLICATED ({r.kind}): {' '.join(r.duplicated[:20])}")
-    bad = any(r.lost or r.duplicated for r in runs)
+    bad = any(r.lost or r.duplicated or r.out_of_order for r in runs)
     return 1 if bad else 0
 
 

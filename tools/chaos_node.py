@@ -46,6 +46,8 @@ def main() -> int:
     ap.add_argument("--quiet", help="publisher: stop publishing once this file exists")
     ap.add_argument("--stop", required=True)
     ap.add_argument("--rate", type=int, default=500, help="messages per second (publisher)")
+    ap.add_argument("--group", help="subscriber: join this subscriber group")
+    ap.add_argument("--ordered", action="store_true", help="subscriber: an ordered subscription")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()} {args.role}] %(asctime)s %(threadName)s %(message)s")
@@ -75,7 +77,8 @@ def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
     def handler(payload, message):
         append(fd, f"{message.id} {pid}\n")
 
-    bus.subscribe(args.peer, TOPIC)  # stored and retried: no need to wait here
+    # Stored and retried: no need to wait here.
+    bus.subscribe(args.peer, TOPIC, group=args.group, ordered=args.ordered)
     Path(args.ready).write_text(str(pid))
     while not stop.exists():
         pause(0.2)

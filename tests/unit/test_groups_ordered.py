@@ -195,7 +195,3 @@ def test_an_ordered_subscription_has_one_frame_in_flight_and_marks_its_messages(
     assert {env.headers["sb-order"] for env in frames[0].messages} == {"e:" + TOPIC}
 
 
-def test_a_group_cannot_be_ordered():
-    from servicebus import Bus  # checked before anything is opened
-    with pytest.raises(ValueError, match="cannot be ordered"):
-        Bus.subscribe(None, "tcp://127.0.0.1:1", TOPIC, group="g", ordered=True)  # type: ignore[arg-type]
