@@ -6,6 +6,7 @@ from .bus import Bus
 from .config import BusConfig
 from .errors import (
     AdminUnavailable,
+    BacklogFull,
     BusBrokenError,
     BusClosedError,
     BusError,
@@ -46,6 +47,7 @@ __all__ = [
     "DeliveryError",
     "SubscribeRefused",
     "SubscribeTimeout",
+    "BacklogFull",
     "RemoteError",
     "RequestTimeout",
     "Retry",

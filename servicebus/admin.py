@@ -436,4 +436,5 @@ def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir
         peers=snap["peers"],
         lock=lock,
         store_error=snap["store_error"],
+        backlog_full=snap.get("backlog_full", ()),
     )

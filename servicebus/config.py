@@ -76,6 +76,15 @@ class BusConfig:
     #: compress batch frames to peers that can decode them: ``"zstd"`` (the
     #: ``servicebus[compression]`` extra) or None. Frames under 1 KiB go as they are
     wire_compression: str | None = None
+    #: messages owed to one subscriber on one topic (stored, not acknowledged) at most;
+    #: None: no limit (a subscriber that is down for long fills the publisher's disk)
+    max_backlog: int | None = None
+    #: what a publish to a topic with a subscriber at ``max_backlog`` does: ``"block"``
+    #: (wait for room up to ``backlog_timeout``, then ``BacklogFull``), ``"raise"``
+    #: (``BacklogFull`` at once) or ``"drop_oldest"`` (store it; that subscriber's oldest
+    #: messages become dead letters ``backlog_full``)
+    backlog_policy: str = "block"
+    backlog_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -88,6 +97,12 @@ class BusConfig:
                 if value == "zstd" and "zstd" not in codecs():
                     raise ValueError("wire_compression='zstd' needs the zstandard package: "
                                      "pip install 'servicebus[compression]'")
+                continue
+            if field.name == "max_backlog" and value is None:
+                continue
+            if field.name == "backlog_policy":
+                if value not in ("block", "raise", "drop_oldest"):
+                    raise ValueError(f"option backlog_policy must be 'block', 'raise' or 'drop_oldest', got {value!r}")
                 continue
             if field.name == "keys":
                 if value is not None:
@@ -110,7 +125,7 @@ class BusConfig:
             if value <= 0:
                 raise ValueError(f"option {field.name} must be > 0, got {value!r}")
         for name in ("workers", "max_attempts", "window", "max_batch", "max_payload", "dispatch_queue",
-                     "max_peers"):
+                     "max_peers", *(("max_backlog",) if self.max_backlog is not None else ())):
             if not isinstance(getattr(self, name), int):
                 raise TypeError(f"option {name} must be an int")
         if self.retry_max < self.retry_initial:

@@ -135,7 +135,8 @@ class Consumer:
     """Delivery state of one peer on one stream. Owned by the engine thread."""
 
     __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
-                 "exhausted", "dirty", "last_ack", "scan", "members", "assigned", "ordered")
+                 "exhausted", "dirty", "last_ack", "scan", "members", "assigned", "ordered",
+                 "backlog")
 
     def __init__(self, peer: str, stream: str, floor: str | None,
                  acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
@@ -156,6 +157,7 @@ class Consumer:
         self.members: list[str] | None = None
         self.assigned: dict[str, str] = {}
         self.ordered = False  # one frame in flight at a time, handled in order (sender.py)
+        self.backlog = 0  # messages owed (after floor, not acked); kept with max_backlog only
 
     # --- window ------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class Consumer:
             return False
         if self.members is not None:
             self.assigned.pop(message_id, None)
+        self.backlog -= 1
         self._advance()
         return True
 
@@ -188,6 +191,7 @@ class Consumer:
         down): in flight, it is acked; not read into the window yet, it is skipped when read."""
         if not self.ack(message_id) and (self.pos is None or message_id > self.pos):
             self.skip.add(message_id)
+            self.backlog -= 1
             self.dirty = True
 
     def _advance(self) -> None:

@@ -35,7 +35,7 @@ from .commit import GroupCommit
 from .config import BusConfig
 from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd
 from .dispatch import Dispatcher
-from .errors import BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
+from .errors import BacklogFull, BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
 from .ids import IdGenerator
 from .journal import Journal
 from .requests import PendingRequests
@@ -108,6 +108,8 @@ class Engine(threading.Thread):
         self.committer = GroupCommit(store, self._on_published)
         self._count_lock = threading.Lock()
         self.published = 0  # ids handed out by publish(), on user threads
+        self.backlog_refused = 0  # publishes refused by backlog_policy (user threads)
+        self._room = threading.Condition()  # publishers waiting for max_backlog room
         self.fsyncs = 0
         try:
             # Above every id the store refers to, whatever the wall clock says now (ids.py).
@@ -168,6 +170,8 @@ class Engine(threading.Thread):
         if not self.store.writable:
             # Not even an id for nobody's event: a bus that cannot write cannot deliver.
             raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
+        if self.core.s.full_streams:
+            self._backpressure(topic)
         if dedupe_key is not None:
             # Keyed publishes one at a time: the lookup and the write that stores the key
             # must not interleave with another publish of the same key.
@@ -183,6 +187,33 @@ class Engine(threading.Thread):
                 self.published += len(ids)
             return ids
         return self._commit(topic, bodies, expires, headers, None, due)
+
+    def _backpressure(self, topic: str) -> None:
+        """A subscriber of ``topic`` is at ``max_backlog``: apply ``backlog_policy``
+        (core/backlog.py). Raises ``BacklogFull``, or returns when there is room (or the
+        policy is to drop the oldest)."""
+        cfg, s = self.config, self.core.s
+        policy = cfg.backlog_policy
+        if policy == "drop_oldest":
+            return
+        deadline = time.monotonic() + (cfg.backlog_timeout if policy == "block" else 0.0)
+        with self._room:
+            while True:
+                full = [st for st in self.core.streams.targets(topic) if st in s.full_streams]
+                if not full:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    with self._count_lock:
+                        self.backlog_refused += 1
+                    who = [c.peer for c in s.consumers.copy().values()
+                           if c.stream in full and c.backlog >= (cfg.max_backlog or 0)]
+                    raise BacklogFull(
+                        f"{', '.join(who[:3]) or 'a subscriber'} of {topic!r} has "
+                        f"max_backlog ({cfg.max_backlog}) messages waiting"
+                        + (f" (waited {cfg.backlog_timeout:g}s)" if policy == "block" else "")
+                        + "; nothing was stored")
+                self._room.wait(min(left, 0.5))
 
     def _commit(self, topic: str, bodies: list[bytes], expires: int | None,
                 headers: dict[str, Any] | None,
@@ -292,6 +323,10 @@ class Engine(threading.Thread):
             self.requests.expire(now)
             if self.sockets.keys is not None:
                 self._switch_keys(now)
+        if core.s.full_changed:  # max_backlog: publishers waiting for room look again
+            core.s.full_changed = False
+            with self._room:
+                self._room.notify_all()
         self._send_frames(now)
         if self._drains:
             self._check_drains()
@@ -506,6 +541,8 @@ class Engine(threading.Thread):
         counters = Counter(snap["counters"])
         counters["fsyncs"] += self.fsyncs + self.committer.fsyncs
         counters["published"] += self.published
+        if self.backlog_refused:
+            counters["backlog_refused"] += self.backlog_refused
         snap["counters"] = dict(counters)
         snap["store_error"] = self._degraded or self.store.failure
         return snap

@@ -19,6 +19,7 @@ __all__ = [
     "DeliveryError",
     "SubscribeTimeout",
     "SubscribeRefused",
+    "BacklogFull",
     "RemoteError",
     "RequestTimeout",
     "Retry",
@@ -99,6 +100,12 @@ class SubscribeTimeout(DeliveryError, TimeoutError):
 class SubscribeRefused(DeliveryError):
     """The publisher refused a subscribe (its address policy or peer limit); the message
     says why. The intent stays stored and is retried until confirmed or unsubscribed."""
+
+
+class BacklogFull(DeliveryError):
+    """A publish found a subscriber of its topic at ``max_backlog`` (policy ``raise``, or
+    ``block`` past ``backlog_timeout``): nothing was stored; the message names the
+    subscriber. Publish again later."""
 
 
 class RemoteError(DeliveryError):

@@ -95,6 +95,9 @@ class BusStatus:
     # set, nothing is received, acked or sent, publish raises StoreWriteError, and the bus
     # retries by itself. Counts read from the store are -1 while it cannot be read either.
     store_error: str | None = None
+    # (subscriber, topic) pairs owed ``max_backlog`` messages: publishes to the topic wait,
+    # raise BacklogFull or push out the oldest, as ``backlog_policy`` says.
+    backlog_full: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from ..policy import AddressPolicy
 from ..trust import Keys
 from ..records import PeerStatus
 from .commands import Published, QueueReply, SendCmd, SubscribeCmd
+from .backlog import Backlog
 from .expiry import Expiry
 from .handshake import Handshake
 from .peers import WAITING_PING, Roster
@@ -64,7 +65,8 @@ class Core:
         self.roster = Roster(s)
         self.expiry = Expiry(s)
         self.sender = Sender(s, self.expiry)
-        self.streams = Streams(s, self.roster)
+        self.backlog = Backlog(s, self.expiry)
+        self.streams = Streams(s, self.roster, self.backlog)
         self.handshake = Handshake(s, self.roster)
         self.receiver = Receiver(s)
         self._next_tick = self._next_gc = self._next_expiry = 0.0
@@ -115,6 +117,7 @@ class Core:
             s.out.batch.delete_delivery(peer, stream)
         for publisher, topic, intent in s.store.intents():
             self.handshake.load_intent(publisher, topic, intent)
+        self.backlog.load()
         return [QueueReply(command_id, reply) for command_id, reply in s.store.replies()]
 
     def _load_consumer(self, consumer: Consumer) -> None:
@@ -277,6 +280,8 @@ class Core:
         if s.waiting_peers or s.new_peer_work:
             s.new_peer_work = False
             self.roster.ping_waiting(now)
+        if self.backlog.on:
+            self.backlog.update()
         self.sender.flush()
         return ticked
 
@@ -362,4 +367,7 @@ class Core:
             "malformed": dict(s.malformed),
             "counters": dict(s.counters),
             "intents_unconfirmed": sum(1 for i in s.intents.values() if not i.confirmed),
+            "backlog_full": tuple(sorted((c.peer, stream_target(c.stream)) for c in s.consumers.values()
+                                         if c.stream in s.full_streams
+                                         and c.backlog >= (s.config.max_backlog or 0))),
         }

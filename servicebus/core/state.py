@@ -146,6 +146,10 @@ class State:
     # Delayed messages are held until the wall clock passes their id's time: ids above
     # this one (set each turn: now + 1 ms) are not due. Timers: (due ms, stream), a heap.
     due_bound: str = ""
+    # Event streams with a consumer at max_backlog (backlog.py). Replaced, never mutated:
+    # publishing threads read it without a lock.
+    full_streams: frozenset[str] = frozenset()
+    full_changed: bool = False
     timers: list[tuple[int, str]] = field(default_factory=list)
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)

@@ -15,6 +15,7 @@ from ..topics import is_pattern, matches
 from ..delivery import Consumer, command_stream, event_stream, is_group_peer, pack_outgoing
 from ..protocol import Kind
 from .commands import Published, QueueReply, SendCmd
+from .backlog import Backlog
 from .peers import Roster
 from .ports import WriteBatch
 from ..stored import JournalEvent
@@ -28,9 +29,10 @@ GC_BUDGET = 5000  # stream messages deleted per collection, at most
 
 
 class Streams:
-    def __init__(self, state: State, roster: Roster) -> None:
+    def __init__(self, state: State, roster: Roster, backlog: Backlog) -> None:
         self.s = state
         self.roster = roster
+        self.backlog = backlog
 
     # --- in ----------------------------------------------------------------------------
 
@@ -90,6 +92,9 @@ class Streams:
             s.ttl_streams.add(cmd.stream)
         if cmd.stream in s.by_stream:
             s.new.setdefault(cmd.stream, []).extend(cmd.items)
+            if self.backlog.on:
+                for consumer in s.by_stream[cmd.stream]:
+                    self.backlog.published(consumer, cmd.items)
         else:
             s.orphans_due = True  # unsubscribed while they were written
 

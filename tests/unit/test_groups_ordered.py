@@ -195,3 +195,48 @@ def test_an_ordered_subscription_has_one_frame_in_flight_and_marks_its_messages(
     assert {env.headers["sb-order"] for env in frames[0].messages} == {"e:" + TOPIC}
 
 
+
+
+# --- backlog counting ------------------------------------------------------------------------
+
+
+def owed(pub, consumer):
+    """What the store says ``consumer`` is owed: stored after its floor, not acked."""
+    acked = {i for i in consumer.order if i not in consumer.inflight} | consumer.skip
+    return sum(1 for mid in pub.store.stream_ids(consumer.stream, after=consumer.floor) if mid not in acked)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_backlog_count_matches_the_store_through_losses_and_restarts(seed):
+    net = Network(ack_timeout=0.5, resend_max=1.0, window=20, max_backlog=10_000)
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub])
+    rng = random.Random(seed)
+    net.lose = lambda s, d, f: rng.random() < 0.2 and isinstance(f, (P.Batch, P.Ack))
+
+    nonzero = []
+
+    def check():
+        for consumer in pub.core.s.consumers.values():
+            assert consumer.backlog == owed(pub, consumer)
+            nonzero.append(consumer.backlog > 0)
+
+    for round_ in range(6):
+        pub.publish(TOPIC, *range(rng.randrange(1, 80)))
+        net.run(seconds=rng.uniform(0.05, 0.5))
+        check()
+        if round_ == 2:
+            sub.stop()
+            pub.publish(TOPIC, *range(30))
+            net.run(seconds=0.3)
+            check()
+            sub.start()
+        if round_ == 4:
+            pub.stop()
+            pub.start()
+            check()
+    net.lose = lambda s, d, f: False
+    net.run(lambda: pub.core.idle(), seconds=60)
+    check()
+    assert [c.backlog for c in pub.core.s.consumers.values()] == [0]
+    assert any(nonzero), "never checked while something was owed"
