@@ -23,6 +23,7 @@ from .errors import (
     SubscribeRefused,
     SubscribeTimeout,
     TransportError,
+    WaitTimeout,
 )
 from .records import BusStatus, DeadLetter, Message, PeerStatus
 from .timeouts import HandlerTimeout
@@ -48,6 +49,7 @@ __all__ = [
     "SubscribeRefused",
     "SubscribeTimeout",
     "BacklogFull",
+    "WaitTimeout",
     "RemoteError",
     "RequestTimeout",
     "Retry",

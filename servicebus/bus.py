@@ -28,7 +28,7 @@ from .config import BusConfig
 from .dispatch import Dispatcher
 from .handlers import handler_name
 from .timeouts import Watchdog
-from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
+from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
 from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
 from .keys import load_keys
@@ -399,7 +399,7 @@ class Bus:
     # --- subscribing -------------------------------------------------------------------
 
     def subscribe(self, address: str, topic: str, *, wait: float | None = None,
-                  group: str | None = None, ordered: bool = False) -> None:
+                  group: str | None = None, ordered: bool = False, limit: int | None = None) -> None:
         """Ask the bus at ``address`` to send this bus its ``topic`` events.
 
         The request is stored durably and retried until the publisher confirms it, across
@@ -412,7 +412,15 @@ class Bus:
         frozen, partitioned) goes to another. ``ordered``: this bus handles the
         subscription's messages one at a time, in publish order (per ``key`` when
         published with one). Not both. Changing either needs an ``unsubscribe`` first.
+
+        ``limit``: the publisher ends the subscription once it has given this bus that many
+        messages (acknowledged here; expired ones do not count), as an ``unsubscribe``
+        would. Subscribing again starts a new one.
         """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit must be an int >= 1, not {limit!r}")
+        if limit is not None and group is not None:
+            raise ValueError("a subscriber group cannot have a limit (its members share one cursor)")
         if group is not None:
             validate_group(group)
             if ordered:
@@ -420,18 +428,18 @@ class Bus:
                                  "messages in parallel (subscribe ordered=True without a group)")
         if not isinstance(ordered, bool):
             raise TypeError(f"ordered must be a bool, not {type(ordered).__name__}")
-        self._intent(address, topic, "subscribe", wait, group, ordered)
+        self._intent(address, topic, "subscribe", wait, group, ordered, limit)
 
     def unsubscribe(self, address: str, topic: str, *, wait: float | None = None) -> None:
         """Stop ``topic`` events from ``address``; durable and retried like ``subscribe``."""
         self._intent(address, topic, "unsubscribe", wait)
 
     def _intent(self, address: str, topic: str, op: str, wait: float | None,
-                group: str | None = None, ordered: bool = False) -> None:
+                group: str | None = None, ordered: bool = False, limit: int | None = None) -> None:
         validate_address(address)
         validate_pattern(topic)
         confirmed: Future | None = Future() if wait is not None else None
-        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed, group, ordered))
+        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed, group, ordered, limit))
         if confirmed is not None:
             try:
                 self._wait(confirmed, wait)
@@ -439,6 +447,53 @@ class Bus:
                 raise SubscribeTimeout(
                     f"{op} of {topic!r} at {address} not confirmed within {wait}s; "
                     "it stays stored and is retried") from None
+
+    # --- waiting for events -----------------------------------------------------------
+
+    def once(self, topic: str, *, timeout: float | None = None) -> tuple[Any, Message]:
+        """Wait for the next event on ``topic`` (a pattern too) that this bus receives;
+        return ``(payload, message)`` (``message.attempt`` is 0: not a handler run).
+
+        For scripts, tests and sagas: it sees events received after the call, whether or
+        not a handler handles them, and it handles nothing itself. Not durable: a wait in
+        memory. You still need a subscription that brings the events here. Raises
+        ``WaitTimeout`` after ``timeout`` seconds."""
+        return self._watch((topic,), False, timeout)[topic]
+
+    def any(self, topics: Iterable[str], *, timeout: float | None = None) -> tuple[str, Any, Message]:
+        """Wait for the next event on any of ``topics``; ``(topic pattern, payload,
+        message)`` of the first (see ``once``)."""
+        patterns = tuple(topics)
+        got = self._watch(patterns, False, timeout)
+        (pattern, (payload, message)), = got.items()
+        return pattern, payload, message
+
+    def all(self, topics: Iterable[str], *, timeout: float | None = None) -> dict[str, tuple[Any, Message]]:
+        """Wait until an event has arrived on each of ``topics``; ``{topic pattern:
+        (payload, message)}`` with the first of each (see ``once``)."""
+        return self._watch(tuple(topics), True, timeout)
+
+    def _watch(self, patterns: tuple[str, ...], need_all: bool,
+               timeout: float | None) -> dict[str, tuple[Any, Message]]:
+        if not patterns:
+            raise ValueError("give at least one topic")
+        for pattern in patterns:
+            validate_pattern(pattern)
+        if timeout is not None:
+            _check_seconds(timeout, "timeout")
+        engine = self._check_open()
+        watch = engine.watches.add(patterns, need_all)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not watch.done.wait(0.5 if deadline is None else
+                                      min(0.5, max(0.0, deadline - time.monotonic()))):
+                self._check_open()
+                if deadline is not None and time.monotonic() >= deadline:
+                    missing = [p for p in patterns if p not in watch.got]
+                    raise WaitTimeout(f"no event on {', '.join(map(repr, missing))} within {timeout}s")
+            return dict(watch.got)
+        finally:
+            engine.watches.remove(watch)
 
     # --- handlers ----------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ class Consumer:
 
     __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
                  "exhausted", "dirty", "last_ack", "scan", "members", "assigned", "ordered",
-                 "backlog")
+                 "backlog", "left")
 
     def __init__(self, peer: str, stream: str, floor: str | None,
                  acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
@@ -158,6 +158,7 @@ class Consumer:
         self.assigned: dict[str, str] = {}
         self.ordered = False  # one frame in flight at a time, handled in order (sender.py)
         self.backlog = 0  # messages owed (after floor, not acked); kept with max_backlog only
+        self.left: int | None = None  # subscribe(limit=N): messages still to give; None: no end
 
     # --- window ------------------------------------------------------------------------
 
@@ -183,6 +184,8 @@ class Consumer:
         if self.members is not None:
             self.assigned.pop(message_id, None)
         self.backlog -= 1
+        if self.left is not None:
+            self.left -= 1
         self._advance()
         return True
 
@@ -219,12 +222,17 @@ class Consumer:
             # After a restart each message goes back to the member that may hold it: a
             # resend to another could have two members handle it.
             record["assigned"] = dict(self.assigned)
+        if self.left is not None:
+            record["left"] = self.left
         return record
 
     @classmethod
     def from_record(cls, peer: str, stream: str, record: DeliveryRecord) -> "Consumer":
         consumer = cls(peer, stream, record.get("floor"), record.get("acked"), record.get("attempts"))
         consumer.last_ack = record.get("last_ack")
+        left = record.get("left")
+        if type(left) is int:
+            consumer.left = left
         assigned = record.get("assigned")
         if isinstance(assigned, dict):
             consumer.assigned = {k: v for k, v in assigned.items() if isinstance(v, str)}

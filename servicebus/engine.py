@@ -35,6 +35,7 @@ from .commit import GroupCommit
 from .config import BusConfig
 from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd
 from .dispatch import Dispatcher
+from .watch import Watches
 from .errors import BacklogFull, BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
 from .ids import IdGenerator
 from .journal import Journal
@@ -81,6 +82,7 @@ class Engine(threading.Thread):
         self.address = address
         self.node_id = node_id
         self.dispatcher = dispatcher
+        self.watches = Watches()  # Bus.once/any/all
         self.requests = requests
         self.journal = journal
         self.datadir = datadir
@@ -315,6 +317,8 @@ class Engine(threading.Thread):
         if done.handoff:
             # Before the acks: a worker takes a while to wake up, the acks go meanwhile.
             self.dispatcher.submit(done.handoff)
+            if self.watches.active:
+                self.watches.offer(done.handoff)
         for ident, ids in done.acks.items():
             self._send_router(ident, P.encode_ack(ids))
 

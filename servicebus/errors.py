@@ -20,6 +20,7 @@ __all__ = [
     "SubscribeTimeout",
     "SubscribeRefused",
     "BacklogFull",
+    "WaitTimeout",
     "RemoteError",
     "RequestTimeout",
     "Retry",
@@ -106,6 +107,10 @@ class BacklogFull(DeliveryError):
     """A publish found a subscriber of its topic at ``max_backlog`` (policy ``raise``, or
     ``block`` past ``backlog_timeout``): nothing was stored; the message names the
     subscriber. Publish again later."""
+
+
+class WaitTimeout(DeliveryError, TimeoutError):
+    """``Bus.once``/``any``/``all``: the events waited for did not arrive in time."""
 
 
 class RemoteError(DeliveryError):

@@ -125,6 +125,7 @@ class Subscribe(NamedTuple):
     sender: str
     group: str | None = None  # header "group", optional: a subscriber group it joins
     ordered: bool = False  # header "ordered", optional: one frame at a time, in order
+    limit: int | None = None  # header "limit", optional: the subscription ends after this many
 
 
 class Unsubscribe(NamedTuple):
@@ -311,8 +312,10 @@ def encode_nack(ids: list[str] | tuple[str, ...], reason: str) -> list[bytes]:
 
 
 def encode_subscribe(id: str, topic: str, address: str, sender: str, group: str | None = None,
-                     ordered: bool = False) -> list[bytes]:
+                     ordered: bool = False, limit: int | None = None) -> list[bytes]:
     header: dict[str, Any] = {"id": id, "topic": topic, "address": address, "sender": sender}
+    if limit is not None:
+        header["limit"] = limit
     if group is not None:
         header["group"] = group
     if ordered:
@@ -450,7 +453,10 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
                 raise ProtocolError("bad_field", str(exc)) from exc
         if type(ordered) is not bool:
             raise ProtocolError("bad_field", "ordered must be a bool")
-        return Subscribe(*fields, group, ordered)
+        limit = header.get("limit")
+        if limit is not None:
+            limit = _int(limit, "limit", 1)
+        return Subscribe(*fields, group, ordered, limit)
     _require(header, "sender", "boot")
     sender, boot = _str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN)
     if kind is Kind.PING:

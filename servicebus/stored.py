@@ -57,6 +57,7 @@ class SubscriptionRecord(TypedDict, total=False):
     node: str
     group: str  # optional: a subscriber group (competing consumers) it is a member of
     ordered: bool  # optional: handled one at a time in publish order
+    limit: int  # optional: the subscription ends after this many messages
 
 
 class IntentRecord(TypedDict, total=False):
@@ -68,6 +69,7 @@ class IntentRecord(TypedDict, total=False):
     updated: int
     group: str  # optional, as in SubscriptionRecord
     ordered: bool  # optional
+    limit: int  # optional
 
 
 class DeliveryRecord(TypedDict, total=False):
@@ -78,6 +80,7 @@ class DeliveryRecord(TypedDict, total=False):
     attempts: dict[str, int]  # resend counts above 1
     last_ack: float | None
     assigned: dict[str, str]  # a subscriber group's messages in flight -> the member sent to
+    left: int  # a subscription with a limit: messages it is still to be given
 
 
 # (event, ts_ms, message_id, topic, kind, peer, attempt, error), one per change, stored in

@@ -57,3 +57,4 @@ class SubscribeCmd:
     confirmed: Any = None  # released when the publisher confirmed
     group: str | None = None  # a subscriber group to join (competing consumers)
     ordered: bool = False  # handled one at a time, in publish order
+    limit: int | None = None  # the publisher ends the subscription after this many messages

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from .. import protocol as P
-from ..delivery import Consumer, event_stream
+from ..delivery import Consumer, event_stream, stream_target
 from ..errors import SubscribeRefused
 from ..stored import IntentRecord, SubscriptionRecord
 from .commands import SubscribeCmd
@@ -53,7 +53,8 @@ class Handshake:
 
     def load_intent(self, publisher: str, topic: str, record: IntentRecord) -> None:
         intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"],
-                        group=record.get("group"), ordered=bool(record.get("ordered")))
+                        group=record.get("group"), ordered=bool(record.get("ordered")),
+                        limit=record.get("limit"))
         try:
             self.roster.peer(publisher)
         except ValueError as exc:
@@ -70,8 +71,9 @@ class Handshake:
         if old is not None:
             s.intent_ids.pop(old.id, None)
         intent = Intent(cmd.publisher, cmd.topic, cmd.op, s.ids.next(), False,
-                        group=cmd.group, ordered=cmd.ordered)
-        if old is not None and old.op == cmd.op and (old.group, old.ordered) == (cmd.group, cmd.ordered):
+                        group=cmd.group, ordered=cmd.ordered, limit=cmd.limit)
+        if old is not None and old.op == cmd.op and \
+                (old.group, old.ordered, old.limit) == (cmd.group, cmd.ordered, cmd.limit):
             intent.waiters = old.waiters
         if cmd.confirmed is not None:
             intent.waiters.append(cmd.confirmed)
@@ -149,7 +151,7 @@ class Handshake:
             intent.next_try = now + INTENT_RETRY
             if intent.op == "subscribe":
                 frames = P.encode_subscribe(intent.id, intent.topic, s.address, s.node_id,
-                                            intent.group, intent.ordered)
+                                            intent.group, intent.ordered, intent.limit)
             else:
                 frames = P.encode_unsubscribe(intent.id, intent.topic, s.address, s.node_id)
             self.roster.send(s.peers[intent.publisher], frames)
@@ -169,12 +171,13 @@ class Handshake:
         key = (frame.address, frame.topic)
         existing = s.subscriptions.get(key)
         if existing is not None:
-            if (existing.get("group"), bool(existing.get("ordered"))) != (frame.group, frame.ordered):
+            if (existing.get("group"), bool(existing.get("ordered")), existing.get("limit")) != \
+                    (frame.group, frame.ordered, frame.limit):
                 s.counters["refused_options_changed"] += 1
                 s.out.to_router.append((ident, P.encode_nack([frame.id], (
                     f"{frame.address[:200]} is subscribed to {frame.topic!r} with other options "
-                    f"(group {existing.get('group')!r}, ordered {bool(existing.get('ordered'))}); "
-                    "unsubscribe first"))))
+                    f"(group {existing.get('group')!r}, ordered {bool(existing.get('ordered'))}, "
+                    f"limit {existing.get('limit')}); unsubscribe first"))))
                 return
             s.out.batch.sync = True  # a repeat: acked again, changes nothing
             s.out.acks.setdefault(ident, []).append(frame.id)
@@ -218,6 +221,8 @@ class Handshake:
                 record["group"] = frame.group
             if frame.ordered:
                 record["ordered"] = True
+            if frame.limit is not None:
+                record["limit"] = frame.limit
             stream = event_stream(frame.topic)
             if frame.group is not None:
                 self.roster.join_group(frame.group, stream, frame.address, None, since)
@@ -226,6 +231,7 @@ class Handshake:
                 consumer.exhausted = True  # it starts at the end of the stream
                 consumer.dirty = True
                 consumer.ordered = frame.ordered
+                consumer.left = frame.limit
                 self.roster.add_consumer(consumer)
             s.subscriptions[key] = record
             s.out.batch.put_subscription(frame.address, frame.topic, record)
@@ -245,24 +251,41 @@ class Handshake:
         pending = self.unverified.get(frame.address)
         if pending is not None:
             pending.frames.pop(frame.topic, None)
-        key = (frame.address, frame.topic)
-        record = s.subscriptions.pop(key, None)
-        if record is not None and record.get("group"):
-            self._leave_group(record["group"], frame.address, frame.topic)
-        elif record is not None:
-            stream = event_stream(frame.topic)
-            consumer = s.consumers.get((frame.address, stream))
-            if consumer is not None:
-                if s.journal_on:
-                    self._journal_dropped(consumer, frame.topic, "unsubscribed")
-                self.roster.remove_consumer(consumer)
-            s.out.batch.delete_subscription(frame.address, frame.topic)
-            s.out.batch.delete_delivery(frame.address, stream)
-            s.gc_floor.pop(stream, None)
-            s.orphans_due = True
-            log.info("%s unsubscribed from %s", frame.address, frame.topic)
+        self.end(frame.address, frame.topic, "unsubscribed")
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
+
+    def end_limited(self) -> None:
+        """Subscriptions that were given their ``limit`` of messages (all acknowledged)
+        end here, as an unsubscribe would end them."""
+        s = self.s
+        done = [c for c in s.consumers.values() if c.left is not None and c.left <= 0 and not c.inflight]
+        for consumer in done:
+            topic = stream_target(consumer.stream)
+            self.end(consumer.peer, topic, "limit_reached")
+            s.counters["subscriptions_completed"] += 1
+
+    def end(self, address: str, topic: str, why: str) -> None:
+        """End the subscription of ``address`` to ``topic``: what it was still owed is
+        dropped (journaled as such), its records deleted in this turn's batch."""
+        s = self.s
+        key = (address, topic)
+        record = s.subscriptions.pop(key, None)
+        if record is not None and record.get("group"):
+            self._leave_group(record["group"], address, topic)
+        elif record is not None:
+            stream = event_stream(topic)
+            consumer = s.consumers.get((address, stream))
+            if consumer is not None:
+                if s.journal_on:
+                    self._journal_dropped(consumer, topic, why)
+                self.roster.remove_consumer(consumer)
+            s.out.batch.delete_subscription(address, topic)
+            s.out.batch.delete_delivery(address, stream)
+            s.gc_floor.pop(stream, None)
+            s.orphans_due = True
+            log.info("%s %s %s", address, "unsubscribed from" if why == "unsubscribed" else
+                     f"ended its subscription ({why}) to", topic)
 
     def _leave_group(self, group: str, address: str, topic: str) -> None:
         """A member leaves: what was in flight to it goes to the others (``Roster``); the

@@ -102,6 +102,8 @@ class Core:
             else:
                 consumer = Consumer.from_record(subscriber, stream, state)
             consumer.ordered = bool(record.get("ordered"))
+            if consumer.left is None and record.get("limit"):
+                consumer.left = record["limit"]
             self._load_consumer(consumer)
         for (peer, stream), state in list(states.items()):
             if is_command_stream(stream):
@@ -308,6 +310,7 @@ class Core:
         self.handshake.retry(now)
         self.handshake.expire_unverified(now)
         self.sender.resend_due(now)
+        self.handshake.end_limited()
         self.sender.check_down()
         if now >= self._next_expiry:
             self._next_expiry = now + EXPIRY_INTERVAL

@@ -82,6 +82,12 @@ class Sender:
         """How many more messages the consumer's window takes now. An ordered one takes a
         frame's worth, and only once the last one is all acknowledged: the next frame
         cannot overtake it then, whatever the network loses."""
+        if consumer.left is not None:  # subscribe(limit=N): never more than it is still given
+            room = self._room_unlimited(consumer, window)
+            return min(room, consumer.left - len(consumer.inflight))
+        return self._room_unlimited(consumer, window)
+
+    def _room_unlimited(self, consumer: Consumer, window: int) -> int:
         if consumer.ordered:
             return 0 if consumer.order else self.s.config.max_batch
         if consumer.members is not None:

@@ -61,6 +61,7 @@ class Intent:
     waiters: list[Any] = field(default_factory=list)  # callers released when confirmed
     group: str | None = None
     ordered: bool = False
+    limit: int | None = None
 
     def record(self, wall: int) -> IntentRecord:
         record: IntentRecord = {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
@@ -68,6 +69,8 @@ class Intent:
             record["group"] = self.group
         if self.ordered:
             record["ordered"] = True
+        if self.limit is not None:
+            record["limit"] = self.limit
         return record
 
 

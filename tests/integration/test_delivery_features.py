@@ -218,3 +218,63 @@ def test_an_ordered_subscription_keeps_its_order_when_the_dispatch_queue_overflo
         pub.publish_many(TOPIC, list(range(i, i + 50)))
     wait_until(lambda: len(seen) == 600, 60)
     assert seen == list(range(600))
+
+
+def test_a_subscription_with_a_limit_ends_after_that_many_messages(make_bus):
+    pub, sub = make_bus("pub"), make_bus("sub")
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p))
+    sub.subscribe(pub.address, TOPIC, limit=3, wait=10)
+    pub.publish_many(TOPIC, list(range(10)))
+    wait_until(lambda: pub.status().subscriptions == 0, 10)
+    wait_until(lambda: len(got) == 3, 10)
+    pub.publish(TOPIC, 10)  # nobody subscribed now: stored for no one
+    assert sub.drain(2) and sorted(got) == [0, 1, 2]
+    assert pub.counters()["subscriptions_completed"] == 1
+
+
+def test_a_limited_subscription_keeps_its_count_across_a_publisher_restart(make_bus):
+    pub_address = free_address()
+    pub, sub = make_bus("pub", address=pub_address), make_bus("sub")
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p))
+    sub.subscribe(pub.address, TOPIC, limit=5, wait=10)
+    pub.publish_many(TOPIC, [0, 1])
+    wait_until(lambda: len(got) == 2 and pub.drain(0.1), 10)
+    pub.close()
+    pub = make_bus("pub2", address=pub_address, datadir=pub.datadir)
+    pub.publish_many(TOPIC, list(range(2, 10)))
+    wait_until(lambda: pub.status().subscriptions == 0, 10)
+    wait_until(lambda: len(got) == 5, 10)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+
+
+def test_once_any_and_all_wait_for_events_as_they_arrive(make_bus):
+    pub, sub = make_bus("pub"), make_bus("sub")
+    sub.subscribe(pub.address, "orders.>", wait=10)
+    handled = []
+    sub.every("orders.>", lambda p, m: handled.append(p), name="log")
+
+    threading.Timer(0.2, lambda: pub.publish("orders.created", {"id": 1})).start()
+    payload, message = sub.once("orders.created", timeout=10)
+    assert payload == {"id": 1} and message.topic == "orders.created" and message.attempt == 0
+
+    threading.Timer(0.2, lambda: pub.publish("orders.paid", 2)).start()
+    assert sub.any(["orders.shipped", "orders.paid"], timeout=10)[:2] == ("orders.paid", 2)
+
+    def later():
+        pub.publish("orders.shipped", 3)
+        pub.publish("orders.paid", 4)
+    threading.Timer(0.2, later).start()
+    both = sub.all(["orders.shipped", "orders.paid"], timeout=10)
+    assert {k: v[0] for k, v in both.items()} == {"orders.shipped": 3, "orders.paid": 4}
+    wait_until(lambda: len(handled) == 4, 10)  # the handlers ran as well
+
+
+def test_once_raises_wait_timeout_when_nothing_comes(make_bus):
+    from servicebus import WaitTimeout
+    sub = make_bus("sub")
+    began = time.monotonic()
+    with pytest.raises(WaitTimeout, match="orders.created"):
+        sub.once(TOPIC, timeout=0.3)
+    assert time.monotonic() - began >= 0.3
