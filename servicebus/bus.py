@@ -259,7 +259,7 @@ class Bus:
 
     def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
                 headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
-                key: str | None = None, delay: float | None = None,
+                dedupe: str = "first", key: str | None = None, delay: float | None = None,
                 deliver_at: float | datetime | None = None) -> str:
         """Store ``payload`` for every subscriber of ``topic``; return its message id.
 
@@ -275,6 +275,8 @@ class Bus:
         ``dedupe_key``: a publish with a key used within ``publish_dedupe_window`` returns
         the first one's id and stores nothing (a publisher that retries after a crash or a
         timeout publishes once). Keyed publishes are serialized: each pays its own fsync.
+        ``dedupe="latest"``: the newer one wins instead: it is stored (a new id) and the
+        earlier one is withdrawn from every subscriber it was not sent to yet.
 
         ``key``: for ordered subscriptions, only messages with the same key wait for each
         other (given to handlers as ``message.key``). ``delay`` (seconds) or ``deliver_at``
@@ -284,7 +286,10 @@ class Bus:
         if dedupe_key is not None and (not isinstance(dedupe_key, str) or not dedupe_key
                                        or len(dedupe_key.encode()) > 512):
             raise ValueError(f"dedupe_key must be a non-empty str of at most 512 bytes, not {dedupe_key!r}")
-        return self._publish(topic, [payload], ttl, headers, dedupe_key, key, delay, deliver_at)[0]
+        if dedupe not in ("first", "latest"):
+            raise ValueError(f"dedupe must be 'first' or 'latest', not {dedupe!r}")
+        return self._publish(topic, [payload], ttl, headers, dedupe_key, key, delay, deliver_at,
+                             dedupe == "latest")[0]
 
     def publish_many(self, topic: str, payloads: Iterable[Any], *, ttl: float | None = None,
                      headers: dict[str, Any] | None = None, key: str | None = None,
@@ -295,7 +300,8 @@ class Bus:
 
     def _publish(self, topic: str, payloads: Iterable[Any], ttl: float | None,
                  headers: dict[str, Any] | None, dedupe_key: str | None, key: str | None = None,
-                 delay: float | None = None, deliver_at: float | datetime | None = None) -> list[str]:
+                 delay: float | None = None, deliver_at: float | datetime | None = None,
+                 latest: bool = False) -> list[str]:
         validate_topic(topic)
         _check_ttl_headers(ttl, headers)
         due = _due(delay, deliver_at)
@@ -313,7 +319,7 @@ class Bus:
             return []
         expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
         try:
-            return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due)
+            return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due, latest)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None

@@ -33,7 +33,7 @@ from .adminserve import AdminReply, AdminServer
 from .clock import BusClock
 from .commit import GroupCommit
 from .config import BusConfig
-from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd
+from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd, Supersede
 from .dispatch import Dispatcher
 from .watch import Watches
 from .errors import BacklogFull, BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
@@ -164,7 +164,7 @@ class Engine(threading.Thread):
 
     def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
                 headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
-                due: int | None = None) -> list[str]:
+                due: int | None = None, latest: bool = False) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
         return their ids once fsynced (see ``commit.py``). Thread-safe. With
         ``dedupe_key`` (one body): the id of an earlier publish with that key within
@@ -180,9 +180,13 @@ class Engine(threading.Thread):
             with self._dedupe_lock:
                 found = self.store.get_publish_key(dedupe_key)
                 now = self.clock.now()
-                if found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000):
-                    return [found[0]]
-                return self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due)
+                within = found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000)
+                if within and not latest:
+                    return [found[0]]  # type: ignore[index]
+                ids = self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due)
+                if within and found is not None and found[0] != ids[0]:
+                    self.submit(Supersede(found[0], topic))
+                return ids
         if not self.core.streams.targets(topic):  # nobody subscribed: nothing to store
             ids = self.ids.many(len(bodies)) if due is None else self.ids.delayed(len(bodies), due)
             with self._count_lock:
@@ -429,6 +433,8 @@ class Engine(threading.Thread):
             if isinstance(cmd, (SendCmd, SubscribeCmd)):
                 if not cmd.future.done():
                     cmd.future.set_exception(failed)
+            elif isinstance(cmd, Supersede):
+                pass  # best effort: the older message is delivered too
             elif not isinstance(cmd, (Published, QueueReply)):  # those are in the store: reloaded
                 self._engine_command(cmd, now)
         self.requests.expire(now)
@@ -441,7 +447,7 @@ class Engine(threading.Thread):
         log.warning("the store can be written again (it had failed: %s); reloading delivery "
                     "state and going on", self._degraded)
         self._degraded = None
-        self._queue = deque(c for c in self._queue if not isinstance(c, (Published, QueueReply)))
+        self._queue = deque(c for c in self._queue if not isinstance(c, (Published, QueueReply, Supersede)))
         # As at a start: cursors, subscriptions, intents, stored replies ...
         self._queue.extend(self.core.reload(self.store.batch()))
         # ... and the handlers get whatever is stored and not in memory, off this thread.
@@ -504,7 +510,7 @@ class Engine(threading.Thread):
         while queue:
             cmd = queue.popleft()
             try:
-                if isinstance(cmd, (Published, SendCmd, QueueReply, SubscribeCmd)):
+                if isinstance(cmd, (Published, SendCmd, QueueReply, SubscribeCmd, Supersede)):
                     core.command(cmd, now)
                 else:
                     self._engine_command(cmd, now)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..stored import ReplyRecord
 
-__all__ = ["Published", "SendCmd", "QueueReply", "SubscribeCmd"]
+__all__ = ["Published", "SendCmd", "QueueReply", "SubscribeCmd", "Supersede"]
 
 
 @dataclass
@@ -58,3 +58,13 @@ class SubscribeCmd:
     group: str | None = None  # a subscriber group to join (competing consumers)
     ordered: bool = False  # handled one at a time, in publish order
     limit: int | None = None  # the publisher ends the subscription after this many messages
+
+
+@dataclass
+class Supersede:
+    """``publish(dedupe_key=K, dedupe="latest")`` stored a newer message for K: the older
+    one (``message_id`` on ``topic``) is withdrawn wherever it was not sent yet."""
+
+    message_id: str
+    topic: str
+    future: Any = None  # nobody waits: the publish returned already

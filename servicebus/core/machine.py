@@ -31,7 +31,7 @@ from ..ids import IdGenerator
 from ..policy import AddressPolicy
 from ..trust import Keys
 from ..records import PeerStatus
-from .commands import Published, QueueReply, SendCmd, SubscribeCmd
+from .commands import Published, QueueReply, SendCmd, SubscribeCmd, Supersede
 from .backlog import Backlog
 from .expiry import Expiry
 from .handshake import Handshake
@@ -208,7 +208,8 @@ class Core:
         """A frame that did not decode (the shell decodes)."""
         self.s.count_malformed(reason, error)
 
-    def command(self, cmd: Published | SendCmd | QueueReply | SubscribeCmd, now: float) -> None:
+    def command(self, cmd: Published | SendCmd | QueueReply | SubscribeCmd | Supersede,
+                now: float) -> None:
         """Work from a user thread. Raises (``ValueError`` for an address that cannot be
         connected) before it changes any state; the shell fails the caller with it."""
         self.s.now = now
@@ -220,6 +221,8 @@ class Core:
             self.streams.queue_reply(cmd)
         elif isinstance(cmd, SubscribeCmd):
             self.handshake.subscribe(cmd)
+        elif isinstance(cmd, Supersede):
+            self.streams.supersede(cmd)
         else:
             raise TypeError(f"unknown core command {cmd!r}")
 

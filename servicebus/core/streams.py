@@ -14,7 +14,7 @@ import logging
 from ..topics import is_pattern, matches
 from ..delivery import Consumer, command_stream, event_stream, is_group_peer, pack_outgoing
 from ..protocol import Kind
-from .commands import Published, QueueReply, SendCmd
+from .commands import Published, QueueReply, SendCmd, Supersede
 from .backlog import Backlog
 from .peers import Roster
 from .ports import WriteBatch
@@ -26,6 +26,7 @@ __all__ = ["Streams", "GC_BUDGET"]
 log = logging.getLogger("servicebus")
 
 GC_BUDGET = 5000  # stream messages deleted per collection, at most
+SUPERSEDE_SKIPS = 10_000  # superseded messages marked done per consumer ahead of its cursor
 
 
 class Streams:
@@ -97,6 +98,41 @@ class Streams:
                     self.backlog.published(consumer, cmd.items)
         else:
             s.orphans_due = True  # unsubscribed while they were written
+
+    def supersede(self, cmd: Supersede) -> None:
+        """Withdraw an older message for a publish dedupe key in mode "latest" from every
+        consumer that has not read it yet: deleted from a stream nobody read it from, else
+        marked done for those that did not (at most SUPERSEDE_SKIPS waiting per consumer:
+        each is kept in its delivery record until its cursor gets there). Consumers that
+        were sent it keep it: they get both."""
+        s = self.s
+        old = cmd.message_id
+        for stream in self.targets(cmd.topic):
+            pending = s.new.get(stream)
+            if pending is not None:  # written and withdrawn within one turn
+                s.new[stream] = [item for item in pending if item[0] != old]
+            consumers = s.by_stream.get(stream, ())
+            if not consumers or s.store.get_outgoing(stream, old) is None:
+                continue
+            unread = [c for c in consumers if (c.pos or "") < old]
+            if len(unread) == len(consumers):
+                s.out.batch.delete_outgoing(stream, old)
+                for c in consumers:
+                    if self.backlog.on:
+                        c.backlog -= 1
+                    self._superseded(c, old, cmd.topic)
+                continue
+            for c in unread:
+                if len(c.skip) < SUPERSEDE_SKIPS:
+                    c.settle(old)
+                    self._superseded(c, old, cmd.topic)
+
+    def _superseded(self, consumer: Consumer, mid: str, topic: str) -> None:
+        s = self.s
+        s.counters["superseded"] += 1
+        peer = consumer.journal_peer(mid)
+        if s.journal_on and peer is not None:
+            s.journal("dropped_at_sender", s.wall(), mid, topic, "event", peer, 0, "superseded")
 
     def _command_consumer(self, address: str) -> str:
         stream = command_stream(address)

@@ -100,3 +100,57 @@ def test_check_finds_damaged_publish_keys_and_repair_restores_the_index(make_bus
     again = make_bus("again", datadir=pub.datadir)
     assert again._store.get_publish_key("k0") is not None  # restored, indexed
     assert again._store.get_publish_key("k1") is None  # dropped: no longer deduplicated
+
+
+def test_in_latest_mode_only_the_newest_reaches_a_subscriber_that_was_down(make_bus):
+    pub = make_bus("pub", peer_timeout=1.5, heartbeat=0.5)
+    address = free_address()
+    sub = make_bus("sub", address=address)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.close()
+    # Known down: nothing is sent to it (a message already sent is kept: the next test).
+    wait_until(lambda: not any(p.up for p in pub.status().peers if p.address == address), 10)
+    ids = [pub.publish(TOPIC, {"price": n}, dedupe_key="price-of-x", dedupe="latest") for n in range(5)]
+    other = pub.publish(TOPIC, {"other": True})
+    assert len(set(ids)) == 5  # each is stored, under a new id
+    wait_until(lambda: pub.status().pending == 2, 10)  # the four older ones are withdrawn
+    back = make_bus("sub2", address=address, datadir=sub.datadir)
+    got = []
+    back.every(TOPIC, lambda p, m: got.append((p, m.id)))
+    wait_until(lambda: len(got) == 2 and pub.drain(0.1), 15)
+    assert sorted(mid for _, mid in got) == sorted([ids[-1], other])
+    assert pub.counters()["superseded"] == 4
+
+
+def test_in_latest_mode_a_message_already_sent_is_delivered_as_well(make_bus):
+    pub, sub, got = subscribed(make_bus)
+    first = pub.publish(TOPIC, 1, dedupe_key="k", dedupe="latest")
+    wait_until(lambda: len(got) == 1, 10)
+    second = pub.publish(TOPIC, 2, dedupe_key="k", dedupe="latest")
+    wait_until(lambda: len(got) == 2, 10)
+    assert [mid for _, mid in got] == [first, second]
+
+
+def test_in_latest_mode_one_subscriber_that_read_it_keeps_it_and_one_that_did_not_loses_it(make_bus):
+    pub, sub, got = subscribed(make_bus, peer_timeout=1.5, heartbeat=0.5)
+    address = free_address()
+    down = make_bus("down", address=address)
+    down.subscribe(pub.address, TOPIC, wait=10)
+    down.close()
+    wait_until(lambda: not any(p.up for p in pub.status().peers if p.address == address), 10)
+    first = pub.publish(TOPIC, 1, dedupe_key="k", dedupe="latest")
+    wait_until(lambda: len(got) == 1, 10)
+    second = pub.publish(TOPIC, 2, dedupe_key="k", dedupe="latest")
+    wait_until(lambda: len(got) == 2, 10)
+    back = make_bus("down2", address=address, datadir=down.datadir)
+    seen = []
+    back.every(TOPIC, lambda p, m: seen.append(m.id))
+    wait_until(lambda: seen and pub.drain(0.1), 15)
+    assert seen == [second]
+    assert [mid for _, mid in got] == [first, second]
+
+
+def test_a_bad_dedupe_mode_is_refused(make_bus):
+    pub = make_bus("pub")
+    with pytest.raises(ValueError, match="'first' or 'latest'"):
+        pub.publish(TOPIC, 1, dedupe_key="k", dedupe="last")
