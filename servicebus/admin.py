@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from .clock import wall_ms
-from .delivery import event_stream, is_command_stream, stream_target, unpack_outgoing
+from .delivery import event_stream, group_peer, is_command_stream, stream_target, unpack_outgoing
 from .errors import AdminUnavailable
 from .ids import id_millis
 from .lockfile import probe
@@ -104,9 +104,10 @@ def consumers(store: Store) -> list[ConsumerView]:
         views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
                                              dict(rec.get("attempts") or {}), rec.get("last_ack"))
     for sub, topic, subscription in store.subscriptions():
-        key = (sub, event_stream(topic))
+        group = subscription.get("group")
+        key = (group_peer(group) if group else sub, event_stream(topic))  # a group: one cursor
         if key not in views:
-            views[key] = ConsumerView(sub, key[1], subscription["since"])
+            views[key] = ConsumerView(key[0], key[1], subscription["since"])
     return sorted(views.values(), key=lambda c: (c.peer, c.stream))
 
 

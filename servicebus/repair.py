@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import schema
-from .delivery import command_stream, event_stream, is_command_stream, unpack_outgoing
+from .delivery import command_stream, event_stream, group_peer, is_command_stream, unpack_outgoing
 from .errors import CorruptRecordError
 from .journal import FLUSH_CHUNK, ROLES
 from .letters import outgoing_letter
@@ -366,11 +366,14 @@ def lost_in_repair(store: Store, owed: Owed) -> list[Problem]:
     """Messages the journal says were owed and the repaired store no longer holds."""
     _add_stored_journal(owed, store)
     floors = {(p, s): rec for p, s, rec in store.deliveries()}
+    # A group member's messages are acknowledged on the group's shared cursor.
+    groups = {(sub, event_stream(topic)): group_peer(rec["group"])
+              for sub, topic, rec in store.subscriptions() if rec.get("group")}
     rows = []
     for (mid, peer), stream in sorted(owed.sent.items()):
         if store.get_outgoing(stream, mid) is not None or store.has_deadletter(mid):
             continue
-        state = floors.get((peer, stream))
+        state = floors.get((groups.get((peer, stream), peer), stream))
         if state is None:
             rows.append(Problem("outgoing", mid, f"lost in repair, or dropped by an unsubscribe: owed to {peer} "
                                 "per the journal, not stored, and it has no subscription now", "reported"))

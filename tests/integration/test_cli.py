@@ -265,3 +265,16 @@ def test_exit_codes_and_one_line_errors(tmp_path):
     assert nothing.returncode == 1
     for result in (missing, plain, usage, nothing):
         assert "Traceback" not in result.stderr
+
+
+def test_status_of_a_stopped_publisher_counts_a_groups_backlog_once_under_the_group(make_bus):
+    pub = make_bus("pub")
+    members = [make_bus("a"), make_bus("b")]
+    for member in members:
+        member.subscribe(pub.address, "orders.created", group="billing", wait=10)
+        member.close()
+    pub.publish_many("orders.created", list(range(10)))
+    pub.close()
+    status = cli_json("status", pub.datadir)[0]
+    assert status["pending"] == 10
+    assert status["pending_by_peer"] == {"group:billing": 10}
