@@ -136,7 +136,7 @@ class Consumer:
 
     __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
                  "exhausted", "dirty", "last_ack", "scan", "members", "assigned", "ordered",
-                 "backlog", "left")
+                 "backlog", "left", "load")
 
     def __init__(self, peer: str, stream: str, floor: str | None,
                  acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
@@ -156,6 +156,7 @@ class Consumer:
         # message in flight ``assigned`` to one of them. None for one subscriber.
         self.members: list[str] | None = None
         self.assigned: dict[str, str] = {}
+        self.load: dict[str, int] = {}  # member -> messages assigned to it in flight
         self.ordered = False  # one frame in flight at a time, handled in order (sender.py)
         self.backlog = 0  # messages owed (after floor, not acked); kept with max_backlog only
         self.left: int | None = None  # subscribe(limit=N): messages still to give; None: no end
@@ -182,7 +183,7 @@ class Consumer:
         if self.inflight.pop(message_id, None) is None:
             return False
         if self.members is not None:
-            self.assigned.pop(message_id, None)
+            self.unassign(message_id)
         self.backlog -= 1
         if self.left is not None:
             self.left -= 1
@@ -235,8 +236,21 @@ class Consumer:
             consumer.left = left
         assigned = record.get("assigned")
         if isinstance(assigned, dict):
-            consumer.assigned = {k: v for k, v in assigned.items() if isinstance(v, str)}
+            for mid, member in assigned.items():
+                if isinstance(member, str):
+                    consumer.assign(mid, member)
         return consumer
+
+    def assign(self, message_id: str, member: str) -> None:
+        """Give a group's message in flight to ``member`` (from another one, if it had one)."""
+        self.unassign(message_id)
+        self.assigned[message_id] = member
+        self.load[member] = self.load.get(member, 0) + 1
+
+    def unassign(self, message_id: str) -> None:
+        member = self.assigned.pop(message_id, None)
+        if member is not None:
+            self.load[member] -= 1
 
     def journal_peer(self, message_id: str) -> str | None:
         """Whom the journal names for this message: the subscriber, or in a group the

@@ -76,6 +76,8 @@ SCENARIOS = {
                                 "batch", 200_000, 40_000, False, "cost of encryption"),
     "e2e-batch-zstd": Scenario("e2e-batch with wire_compression='zstd' (--compression)",
                                "batch", 200_000, 40_000, False, "cost of compression"),
+    "e2e-ordered": Scenario("e2e-batch with subscribe(ordered=True): one frame in flight, handled in order",
+                            "batch", 100_000, 20_000, False, "cost of strict order"),
     "latency-curve": Scenario("latency with CURVE keys on both buses (--curve)",
                               "latency", 1_000, 300, False, "cost of encryption"),
     "request-serial": Scenario("request -> handler -> reply, one at a time",
@@ -161,7 +163,7 @@ def role_sub(a: argparse.Namespace) -> None:
             # back and counts them, not be handled and counted by nobody.
             bus.every(TOPIC, handler)
         if not a.subscribed:
-            bus.subscribe(a.peer, TOPIC, wait=60)
+            bus.subscribe(a.peer, TOPIC, wait=60, ordered=a.ordered)
         print(json.dumps({"ready": True}), flush=True)
         cpu = cpu_seconds()
         if a.count:
@@ -354,6 +356,9 @@ def run_servicebus(name: str, count: int, tmp: Path) -> dict:
     sub_flags = [list(flags) for _ in range(n_subs)]
     if name.endswith("-zstd"):
         pub_flags.append("--zstd")
+    if name == "e2e-ordered":
+        for f in sub_flags:
+            f.append("--ordered")
     if name.endswith("-curve"):
         pub_keys, sub_keys = curve_keys(run_dir, pub_addr, subs_addrs)
         pub_flags += ["--keys", pub_keys]
@@ -575,6 +580,7 @@ def main() -> int:
     ap.add_argument("--stages", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keys", help=argparse.SUPPRESS)
     ap.add_argument("--zstd", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compression", action="store_true",
                     help="also run e2e-batch with wire_compression='zstd' on the publisher")
     ap.add_argument("--curve", action="store_true",
@@ -714,6 +720,9 @@ def print_table(summary: dict) -> None:
     if "e2e-batch" in t and "e2e-batch-nojournal" in t:
         on, off = t["e2e-batch"]["servicebus"]["median"], t["e2e-batch-nojournal"]["servicebus"]["median"]
         print(f"journal cost: e2e-batch with the journal runs at {on / off:.1%} of journal=False")
+    if "servicebus" in t.get("e2e-batch", {}) and "servicebus" in t.get("e2e-ordered", {}):
+        o, p = t["e2e-ordered"]["servicebus"]["median"], t["e2e-batch"]["servicebus"]["median"]
+        print(f"order: an ordered subscription runs at {o / p:.0%} of e2e-batch")
     if "servicebus" in t.get("e2e-batch", {}) and "servicebus" in t.get("e2e-batch-zstd", {}):
         p, c = t["e2e-batch"]["servicebus"], t["e2e-batch-zstd"]["servicebus"]
         print(f"compression: e2e-batch with zstd frames runs at {c['median'] / p['median']:.0%} of plain"

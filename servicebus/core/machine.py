@@ -361,7 +361,7 @@ class Core:
         s = self.s
         peers = tuple(
             PeerStatus(p.address, p.up, sum(
-                len(c.inflight) if c.members is None else sum(1 for m in c.assigned.values() if m == p.address)
+                len(c.inflight) if c.members is None else c.load.get(p.address, 0)
                 for c in p.consumers), None if p.last_pong is None else now - p.last_pong)
             for p in s.peers.values()
         )

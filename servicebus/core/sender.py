@@ -102,11 +102,8 @@ class Sender:
         if not live:
             return None
         others = [m for m in live if m != avoid] or live
-        load = dict.fromkeys(others, 0)
-        for m in consumer.assigned.values():
-            if m in load:
-                load[m] += 1
-        return peers[min(others, key=load.__getitem__)]
+        load = consumer.load
+        return peers[min(others, key=lambda m: load.get(m, 0))]
 
     def _delayed(self, consumer: Consumer, mid: str) -> bool:
         """A delayed message not due yet: the consumer stops reading at it (every id after
@@ -167,7 +164,7 @@ class Sender:
         than before, that the first one was dropped: only such reassigned messages can be
         handled by two members (one that was slow to ack, not dead), counted here."""
         s = self.s
-        consumer.assigned[mid] = member.address
+        consumer.assign(mid, member.address)
         consumer.dirty = True
         if old is not None:
             s.counters["group_reassigned"] += 1
