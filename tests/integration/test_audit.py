@@ -159,3 +159,25 @@ def test_a_message_sent_twice_for_an_exact_and_a_pattern_subscription_is_audited
     assert summary["classes"]["handled"] == 10, summary["classes"]
     assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
     assert summary["ok"]
+
+
+def test_a_group_is_audited_per_member_and_a_reassigned_message_is_not_lost(spark, make_bus, tmp_path):
+    # The publisher journals a group's message as published to the member it goes to, and,
+    # when it goes to another one, as dropped for the first: b is closed, so what was sent to
+    # it before the publisher noticed goes to a.
+    pub = make_bus("pub", ack_timeout=0.3, peer_timeout=1.5, heartbeat=0.3)
+    a, b = make_bus("a"), make_bus("b")
+    for member in (a, b):
+        member.every(TOPIC, lambda p, m: None)
+        member.subscribe(pub.address, TOPIC, group="welcome", wait=10)
+    b.close()
+    pub.publish_many(TOPIC, list(range(40)))
+    assert pub.drain(20) and a.drain(20)
+    reassigned = pub.counters()["group_reassigned"]
+    a.close()
+    pub.close()
+    summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
+    assert summary["classes"]["handled"] == 40, summary["classes"]
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
+    assert summary["classes"].get("dropped", 0) == reassigned > 0
+    assert summary["ok"]
