@@ -33,7 +33,7 @@ from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
 from .keys import load_keys
 from .lockfile import DataDirLock
-from .delivery import KEY_HEADER
+from .delivery import KEY_HEADER, PRIORITY_HEADER
 from .protocol import Kind, encode_payload, validate_address, validate_bind, validate_group
 from .stored import ReplyRecord
 from .records import BusStatus, DeadLetter, Message
@@ -260,7 +260,7 @@ class Bus:
     def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
                 headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
                 dedupe: str = "first", key: str | None = None, delay: float | None = None,
-                deliver_at: float | datetime | None = None) -> str:
+                deliver_at: float | datetime | None = None, priority: int = 0) -> str:
         """Store ``payload`` for every subscriber of ``topic``; return its message id.
 
         Returns only after the message is fsynced. Subscriptions are those this bus has
@@ -282,6 +282,11 @@ class Bus:
         other (given to handlers as ``message.key``). ``delay`` (seconds) or ``deliver_at``
         (a POSIX timestamp or an aware datetime): stored now, sent to subscribers when
         due (held durably at the publisher, across restarts); a ``ttl`` counts from then.
+
+        ``priority`` (0-9, default 0): higher ones go before the backlog of lower ones, at
+        the publisher (each level has its own window) and at the subscriber (a level counts
+        as having waited one second longer than it has: lower ones still go first once they
+        have waited that much longer, so none waits forever).
         """
         if dedupe_key is not None and (not isinstance(dedupe_key, str) or not dedupe_key
                                        or len(dedupe_key.encode()) > 512):
@@ -289,22 +294,27 @@ class Bus:
         if dedupe not in ("first", "latest"):
             raise ValueError(f"dedupe must be 'first' or 'latest', not {dedupe!r}")
         return self._publish(topic, [payload], ttl, headers, dedupe_key, key, delay, deliver_at,
-                             dedupe == "latest")[0]
+                             dedupe == "latest", priority)[0]
 
     def publish_many(self, topic: str, payloads: Iterable[Any], *, ttl: float | None = None,
                      headers: dict[str, Any] | None = None, key: str | None = None,
-                     delay: float | None = None,
-                     deliver_at: float | datetime | None = None) -> list[str]:
+                     delay: float | None = None, deliver_at: float | datetime | None = None,
+                     priority: int = 0) -> list[str]:
         """Like ``publish`` for a list, with one fsync for all of it; returns the ids."""
-        return self._publish(topic, payloads, ttl, headers, None, key, delay, deliver_at)
+        return self._publish(topic, payloads, ttl, headers, None, key, delay, deliver_at,
+                             priority=priority)
 
     def _publish(self, topic: str, payloads: Iterable[Any], ttl: float | None,
                  headers: dict[str, Any] | None, dedupe_key: str | None, key: str | None = None,
                  delay: float | None = None, deliver_at: float | datetime | None = None,
-                 latest: bool = False) -> list[str]:
+                 latest: bool = False, priority: int = 0) -> list[str]:
         validate_topic(topic)
         _check_ttl_headers(ttl, headers)
         due = _due(delay, deliver_at)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+            raise ValueError(f"priority must be an int from 0 to 9, not {priority!r}")
+        if priority:
+            headers = {**(headers or {}), PRIORITY_HEADER: priority}
         if key is not None:
             if not isinstance(key, str) or not key or len(key.encode()) > 256:
                 raise ValueError(f"key must be a non-empty str of at most 256 bytes, not {key!r}")
@@ -319,7 +329,8 @@ class Bus:
             return []
         expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
         try:
-            return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due, latest)
+            return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due, latest,
+                                  priority)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None

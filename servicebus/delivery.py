@@ -33,6 +33,10 @@ __all__ = [
     "command_stream",
     "is_command_stream",
     "stream_target",
+    "priority_stream",
+    "base_stream",
+    "is_priority_stream",
+    "PRIORITY_HEADER",
     "OutgoingRecord",
     "group_peer",
     "is_group_peer",
@@ -46,6 +50,7 @@ __all__ = [
 # publish's ordering key (only messages with the same key wait for each other).
 ORDER_HEADER = "sb-order"
 KEY_HEADER = "sb-key"
+PRIORITY_HEADER = "sb-priority"  # 1-9: the receiver runs it sooner (dispatch.py)
 _GROUP = "group:"
 
 
@@ -78,8 +83,26 @@ def is_command_stream(stream: str) -> bool:
 
 
 def stream_target(stream: str) -> str:
-    """The topic of an event stream, the address of a command stream."""
-    return stream[2:]
+    """The topic of an event stream (of any priority), the address of a command stream."""
+    if stream.startswith("c:"):
+        return stream[2:]
+    return stream[2:].split(" ", 1)[0]
+
+
+def priority_stream(stream: str, priority: int) -> str:
+    """Where events of ``priority`` (1-9) published to an event stream are stored: a stream
+    of their own per level (a space cannot be in a topic), read by a consumer of its own
+    per subscriber with its own window, so they never wait behind the level-0 backlog."""
+    return f"{stream} {priority}" if priority else stream
+
+
+def base_stream(stream: str) -> str:
+    """The level-0 event stream a priority stream belongs to (any other stream: itself)."""
+    return stream.split(" ", 1)[0] if stream.startswith("e:") else stream
+
+
+def is_priority_stream(stream: str) -> bool:
+    return stream.startswith("e:") and " " in stream
 
 
 def backoff(attempt: int, initial: float, cap: float, jitter: float = 0.2) -> float:

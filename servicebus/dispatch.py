@@ -22,7 +22,7 @@ from typing import Any
 from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .core.state import Incoming
-from .delivery import KEY_HEADER, ORDER_HEADER
+from .delivery import KEY_HEADER, ORDER_HEADER, PRIORITY_HEADER
 from .errors import CorruptRecordError, StoreError
 from .topics import is_pattern, matches
 from .handlers import Handler, Handlers
@@ -38,6 +38,10 @@ __all__ = ["Dispatcher", "RUN"]
 log = logging.getLogger("servicebus")
 
 RUN = 16  # ready messages a worker takes at once, at most
+# A message of priority p is queued as if it had arrived p times this long earlier: it goes
+# before lower ones that arrived less than that before it, and after those that waited
+# longer (so a steady stream of high ones never holds a low one back for good).
+PRIORITY_STEP = 1.0
 
 LaneKey = tuple[str, str, "str | None"]
 
@@ -183,6 +187,7 @@ class Dispatcher:
         with self._cv:
             added = 0
             reserved = self._reserved
+            now = time.monotonic()
             for item in items:
                 if item.id in reserved:
                     reserved.discard(item.id)
@@ -197,7 +202,10 @@ class Dispatcher:
                     if lane is not None:
                         self._lanes.setdefault(lane, _Lane()).gap = True
                     continue
-                self._enqueue(item, 0.0, lane)
+                headers = item.record.headers
+                prio = headers.get(PRIORITY_HEADER) if headers else None
+                boost = PRIORITY_STEP * max(0, min(9, prio)) if type(prio) is int else 0.0
+                self._enqueue(item, now - boost, lane)
                 added += 1
             if added:
                 # Wake as many workers as there are runs to take, not all of them: every

@@ -164,7 +164,7 @@ class Engine(threading.Thread):
 
     def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
                 headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
-                due: int | None = None, latest: bool = False) -> list[str]:
+                due: int | None = None, latest: bool = False, priority: int = 0) -> list[str]:
         """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
         return their ids once fsynced (see ``commit.py``). Thread-safe. With
         ``dedupe_key`` (one body): the id of an earlier publish with that key within
@@ -183,7 +183,7 @@ class Engine(threading.Thread):
                 within = found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000)
                 if within and not latest:
                     return [found[0]]  # type: ignore[index]
-                ids = self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due)
+                ids = self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due, priority)
                 if within and found is not None and found[0] != ids[0]:
                     self.submit(Supersede(found[0], topic))
                 return ids
@@ -192,7 +192,7 @@ class Engine(threading.Thread):
             with self._count_lock:
                 self.published += len(ids)
             return ids
-        return self._commit(topic, bodies, expires, headers, None, due)
+        return self._commit(topic, bodies, expires, headers, None, due, priority)
 
     def _backpressure(self, topic: str) -> None:
         """A subscriber of ``topic`` is at ``max_backlog``: apply ``backlog_policy``
@@ -223,11 +223,12 @@ class Engine(threading.Thread):
 
     def _commit(self, topic: str, bodies: list[bytes], expires: int | None,
                 headers: dict[str, Any] | None,
-                key: tuple[str, int, tuple[str, int] | None] | None, due: int | None) -> list[str]:
+                key: tuple[str, int, tuple[str, int] | None] | None, due: int | None,
+                priority: int = 0) -> list[str]:
         stage, journal = self.core.streams.stage_publish, self.journal
 
         def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
-            ids, streams, events = stage(batch, topic, bodies, expires, headers, due)
+            ids, streams, events = stage(batch, topic, bodies, expires, headers, due, priority)
             journal.record(batch, events)
             if key is not None:  # stored even with nobody subscribed: a retry finds it
                 name, now, old = key

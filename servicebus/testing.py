@@ -291,10 +291,10 @@ class CoreNode:
         pass
 
     # what user threads do
-    def publish(self, topic: str, *payloads: Any) -> list[str]:
+    def publish(self, topic: str, *payloads: Any, priority: int = 0) -> list[str]:
         batch = self.store.batch()
         bodies = [encode_payload(p) for p in payloads]
-        ids, streams, _events = self.core.streams.stage_publish(batch, topic, bodies)
+        ids, streams, _events = self.core.streams.stage_publish(batch, topic, bodies, priority=priority)
         self.store.write(batch, sync=True)
         self.commands.extend(Published(stream, items) for stream, items in streams)
         return ids

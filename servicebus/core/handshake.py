@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from .. import protocol as P
-from ..delivery import Consumer, event_stream, stream_target
+from ..delivery import Consumer, base_stream, event_stream, stream_target
 from ..errors import SubscribeRefused
 from ..stored import IntentRecord, SubscriptionRecord
 from .commands import SubscribeCmd
@@ -274,15 +274,16 @@ class Handshake:
         if record is not None and record.get("group"):
             self._leave_group(record["group"], address, topic)
         elif record is not None:
-            stream = event_stream(topic)
-            consumer = s.consumers.get((address, stream))
-            if consumer is not None:
-                if s.journal_on:
-                    self._journal_dropped(consumer, topic, why)
-                self.roster.remove_consumer(consumer)
+            base = event_stream(topic)
+            for stream in self._levels(base):
+                consumer = s.consumers.get((address, stream))
+                if consumer is not None:
+                    if s.journal_on:
+                        self._journal_dropped(consumer, topic, why)
+                    self.roster.remove_consumer(consumer)
+                s.out.batch.delete_delivery(address, stream)
+                s.gc_floor.pop(stream, None)
             s.out.batch.delete_subscription(address, topic)
-            s.out.batch.delete_delivery(address, stream)
-            s.gc_floor.pop(stream, None)
             s.orphans_due = True
             log.info("%s %s %s", address, "unsubscribed from" if why == "unsubscribed" else
                      f"ended its subscription ({why}) to", topic)
@@ -293,16 +294,21 @@ class Handshake:
         s = self.s
         s.out.batch.delete_subscription(address, topic)
         log.info("%s left group %s on %s", address, group, topic)
-        consumer = self.roster.leave_group(group, event_stream(topic), address)
-        if consumer is None:
-            return
-        if s.journal_on:
-            ts = s.wall()
-            for mid, member in consumer.assigned.items():
-                s.journal("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed")
-        s.out.batch.delete_delivery(consumer.peer, consumer.stream)
-        s.gc_floor.pop(consumer.stream, None)
-        s.orphans_due = True
+        for stream in self._levels(event_stream(topic)):
+            consumer = self.roster.leave_group(group, stream, address)
+            if consumer is None:
+                continue
+            if s.journal_on:
+                ts = s.wall()
+                for mid, member in consumer.assigned.items():
+                    s.journal("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed")
+            s.out.batch.delete_delivery(consumer.peer, consumer.stream)
+            s.gc_floor.pop(consumer.stream, None)
+            s.orphans_due = True
+
+    def _levels(self, stream: str) -> list[str]:
+        """An event stream and its priority streams that have consumers."""
+        return [stream, *(st for st in list(self.s.by_stream) if st != stream and base_stream(st) == stream)]
 
     def _journal_dropped(self, consumer: Consumer, topic: str, why: str) -> None:
         """Journal every message ``consumer`` was still owed as dropped (the audit must not

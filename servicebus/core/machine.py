@@ -26,7 +26,8 @@ from typing import Any
 from .. import protocol as P
 from ..clock import BusClock, wall_ms
 from ..config import BusConfig
-from ..delivery import Consumer, event_stream, group_peer, is_command_stream, stream_target
+from ..delivery import (Consumer, base_stream, event_stream, group_peer, is_command_stream,
+                        is_priority_stream, stream_target)
 from ..ids import IdGenerator
 from ..policy import AddressPolicy
 from ..trust import Keys
@@ -105,6 +106,15 @@ class Core:
             if consumer.left is None and record.get("limit"):
                 consumer.left = record["limit"]
             self._load_consumer(consumer)
+        for (peer, stream), state in list(states.items()):
+            base = s.consumers.get((peer, base_stream(stream))) if is_priority_stream(stream) else None
+            if base is not None:  # a subscriber's (or group's) cursor on a priority level
+                del states[(peer, stream)]
+                if (peer, stream) not in s.consumers:
+                    self.streams.mirror(base, stream, state)
+        for stream in s.store.stream_names():
+            if is_priority_stream(stream):  # a level whose cursors were not written yet
+                self.streams.mirror_all(stream)
         for (peer, stream), state in list(states.items()):
             if is_command_stream(stream):
                 self._load_consumer(Consumer.from_record(peer, stream, state))

@@ -12,7 +12,9 @@ from typing import Any
 import logging
 
 from ..topics import is_pattern, matches
-from ..delivery import Consumer, command_stream, event_stream, is_group_peer, pack_outgoing
+from ..delivery import (Consumer, base_stream, command_stream, event_stream, is_group_peer,
+                        is_priority_stream, pack_outgoing, priority_stream, stream_target)
+from ..stored import DeliveryRecord
 from ..protocol import Kind
 from .commands import Published, QueueReply, SendCmd, Supersede
 from .backlog import Backlog
@@ -59,7 +61,7 @@ class Streams:
 
     def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes],
                       expires: int | None = None, headers: dict[str, Any] | None = None,
-                      due: int | None = None) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], list[JournalEvent]]:
+                      due: int | None = None, priority: int = 0) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], list[JournalEvent]]:
         """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` (each stream it
         goes into gets the same ids; ``due``: wall-clock ms to deliver them at). Runs on a publishing thread under the group commit's
         lock, so ids are made in the order the batches commit; reads only ``stream_peers``,
@@ -76,9 +78,10 @@ class Streams:
             put = batch.put_outgoing
             for stream in streams:
                 items = list(zip(ids, records))
+                target = priority_stream(stream, priority)
                 for mid, record in items:
-                    put(stream, mid, record)
-                out.append((stream, items))
+                    put(target, mid, record)
+                out.append((target, items))
             if s.journal_on:  # one event per (message, receiver): what the audit reconciles
                 # A group's messages are journaled per member when one is picked (sender.py).
                 peers = dict.fromkeys(p for stream in streams for p in s.stream_peers.get(stream, ())
@@ -91,6 +94,8 @@ class Streams:
         s = self.s
         if cmd.ttl:
             s.ttl_streams.add(cmd.stream)
+        if is_priority_stream(cmd.stream):
+            self.mirror_all(cmd.stream)
         if cmd.stream in s.by_stream:
             s.new.setdefault(cmd.stream, []).extend(cmd.items)
             if self.backlog.on:
@@ -98,6 +103,37 @@ class Streams:
                     self.backlog.published(consumer, cmd.items)
         else:
             s.orphans_due = True  # unsubscribed while they were written
+
+    def mirror_all(self, stream: str) -> None:
+        """Give every consumer of the priority stream's level-0 stream its consumer of
+        ``stream`` (a new subscriber's first message of that level, or found at start)."""
+        s = self.s
+        for base in list(s.by_stream.get(base_stream(stream), ())):
+            if (base.peer, stream) not in s.consumers:
+                self.mirror(base, stream, None)
+
+    def mirror(self, base: Consumer, stream: str, state: DeliveryRecord | None) -> None:
+        """The consumer of priority stream ``stream`` for the subscriber (or group) of
+        ``base``: same peer, ordering and group; a cursor of its own, from ``state`` or
+        from when the subscription started."""
+        s = self.s
+        topic = stream_target(base.stream)
+        if base.members is not None:
+            name = base.peer[len("group:"):]
+            since = min((s.subscriptions[(m, topic)].get("since", "") for m in base.members
+                         if (m, topic) in s.subscriptions), default=None)
+            for member in base.members:
+                consumer = self.roster.join_group(name, stream, member, state, since)
+                consumer.exhausted = False  # read what is stored
+            return
+        record = s.subscriptions.get((base.peer, topic))
+        if state is not None:
+            consumer = Consumer.from_record(base.peer, stream, state)
+        else:
+            consumer = Consumer(base.peer, stream, None if record is None else record.get("since"))
+            consumer.dirty = True
+        consumer.ordered = base.ordered
+        self.roster.add_consumer(consumer)  # its backlog: counted by Backlog.load, or as published
 
     def supersede(self, cmd: Supersede) -> None:
         """Withdraw an older message for a publish dedupe key in mode "latest" from every
@@ -107,7 +143,8 @@ class Streams:
         were sent it keep it: they get both."""
         s = self.s
         old = cmd.message_id
-        for stream in self.targets(cmd.topic):
+        bases = set(self.targets(cmd.topic))
+        for stream in [st for st in list(s.by_stream) if base_stream(st) in bases]:  # every level
             pending = s.new.get(stream)
             if pending is not None:  # written and withdrawn within one turn
                 s.new[stream] = [item for item in pending if item[0] != old]
@@ -203,8 +240,8 @@ class Streams:
             # Streams nobody consumes any more (after an unsubscribe, or a removed
             # subscription found at start): their messages are owed to no one.
             for stream in s.store.stream_names():
-                if stream in s.by_stream:
-                    continue
+                if stream in s.by_stream or base_stream(stream) in s.by_stream:
+                    continue  # (a priority stream written before its consumers were made)
                 ids = s.store.stream_ids(stream, limit=budget)
                 for mid in ids:
                     batch.delete_outgoing(stream, mid)

@@ -278,3 +278,49 @@ def test_once_raises_wait_timeout_when_nothing_comes(make_bus):
     with pytest.raises(WaitTimeout, match="orders.created"):
         sub.once(TOPIC, timeout=0.3)
     assert time.monotonic() - began >= 0.3
+
+
+def test_a_high_priority_event_is_handled_before_a_queued_backlog(make_bus):
+    pub, sub = make_bus("pub"), make_bus("sub", workers=1)
+    order = []
+    sub.every(TOPIC, lambda p, m: (time.sleep(0.002), order.append(p)))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish_many(TOPIC, list(range(300)))
+    pub.publish(TOPIC, "urgent", priority=9)
+    wait_until(lambda: len(order) == 301, 30)
+    assert order.index("urgent") < 100, order.index("urgent")
+    assert [p for p in order if p != "urgent"] == list(range(300))  # the rest in order
+
+
+def test_a_bad_priority_is_refused(make_bus):
+    pub = make_bus("pub")
+    for bad in (-1, 10, 1.5, True):
+        with pytest.raises(ValueError, match="priority must be"):
+            pub.publish(TOPIC, 1, priority=bad)
+
+
+@pytest.mark.parametrize("waited, first", [(0.0, "high"), (0.4, "old")])
+def test_a_low_priority_event_that_waited_long_enough_goes_before_a_new_high_one(
+        make_bus, monkeypatch, waited, first):
+    from servicebus import dispatch
+    monkeypatch.setattr(dispatch, "PRIORITY_STEP", 0.02)  # 9 levels = 0.18 s here, 9 s by default
+    pub, sub = make_bus("pub"), make_bus("sub", workers=1)
+    gate, order = threading.Event(), []
+
+    def handler(payload, message):
+        if payload == "block":
+            gate.wait(10)
+        order.append(payload)
+
+    sub.every(TOPIC, handler)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, "block")
+    wait_until(lambda: sub.status().incoming == 1, 10)  # the one worker is held by it
+    pub.publish(TOPIC, "old")
+    wait_until(lambda: sub.status().incoming == 2, 10)
+    time.sleep(waited)  # how long "old" has waited: the point of the test, not a sync
+    pub.publish(TOPIC, "high", priority=9)
+    wait_until(lambda: sub.status().incoming == 3, 10)
+    gate.set()
+    wait_until(lambda: len(order) == 3, 10)
+    assert order[1] == first

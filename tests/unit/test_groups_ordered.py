@@ -240,3 +240,48 @@ def test_the_backlog_count_matches_the_store_through_losses_and_restarts(seed):
     check()
     assert [c.backlog for c in pub.core.s.consumers.values()] == [0]
     assert any(nonzero), "never checked while something was owed"
+
+
+# --- priorities ------------------------------------------------------------------------------
+
+
+def test_a_high_priority_event_overtakes_the_backlog_of_a_subscriber_that_comes_back():
+    net = Network(ack_timeout=1.0, resend_max=2.0, window=10)
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub])
+    sub.stop()
+    low = pub.publish(TOPIC, *range(200))
+    high = pub.publish(TOPIC, "urgent", priority=9)
+    net.run(seconds=1)
+    sub.start()
+    net.run(lambda: pub.core.idle(), seconds=60)
+    order = [item.id for item in sub.handled]
+    assert sorted(order) == sorted(low + high)
+    assert order.index(high[0]) < 25  # with the first windows, not after 200
+    assert ("ipc://sub", "e:" + TOPIC + " 9") in pub.store.delivery  # a cursor of its own
+
+
+def test_priority_cursors_survive_a_publisher_restart_and_end_with_the_subscription():
+    net = Network(ack_timeout=1.0, resend_max=2.0)
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub])
+    pub.publish(TOPIC, 1, priority=5)
+    net.run(lambda: pub.core.idle() and len(sub.handled) == 1)
+    pub.stop()
+    pub.start()
+    pub.publish(TOPIC, 2, priority=5)
+    net.run(lambda: pub.core.idle() and len(sub.handled) == 2, seconds=30)
+    assert sub.core.s.counters["duplicates"] == 0  # the first was not sent again
+    left = sub.subscribe(pub.address, TOPIC, op="unsubscribe")
+    net.run(lambda: any(t is left for t, _ in sub.released))
+    net.run(lambda: not pub.store.delivery and not pub.core.s.consumers)
+
+
+def test_a_group_gets_its_high_priority_events_once_each():
+    net = Network(ack_timeout=1.0, resend_max=2.0, window=10)
+    pub = net.node("pub")
+    members = [net.node("m0"), net.node("m1")]
+    join(net, pub, members, group="g")
+    ids = pub.publish(TOPIC, *range(30)) + pub.publish(TOPIC, *range(30), priority=3)
+    net.run(lambda: pub.core.idle() and len(handled_ids(*members)) == 60, seconds=30)
+    assert handled_ids(*members) == Counter(ids)
