@@ -35,6 +35,7 @@ from .commit import GroupCommit
 from .config import BusConfig
 from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd, Supersede
 from .dispatch import Dispatcher
+from .delivery import priority_stream
 from .watch import Watches
 from .errors import BacklogFull, BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
 from .ids import IdGenerator
@@ -173,7 +174,7 @@ class Engine(threading.Thread):
             # Not even an id for nobody's event: a bus that cannot write cannot deliver.
             raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
         if self.core.s.full_streams:
-            self._backpressure(topic)
+            self._backpressure(topic, priority)
         if dedupe_key is not None:
             # Keyed publishes one at a time: the lookup and the write that stores the key
             # must not interleave with another publish of the same key.
@@ -194,7 +195,7 @@ class Engine(threading.Thread):
             return ids
         return self._commit(topic, bodies, expires, headers, None, due, priority)
 
-    def _backpressure(self, topic: str) -> None:
+    def _backpressure(self, topic: str, priority: int) -> None:
         """A subscriber of ``topic`` is at ``max_backlog``: apply ``backlog_policy``
         (core/backlog.py). Raises ``BacklogFull``, or returns when there is room (or the
         policy is to drop the oldest)."""
@@ -205,7 +206,8 @@ class Engine(threading.Thread):
         deadline = time.monotonic() + (cfg.backlog_timeout if policy == "block" else 0.0)
         with self._room:
             while True:
-                full = [st for st in self.core.streams.targets(topic) if st in s.full_streams]
+                full = [level for st in self.core.streams.targets(topic)
+                        if (level := priority_stream(st, priority)) in s.full_streams]
                 if not full:
                     return
                 left = deadline - time.monotonic()

@@ -383,7 +383,7 @@ class Core:
             "malformed": dict(s.malformed),
             "counters": dict(s.counters),
             "intents_unconfirmed": sum(1 for i in s.intents.values() if not i.confirmed),
-            "backlog_full": tuple(sorted((c.peer, stream_target(c.stream)) for c in s.consumers.values()
+            "backlog_full": tuple(sorted((c.peer, c.stream[2:]) for c in s.consumers.values()
                                          if c.stream in s.full_streams
                                          and c.backlog >= (s.config.max_backlog or 0))),
         }

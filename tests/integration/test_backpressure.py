@@ -121,3 +121,17 @@ def test_bad_backlog_options_are_refused(tmp_path, options, error):
     from servicebus import Bus
     with pytest.raises(ValueError, match=error):
         Bus(free_address(), tmp_path / "x", **options)
+
+
+def test_the_backlog_limit_holds_per_priority_level(make_bus):
+    pub = make_bus("pub", max_backlog=5, backlog_policy="raise")
+    subscriber_down(make_bus, pub)
+    pub.publish_many(TOPIC, list(range(5)))
+    wait_until(lambda: pub.status().backlog_full, 10)
+    with pytest.raises(BacklogFull):
+        pub.publish(TOPIC, 5)
+    for n in range(5):  # level 9 has its own count
+        pub.publish(TOPIC, n, priority=9)
+    wait_until(lambda: {t for _, t in pub.status().backlog_full} == {TOPIC, TOPIC + " 9"}, 10)
+    with pytest.raises(BacklogFull):
+        pub.publish(TOPIC, 5, priority=9)
