@@ -25,6 +25,7 @@ import msgpack
 
 from .errors import ProtocolError
 from .packer import pack
+from .stored import subscription_options
 from .topics import validate_pattern, validate_topic
 
 __all__ = [
@@ -314,12 +315,7 @@ def encode_nack(ids: list[str] | tuple[str, ...], reason: str) -> list[bytes]:
 def encode_subscribe(id: str, topic: str, address: str, sender: str, group: str | None = None,
                      ordered: bool = False, limit: int | None = None) -> list[bytes]:
     header: dict[str, Any] = {"id": id, "topic": topic, "address": address, "sender": sender}
-    if limit is not None:
-        header["limit"] = limit
-    if group is not None:
-        header["group"] = group
-    if ordered:
-        header["ordered"] = True
+    header.update(subscription_options(group, ordered, limit))
     return _control(Kind.SUBSCRIBE, header)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, TypedDict
 
-__all__ = ["IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
+__all__ = ["subscription_options", "IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
            "DeliveryRecord", "ReplyRecord", "JournalEvent", "NO_RUNS"]
 
 
@@ -86,3 +86,16 @@ class DeliveryRecord(TypedDict, total=False):
 # (event, ts_ms, message_id, topic, kind, peer, attempt, error), one per change, stored in
 # the batch making the change (journal.py). A plain tuple: millions are built per run.
 JournalEvent = tuple[str, int, str, "str | None", "str | None", "str | None", int, "str | None"]
+
+
+def subscription_options(group: str | None, ordered: bool, limit: int | None) -> dict[str, Any]:
+    """A subscription's options as stored in its records (and sent in SUBSCRIBE): only those
+    set, so that a plain subscription's records are the same bytes as before they existed."""
+    options: dict[str, Any] = {}
+    if group is not None:
+        options["group"] = group
+    if ordered:
+        options["ordered"] = True
+    if limit is not None:
+        options["limit"] = limit
+    return options

@@ -48,6 +48,19 @@ def make_bus(tmp_path):
         bus.close()
 
 
+def subscriber_gone(make_bus, pub: Bus, topic: str, *, known_down: bool = False) -> tuple[str, Path]:
+    """A subscriber of ``topic`` at ``pub`` that subscribed and closed: what is published
+    next waits at ``pub``. With ``known_down``, return once ``pub`` sees it down (nothing is
+    sent to it then). Returns its address and data directory, to start it again."""
+    address = free_address()
+    sub = make_bus(f"gone-{address.rsplit(':', 1)[-1]}", address=address)
+    sub.subscribe(pub.address, topic, wait=10)
+    sub.close()
+    if known_down:
+        wait_until(lambda: not any(p.up for p in pub.status().peers if p.address == address), 10)
+    return address, sub.datadir
+
+
 class BusProcess:
     """A tests/busproc.py process; stopped (killed) at the end of the test."""
 

@@ -14,7 +14,7 @@ import logging
 from .. import protocol as P
 from ..delivery import Consumer, base_stream, event_stream, stream_target
 from ..errors import SubscribeRefused
-from ..stored import IntentRecord, SubscriptionRecord
+from ..stored import IntentRecord, SubscriptionRecord, subscription_options
 from .commands import SubscribeCmd
 from .peers import PeerLimit, Roster
 from .state import Intent, State
@@ -217,12 +217,7 @@ class Handshake:
         if key not in s.subscriptions:
             since = s.ids.next()
             record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
-            if frame.group is not None:
-                record["group"] = frame.group
-            if frame.ordered:
-                record["ordered"] = True
-            if frame.limit is not None:
-                record["limit"] = frame.limit
+            record.update(subscription_options(frame.group, frame.ordered, frame.limit))  # type: ignore[typeddict-item]
             stream = event_stream(frame.topic)
             if frame.group is not None:
                 self.roster.join_group(frame.group, stream, frame.address, None, since)

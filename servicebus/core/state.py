@@ -21,7 +21,7 @@ from ..config import BusConfig
 from ..delivery import Consumer
 from ..ids import IdGenerator
 from ..protocol import Envelope
-from ..stored import IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
+from ..stored import subscription_options, IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
 from ..policy import AddressPolicy
 from ..trust import Keys, PeerEntry
 from .ports import Links, StoreView, WriteBatch
@@ -65,12 +65,7 @@ class Intent:
 
     def record(self, wall: int) -> IntentRecord:
         record: IntentRecord = {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
-        if self.group is not None:
-            record["group"] = self.group
-        if self.ordered:
-            record["ordered"] = True
-        if self.limit is not None:
-            record["limit"] = self.limit
+        record.update(subscription_options(self.group, self.ordered, self.limit))  # type: ignore[typeddict-item]
         return record
 
 

@@ -11,17 +11,14 @@ import pytest
 
 from servicebus import BacklogFull
 from servicebus.testing import free_address, wait_until
+from ..conftest import subscriber_gone
 
 TOPIC = "orders.created"
 
 
 def subscriber_down(make_bus, pub):
     """A subscriber that subscribed and then closed: everything for it waits at ``pub``."""
-    address = free_address()
-    sub = make_bus("sub", address=address)
-    sub.subscribe(pub.address, TOPIC, wait=10)
-    sub.close()
-    return address, sub.datadir
+    return subscriber_gone(make_bus, pub, TOPIC)
 
 
 def test_with_policy_raise_a_publish_beyond_max_backlog_raises_and_stores_nothing(make_bus):

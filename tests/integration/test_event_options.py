@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from servicebus.testing import free_address, wait_until
+from servicebus.testing import wait_until
+from ..conftest import subscriber_gone
 
 TOPIC = "user.signup"
 
@@ -26,17 +27,13 @@ def test_an_event_carries_its_headers_and_expiry_to_the_handler(make_bus):
 def test_an_event_whose_ttl_passes_while_its_subscriber_is_down_is_a_dead_letter_at_the_publisher(
         make_bus, tmp_path):
     pub = make_bus("pub", peer_timeout=1.5, heartbeat=0.5)
-    address = free_address()
-    sub = make_bus("sub", address=address)
-    sub.subscribe(pub.address, TOPIC, wait=10)
-    sub.close()
-    wait_until(lambda: not any(p.up for p in pub.status().peers if p.address == address), 10)
+    address, datadir = subscriber_gone(make_bus, pub, TOPIC, known_down=True)
     mid = pub.publish(TOPIC, "stale soon", ttl=0.3)
     kept = pub.publish(TOPIC, "no ttl")
     wait_until(lambda: [d.id for d in pub.deadletters()] == [mid], 10)  # while it is still down
     letter = pub.deadletters()[0]
     assert (letter.reason, letter.origin, letter.peer) == ("expired", "outgoing", address)
-    back = make_bus("sub-again", address=address, datadir=sub.datadir)
+    back = make_bus("sub-again", address=address, datadir=datadir)
     got = []
     back.every(TOPIC, lambda p, m: got.append(m.id))
     wait_until(lambda: got == [kept] and pub.drain(0.1), 15)

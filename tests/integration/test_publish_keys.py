@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from servicebus.testing import free_address, wait_until
+from ..conftest import subscriber_gone
 
 TOPIC = "order.placed"
 
@@ -104,17 +105,13 @@ def test_check_finds_damaged_publish_keys_and_repair_restores_the_index(make_bus
 
 def test_in_latest_mode_only_the_newest_reaches_a_subscriber_that_was_down(make_bus):
     pub = make_bus("pub", peer_timeout=1.5, heartbeat=0.5)
-    address = free_address()
-    sub = make_bus("sub", address=address)
-    sub.subscribe(pub.address, TOPIC, wait=10)
-    sub.close()
     # Known down: nothing is sent to it (a message already sent is kept: the next test).
-    wait_until(lambda: not any(p.up for p in pub.status().peers if p.address == address), 10)
+    address, datadir = subscriber_gone(make_bus, pub, TOPIC, known_down=True)
     ids = [pub.publish(TOPIC, {"price": n}, dedupe_key="price-of-x", dedupe="latest") for n in range(5)]
     other = pub.publish(TOPIC, {"other": True})
     assert len(set(ids)) == 5  # each is stored, under a new id
     wait_until(lambda: pub.status().pending == 2, 10)  # the four older ones are withdrawn
-    back = make_bus("sub2", address=address, datadir=sub.datadir)
+    back = make_bus("sub2", address=address, datadir=datadir)
     got = []
     back.every(TOPIC, lambda p, m: got.append((p, m.id)))
     wait_until(lambda: len(got) == 2 and pub.drain(0.1), 15)
@@ -133,16 +130,12 @@ def test_in_latest_mode_a_message_already_sent_is_delivered_as_well(make_bus):
 
 def test_in_latest_mode_one_subscriber_that_read_it_keeps_it_and_one_that_did_not_loses_it(make_bus):
     pub, sub, got = subscribed(make_bus, peer_timeout=1.5, heartbeat=0.5)
-    address = free_address()
-    down = make_bus("down", address=address)
-    down.subscribe(pub.address, TOPIC, wait=10)
-    down.close()
-    wait_until(lambda: not any(p.up for p in pub.status().peers if p.address == address), 10)
+    address, datadir = subscriber_gone(make_bus, pub, TOPIC, known_down=True)
     first = pub.publish(TOPIC, 1, dedupe_key="k", dedupe="latest")
     wait_until(lambda: len(got) == 1, 10)
     second = pub.publish(TOPIC, 2, dedupe_key="k", dedupe="latest")
     wait_until(lambda: len(got) == 2, 10)
-    back = make_bus("down2", address=address, datadir=down.datadir)
+    back = make_bus("down2", address=address, datadir=datadir)
     seen = []
     back.every(TOPIC, lambda p, m: seen.append(m.id))
     wait_until(lambda: seen and pub.drain(0.1), 15)
