@@ -310,10 +310,10 @@ class Bus:
                  latest: bool = False, priority: int = 0) -> list[str]:
         validate_topic(topic)
         _check_ttl_headers(ttl, headers)
-        due = _due(delay, deliver_at)
-        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
-            raise ValueError(f"priority must be an int from 0 to 9, not {priority!r}")
-        if priority:
+        due = None if delay is None and deliver_at is None else _due(delay, deliver_at)
+        if priority != 0 or type(priority) is not int:  # the common case checked in one step
+            if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+                raise ValueError(f"priority must be an int from 0 to 9, not {priority!r}")
             headers = {**(headers or {}), PRIORITY_HEADER: priority}
         if key is not None:
             if not isinstance(key, str) or not key or len(key.encode()) > 256:

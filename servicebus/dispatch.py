@@ -194,7 +194,13 @@ class Dispatcher:
                     self._known.discard(item.id)
                 elif item.id in self._known:
                     continue
-                lane = lane_of(item)
+                headers = item.record.headers
+                lane, due = None, now
+                if headers:  # ordered lanes and priorities live in headers; most have none
+                    lane = lane_of(item)
+                    prio = headers.get(PRIORITY_HEADER)
+                    if type(prio) is int:
+                        due -= PRIORITY_STEP * max(0, min(9, prio))
                 if len(self._known) >= self._config.dispatch_queue or (
                         lane is not None and lane in self._lanes and self._lanes[lane].gap):
                     self._overflow = True
@@ -202,10 +208,10 @@ class Dispatcher:
                     if lane is not None:
                         self._lanes.setdefault(lane, _Lane()).gap = True
                     continue
-                headers = item.record.headers
-                prio = headers.get(PRIORITY_HEADER) if headers else None
-                boost = PRIORITY_STEP * max(0, min(9, prio)) if type(prio) is int else 0.0
-                self._enqueue(item, now - boost, lane)
+                if lane is None:
+                    self._push(item, due)
+                else:
+                    self._enqueue(item, due, lane)
                 added += 1
             if added:
                 # Wake as many workers as there are runs to take, not all of them: every

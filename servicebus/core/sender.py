@@ -82,6 +82,8 @@ class Sender:
         """How many more messages the consumer's window takes now. An ordered one takes a
         frame's worth, and only once the last one is all acknowledged: the next frame
         cannot overtake it then, whatever the network loses."""
+        if consumer.left is None and consumer.members is None and not consumer.ordered:
+            return window - len(consumer.order)  # a plain subscription: most of them
         if consumer.left is not None:  # subscribe(limit=N): never more than it is still given
             room = self._room_unlimited(consumer, window)
             return min(room, consumer.left - len(consumer.inflight))
