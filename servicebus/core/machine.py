@@ -283,7 +283,6 @@ class Core:
         when due. True if the timers ran."""
         s = self.s
         s.now = now
-        s.due_bound = f"{s.wall() + 1:012x}"
         if s.new:
             self.sender.deliver_new(now)
         self.sender.fill_windows(now)

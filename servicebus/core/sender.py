@@ -111,7 +111,7 @@ class Sender:
         """A delayed message not due yet: the consumer stops reading at it (every id after
         it is later still) and a timer wakes it when due."""
         s = self.s
-        if len(mid) != 25 or mid <= s.due_bound:
+        if len(mid) != 25 or not s.not_due(mid):
             return False
         s.wake(id_millis(mid), consumer.stream)
         return True
@@ -291,7 +291,7 @@ class Sender:
         for consumer in s.consumers.values():
             if not consumer.exhausted and not s.up(consumer):
                 ids = s.store.stream_ids(consumer.stream, after=consumer.pos, limit=1)
-                if not ids or (is_delayed(ids[0]) and ids[0] > s.due_bound):
+                if not ids or (is_delayed(ids[0]) and s.not_due(ids[0])):
                     consumer.exhausted = True
 
     # --- out -----------------------------------------------------------------------------

@@ -141,9 +141,8 @@ class State:
     tick_due: bool = True  # run the timers at the next turn, whatever the time
     new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon
     waiting_peers: bool = False  # some down peer has messages waiting
-    # Delayed messages are held until the wall clock passes their id's time: ids above
-    # this one (set each turn: now + 1 ms) are not due. Timers: (due ms, stream), a heap.
-    due_bound: str = ""
+    # Delayed messages are held until the wall clock passes their id's time (not_due).
+    # Timers: (due ms, stream), a heap.
     # Event streams with a consumer at max_backlog (backlog.py). Replaced, never mutated:
     # publishing threads read it without a lock.
     full_streams: frozenset[str] = frozenset()
@@ -158,6 +157,10 @@ class State:
         if consumer.members is None:
             return self.peers[consumer.peer].up
         return any(self.peers[m].up for m in consumer.members)
+
+    def not_due(self, message_id: str) -> bool:
+        """A delayed message's id (ids.py) whose time has not come on the wall clock."""
+        return message_id > f"{self.wall() + 1:012x}"
 
     def wake(self, due_ms: int, stream: str) -> None:
         """Have the consumers of ``stream`` read it again at ``due_ms`` (a delayed message)."""
