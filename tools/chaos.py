@@ -376,6 +376,10 @@ class Chaos:
                     run.duplicated.append(mid)
         if self.kind == "ordered-kill":
             run.out_of_order = sum(1 for a, b in zip(order, order[1:]) if b < a)
+        if len(self.subs) > 1:  # proof that the group shared the work
+            share = {sub.name: sum(1 for pids in handlings.values() if members.get(pids[0]) == sub.name)
+                     for sub in self.subs}
+            run.notes.append("first handled by member: " + ", ".join(f"{k} {v}" for k, v in share.items()))
 
     def evidence(self) -> None:
         """What the buses themselves logged about the faults: proof they were real."""
