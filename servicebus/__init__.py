@@ -57,6 +57,6 @@ __all__ = [
     "HandlerTimeout",
 ]
 
-__version__ = "0.2.0.dev0"  # and setup.cfg (one place: issue 16)
+__version__ = "0.2.0.dev0"  # the one place: setup.cfg reads it (version = attr: ...)
 
 logging.getLogger("servicebus").addHandler(logging.NullHandler())
