@@ -1,4 +1,6 @@
-"""Helpers shared by the test suite and by users testing their own services."""
+"""Helpers shared by the test suite and by users testing their own services: ``StubBus``
+(an in-memory bus for testing handlers, stub.py; the ``stub_bus`` pytest fixture is in
+pytest_plugin.py), free ports, ``wait_until``, and the sans-IO network of cores."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from .core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from .ids import IdGenerator
 from .stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, SubscriptionRecord
 from .protocol import decode, decode_payload, encode_ack, encode_payload
+from .stub import Sent, StubBus
 
-__all__ = ["free_port", "free_address", "wait_until", "FakeClock", "FakeStore", "FakeBatch",
-           "Network", "CoreNode"]
+__all__ = ["StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
+           "FakeBatch", "Network", "CoreNode"]
 
 T = TypeVar("T")
 _pause = threading.Event().wait

@@ -1,0 +1,132 @@
+"""StubBus: the in-memory bus users test their handlers with (issue 16)."""
+
+from __future__ import annotations
+
+import pytest
+
+from servicebus import BusClosedError, Reject, RemoteError, Retry
+from servicebus.testing import StubBus
+
+
+def test_a_handler_runs_for_each_published_event_when_the_stub_is_drained(stub_bus):
+    got = []
+    stub_bus.every("user.signup", lambda p, m: got.append((p, m.topic, m.attempt)))
+    stub_bus.publish("user.signup", {"id": 1})
+    assert got == []  # nothing runs until drain: deterministic
+    assert stub_bus.drain()
+    assert got == [({"id": 1}, "user.signup", 1)]
+    assert [s.payload for s in stub_bus.published] == [{"id": 1}]
+
+
+def test_a_failing_handler_is_retried_on_the_stub_clock_then_dead_lettered():
+    bus = StubBus(max_attempts=3, retry_initial=1.0, retry_max=10.0)
+    runs = []
+
+    @bus.every("t")
+    def failing(payload, message):
+        runs.append(message.attempt)
+        raise RuntimeError("downstream down")
+
+    bus.publish("t", 1)
+    assert not bus.drain() and runs == [1]  # the retry waits for the clock
+    bus.advance(1.0)
+    bus.drain()
+    bus.advance(2.0)
+    assert bus.drain()
+    assert runs == [1, 2, 3]
+    (letter,) = bus.deadletters()
+    assert (letter.reason, letter.attempts, letter.error) == ("handler_failed", 3,
+                                                             "RuntimeError: downstream down")
+
+
+def test_retry_after_and_reject_work_as_on_a_bus(stub_bus):
+    runs = []
+
+    @stub_bus.every("t")
+    def handler(payload, message):
+        runs.append((payload, message.attempt))
+        if payload == "later" and message.attempt == 1:
+            raise Retry("not yet", after=30)
+        if payload == "bad":
+            raise Reject("malformed order")
+
+    stub_bus.publish("t", "later")
+    stub_bus.publish("t", "bad")
+    stub_bus.drain()
+    stub_bus.advance(29)
+    stub_bus.drain()
+    assert runs == [("later", 1), ("bad", 1)]
+    stub_bus.advance(1)
+    assert stub_bus.drain()
+    assert runs[-1] == ("later", 2)
+    assert [(d.reason, d.error) for d in stub_bus.deadletters()] == [("rejected", "Reject: malformed order")]
+
+
+def test_delays_ttls_and_priorities_follow_the_stub_clock(stub_bus):
+    got = []
+    stub_bus.every("t", lambda p, m: got.append(p))
+    stub_bus.publish("t", "in a minute", delay=60)
+    stub_bus.publish("t", "expires", ttl=5, delay=10)
+    stub_bus.publish("t", "low")
+    stub_bus.publish("t", "high", priority=9)
+    stub_bus.drain()
+    assert got == ["high", "low"]
+    stub_bus.advance(60)
+    assert stub_bus.drain()
+    assert got == ["high", "low", "in a minute"]
+    assert [d.reason for d in stub_bus.deadletters()] == ["expired"]
+
+
+def test_handlers_that_publish_and_send_are_run_in_the_same_drain(stub_bus):
+    emails = []
+
+    @stub_bus.every("user.signup")
+    def welcome(payload, message):
+        stub_bus.send("tcp://127.0.0.1:9", "email.send", {"to": payload["email"]})
+
+    stub_bus.handle("email.send", lambda p, m: emails.append(p["to"]))
+    stub_bus.publish("user.signup", {"email": "a@example.com"})
+    assert stub_bus.drain()
+    assert emails == ["a@example.com"]
+    assert [(s.topic, s.address) for s in stub_bus.sent] == [("email.send", "tcp://127.0.0.1:9")]
+
+
+def test_a_request_is_answered_by_a_fake_handler_and_its_exception_is_a_remote_error(stub_bus):
+    stub_bus.handle("pricing.quote", lambda p, m: {"price": 10 * p["qty"]})
+    assert stub_bus.request("tcp://127.0.0.1:9", "pricing.quote", {"qty": 3}) == {"price": 30}
+    stub_bus.handle("pricing.fail", lambda p, m: 1 / 0)
+    with pytest.raises(RemoteError, match="ZeroDivisionError"):
+        stub_bus.request("tcp://127.0.0.1:9", "pricing.fail", {})
+    with pytest.raises(LookupError, match="no handler"):
+        stub_bus.request("tcp://127.0.0.1:9", "nobody.home", {})
+
+
+def test_patterns_several_handlers_and_a_late_handler_as_on_a_bus(stub_bus):
+    seen = []
+    stub_bus.publish("orders.created", 1)  # no handler yet: it waits
+    assert not stub_bus.drain()
+    stub_bus.every("orders.*", lambda p, m: seen.append(("pattern", p)), name="pattern")
+    stub_bus.every("orders.created", lambda p, m: seen.append(("exact", p)), name="exact")
+    stub_bus.advance(0.001)
+    assert stub_bus.drain()
+    assert sorted(seen) == [("exact", 1), ("pattern", 1)]
+
+
+def test_the_stub_checks_arguments_as_a_bus_does(stub_bus):
+    with pytest.raises(TypeError, match="msgpack"):
+        stub_bus.publish("t", object())
+    with pytest.raises(ValueError):
+        stub_bus.publish("orders.*", 1)
+    with pytest.raises(ValueError, match="the bus's own"):
+        stub_bus.publish("t", 1, headers={"sb-x": 1})
+    with pytest.raises(ValueError):
+        stub_bus.send("not an address", "c", 1)
+    stub_bus.close()
+    with pytest.raises(BusClosedError):
+        stub_bus.publish("t", 1)
+
+
+def test_a_dedupe_key_publishes_once(stub_bus):
+    first = stub_bus.publish("t", 1, dedupe_key="k")
+    assert stub_bus.publish("t", 1, dedupe_key="k") == first
+    assert len(stub_bus.published) == 1
