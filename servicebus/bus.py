@@ -102,6 +102,7 @@ class Bus:
         validate_bind(bind, config.advertise)
         self.datadir = Path(datadir)
         self._closed = False
+        self.metrics_address: str | None = None  # with metrics_port: where they are served
         self._close_lock = threading.Lock()
         self._watchdog = Watchdog()  # handler time limits; its thread starts on first use
         self._lock: DataDirLock | None = None
@@ -169,6 +170,13 @@ class Bus:
         stack.callback(dispatcher.close, self.config.close_timeout)  # first thing close() does
         engine.start()
         journal.start()  # its first flush moves what a crash left behind
+        if self.config.metrics_port is not None:
+            from .metrics import serve  # ImportError naming the extra without it
+
+            server, _thread = serve(self, self.config.metrics_port, self.config.metrics_bind)
+            self.metrics_address = f"http://{self.config.metrics_bind}:{server.server_port}/metrics"
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
         log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
 
     # --- closing, step by step (run by the stack in reverse order of opening) ----------------

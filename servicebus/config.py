@@ -85,6 +85,10 @@ class BusConfig:
     #: messages become dead letters ``backlog_full``)
     backlog_policy: str = "block"
     backlog_timeout: float = 30.0
+    #: serve Prometheus metrics at http://metrics_bind:metrics_port/metrics (the
+    #: ``metrics`` extra; see metrics.py). None: no server
+    metrics_port: int | None = None
+    metrics_bind: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -98,8 +102,15 @@ class BusConfig:
                     raise ValueError("wire_compression='zstd' needs the zstandard package: "
                                      "pip install 'servicebus[compression]'")
                 continue
-            if field.name == "max_backlog" and value is None:
+            if field.name in ("max_backlog", "metrics_port") and value is None:
                 continue
+            if field.name == "metrics_bind":
+                if not isinstance(value, str) or not value:
+                    raise TypeError("option metrics_bind must be a host or IP address")
+                continue
+            if field.name == "metrics_port" and (not isinstance(value, int) or isinstance(value, bool)
+                                                 or not 0 <= value <= 65535):
+                raise ValueError(f"option metrics_port must be a port 0-65535, got {value!r}")
             if field.name == "backlog_policy":
                 if value not in ("block", "raise", "drop_oldest"):
                     raise ValueError(f"option backlog_policy must be 'block', 'raise' or 'drop_oldest', got {value!r}")

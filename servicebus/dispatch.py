@@ -133,6 +133,10 @@ class Dispatcher:
         except StoreError as exc:
             log.error("reading stored incoming messages failed: %s", exc)
 
+    def observe(self, fn: Callable[[str, float], None]) -> None:
+        """Call ``fn(topic, seconds)`` after each handler run (metrics.py)."""
+        self._runner.observe = fn
+
     def in_worker(self) -> bool:
         return threading.current_thread() in self._threads
 

@@ -67,6 +67,8 @@ class Runner:
         self._journal = journal
         self._clock = clock  # handled ids are stamped with it: the dedupe window counts it
         self._park = park  # no handler yet: the message waits in the store (dispatch.py)
+        # (topic, seconds) of each handler run, for metrics.py; None: not timed at all
+        self.observe: Callable[[str, float], None] | None = None
         self._closing = closing
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, Callable[[Any], None]] = OrderedDict()  # see record
@@ -206,9 +208,11 @@ class Runner:
 
         error: str | None = None
         retry_after: float | None = None
+        observe = self.observe
         for name, handler in handlers:
             if name in done:
                 continue
+            began = time.perf_counter() if observe is not None else 0.0
             try:
                 handler(payload, message)
             except Reject as exc:
@@ -229,6 +233,9 @@ class Runner:
                 log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
                             item.id, attempts, config.max_attempts, error)
                 continue
+            finally:
+                if observe is not None:
+                    observe(topic, time.perf_counter() - began)
             done.append(name)
             if len(handlers) > 1 and len(done) < len(handlers):
                 # Remember which handlers finished, so a crash reruns only the others.

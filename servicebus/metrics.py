@@ -1,0 +1,104 @@
+"""Prometheus metrics for a bus (extra ``metrics``: ``pip install 'servicebus[metrics]'``).
+
+``register(bus, registry)`` adds the bus to a registry the application already has;
+``Bus(metrics_port=PORT)`` serves one of its own at ``http://metrics_bind:PORT/metrics``.
+
+What is exported (every series labelled with ``bus``, the bus's address):
+- every engine counter as ``servicebus_<name>_total`` (published, sent, received, acked,
+  resent, duplicates, expired, fsyncs, group_reassigned, backlog_refused, ...);
+- gauges from ``status()``: ``servicebus_pending{subscriber}``, ``servicebus_incoming``,
+  ``servicebus_outgoing``, ``servicebus_deadletters``, ``servicebus_peer_up{peer}``,
+  ``servicebus_in_flight{peer}``, ``servicebus_malformed_total{reason}``,
+  ``servicebus_backlog_full``;
+- ``servicebus_handler_seconds{topic}``: a histogram of handler run times (successful or
+  not), observed by the worker threads.
+
+The gauges are read at scrape time through ``status()``, which counts the store's
+keyspaces: on a store holding millions of messages a scrape takes that long.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+except ImportError as exc:  # the extra is not installed
+    raise ImportError("servicebus metrics need prometheus_client: pip install 'servicebus[metrics]'") from exc
+
+if TYPE_CHECKING:
+    from .bus import Bus
+
+__all__ = ["register", "serve", "BusCollector"]
+
+_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class BusCollector:
+    """Reads the bus's counters and status at each scrape."""
+
+    def __init__(self, bus: "Bus") -> None:
+        self.bus = bus
+
+    def collect(self) -> Iterator[Metric]:
+        bus = self.bus
+        if bus.closed:
+            return
+        label = bus.address
+        status, counters = bus.status(), bus.counters()
+        for name, value in sorted(counters.items()):
+            family = CounterMetricFamily(f"servicebus_{_NAME.sub('_', name)}",
+                                         f"servicebus engine counter {name}", labels=["bus"])
+            family.add_metric([label], value)
+            yield family
+        for name, value, doc in (("incoming", status.incoming, "received, not handled yet"),
+                                 ("outgoing", status.outgoing, "stored for delivery"),
+                                 ("deadletters", status.deadletters, "dead letters"),
+                                 ("backlog_full", len(status.backlog_full),
+                                  "(subscriber, topic) pairs at max_backlog")):
+            gauge = GaugeMetricFamily(f"servicebus_{name}", f"messages {doc}", labels=["bus"])
+            gauge.add_metric([label], value)
+            yield gauge
+        pending = GaugeMetricFamily("servicebus_pending", "deliveries owed, per subscriber",
+                                    labels=["bus", "subscriber"])
+        for subscriber, n in sorted(status.pending_by_subscriber.items()):
+            pending.add_metric([label, subscriber], n)
+        yield pending
+        up = GaugeMetricFamily("servicebus_peer_up", "1 if the peer answers", labels=["bus", "peer"])
+        flight = GaugeMetricFamily("servicebus_in_flight", "messages sent to the peer, not acknowledged",
+                                   labels=["bus", "peer"])
+        for peer in status.peers:
+            up.add_metric([label, peer.address], 1 if peer.up else 0)
+            flight.add_metric([label, peer.address], peer.in_flight)
+        yield up
+        yield flight
+        malformed = CounterMetricFamily("servicebus_malformed", "frames dropped as malformed",
+                                        labels=["bus", "reason"])
+        for reason, n in sorted(status.malformed_by_reason.items()):
+            malformed.add_metric([label, reason], n)
+        yield malformed
+
+
+def register(bus: "Bus", registry: CollectorRegistry | None = None) -> Histogram:
+    """Export ``bus`` in ``registry`` (prometheus_client's default one if None); returns
+    the handler-time histogram."""
+    registry = REGISTRY if registry is None else registry
+    registry.register(BusCollector(bus))
+    seconds = Histogram("servicebus_handler_seconds", "handler run time", ["bus", "topic"],
+                        registry=registry)
+    address = bus.address
+    bus._dispatcher.observe(lambda topic, took: seconds.labels(address, topic).observe(took))
+    return seconds
+
+
+def serve(bus: "Bus", port: int, host: str = "127.0.0.1") -> tuple[Any, threading.Thread]:
+    """Serve ``bus``'s metrics (a registry of its own) at ``http://host:port/metrics``;
+    returns the server and its thread (``server.shutdown()`` stops it)."""
+    registry = CollectorRegistry()
+    register(bus, registry)
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server, thread
