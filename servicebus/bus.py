@@ -103,6 +103,11 @@ class Bus:
         self.datadir = Path(datadir)
         self._closed = False
         self.metrics_address: str | None = None  # with metrics_port: where they are served
+        self._tracer: Any = None
+        if self.config.tracing:
+            from . import tracing  # ImportError naming the extra without it
+
+            self._tracer = tracing.tracer()
         self._close_lock = threading.Lock()
         self._watchdog = Watchdog()  # handler time limits; its thread starts on first use
         self._lock: DataDirLock | None = None
@@ -337,6 +342,12 @@ class Bus:
             return []
         expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
         try:
+            if self._tracer is not None:
+                from .tracing import producing
+
+                with producing(self._tracer, "publish", topic, headers) as traced:
+                    return engine.publish(topic, bodies, expires, traced, dedupe_key, due, latest,
+                                          priority)
             return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due, latest,
                                   priority)
         except StoreError:
@@ -372,6 +383,13 @@ class Bus:
         expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
         engine = self._check_open()
         future: Future = Future()
+        if self._tracer is not None:
+            from .tracing import producing
+
+            with producing(self._tracer, "send", command, headers) as traced:
+                engine.submit(E.SendCmd(address, command, body, expires, traced, correlation_id,
+                                        future, due))
+                return self._wait(future, None) if wait else future
         engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id,
                                 future, due))
         return self._wait(future, None) if wait else future
@@ -387,7 +405,7 @@ class Bus:
         return self._register(Kind.COMMAND, command, handler, name, timeout)
 
     def request_async(self, address: str, command: str, payload: Any,
-                      timeout: float = 30.0) -> Future:
+                      timeout: float = 30.0, headers: dict[str, Any] | None = None) -> Future:
         """Send ``command`` as a request; the returned ``concurrent.futures.Future`` gets the
         handler's return value, or raises ``RemoteError`` / ``RequestTimeout``.
 
@@ -397,7 +415,7 @@ class Bus:
         _check_seconds(timeout, "timeout")
         corr, future = self._requests.new(timeout, f"{command} at {address}")
         try:
-            stored = self._send(address, command, payload, ttl=None, headers=None,
+            stored = self._send(address, command, payload, ttl=None, headers=headers,
                                 correlation_id=corr, wait=False)
         except BaseException as exc:
             self._requests.fail(corr, exc)
@@ -411,9 +429,10 @@ class Bus:
         stored.add_done_callback(on_stored)
         return future
 
-    def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0) -> Any:
+    def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
+                headers: dict[str, Any] | None = None) -> Any:
         """Send ``command`` to ``address`` and wait for the reply (see ``request_async``)."""
-        future = self.request_async(address, command, payload, timeout)
+        future = self.request_async(address, command, payload, timeout, headers)
         try:
             # The engine fails the future at the deadline; the extra second only guards
             # against an engine that stopped.
@@ -551,6 +570,10 @@ class Bus:
             self._check_open()
             stable = name if name is not None else handler_name(fn)  # of the function itself
             run = fn if timeout is None else self._watchdog.limit(fn, timeout, stable or topic)
+            if self._tracer is not None:
+                from .tracing import consuming
+
+                run = consuming(self._tracer, run)
             self._dispatcher.register(kind, topic, run, stable)
             return fn
 

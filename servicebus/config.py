@@ -89,6 +89,9 @@ class BusConfig:
     #: ``metrics`` extra; see metrics.py). None: no server
     metrics_port: int | None = None
     metrics_bind: str = "127.0.0.1"
+    #: OpenTelemetry spans for publish/send (PRODUCER) and handlers (CONSUMER), with the
+    #: W3C trace context carried in message headers (the ``otel`` extra; see tracing.py)
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -127,7 +130,7 @@ class BusConfig:
                 object.__setattr__(self, "allow_peers", tuple(value))
                 parse_allow(self.allow_peers)  # ValueError naming the bad entry
                 continue
-            if field.name in ("journal", "store_compression"):
+            if field.name in ("journal", "store_compression", "tracing"):
                 if not isinstance(value, bool):
                     raise TypeError(f"option {field.name} must be a bool, not {type(value).__name__}")
                 continue

@@ -150,7 +150,8 @@ class StubBus:
         self.sent.append(Sent(mid, "command", command, decode_payload(body), headers, address))
         return mid
 
-    def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0) -> Any:
+    def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
+                headers: dict[str, Any] | None = None) -> Any:
         """As ``Bus.request``, answered at once by this stub's handler for ``command`` (a
         fake of the remote service, registered with ``handle``): its return value, or
         ``RemoteError`` if it raised."""
@@ -162,8 +163,8 @@ class StubBus:
             raise LookupError(f"no handler for {command!r} on this StubBus: register a fake "
                               "with stub.handle(command, fn)")
         mid = self._new_id()
-        self.sent.append(Sent(mid, "command", command, decode_payload(body), None, address))
-        message = self._message(_Queued(mid, Kind.COMMAND, command, body, None, None, "stub"), 1)
+        self.sent.append(Sent(mid, "command", command, decode_payload(body), headers, address))
+        message = self._message(_Queued(mid, Kind.COMMAND, command, body, headers, None, "stub"), 1)
         try:
             return handlers[0][1](decode_payload(body), message)
         except Exception as exc:  # noqa: BLE001 - the caller gets it, as from a remote bus

@@ -1,0 +1,67 @@
+"""Tracing (issue 16): W3C trace context in message headers; with ``tracing=True`` and
+OpenTelemetry, PRODUCER and CONSUMER spans of one trace across two buses."""
+
+from __future__ import annotations
+
+import pytest
+
+from servicebus.testing import wait_until
+
+TOPIC = "user.signup"
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_a_requests_headers_reach_its_handler_without_opentelemetry(make_bus):
+    server, client = make_bus("server"), make_bus("client")
+    server.handle("pricing.quote", lambda p, m: dict(m.headers))
+    headers = client.request(server.address, "pricing.quote", {}, timeout=10,
+                             headers={"traceparent": TRACEPARENT})
+    assert headers == {"traceparent": TRACEPARENT}
+
+
+@pytest.fixture(scope="module")
+def spans():
+    pytest.importorskip("opentelemetry.sdk", reason="OpenTelemetry SDK not installed (pip install -e '.[dev]')")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)  # once per process: only this module sets it
+    return exporter
+
+
+def test_a_trace_goes_from_the_publisher_to_the_handler_in_another_bus(make_bus, spans):
+    from opentelemetry import trace
+
+    pub, sub = make_bus("pub", tracing=True), make_bus("sub", tracing=True)
+    seen = []
+    sub.every(TOPIC, lambda p, m: seen.append((trace.get_current_span().get_span_context().trace_id,
+                                              m.headers.get("traceparent"))))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    with trace.get_tracer("test").start_as_current_span("signup request") as root:
+        pub.publish(TOPIC, {"id": 1})
+    wait_until(lambda: seen, 10)
+    trace_id, traceparent = seen[0]
+    assert trace_id == root.get_span_context().trace_id
+    assert traceparent.split("-")[1] == f"{trace_id:032x}"
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    producer, consumer = by_name[f"publish {TOPIC}"], by_name[f"process {TOPIC}"]
+    assert producer.kind == trace.SpanKind.PRODUCER and consumer.kind == trace.SpanKind.CONSUMER
+    assert consumer.parent.span_id == producer.context.span_id
+    assert producer.parent.span_id == root.get_span_context().span_id
+
+
+def test_a_send_and_its_handler_are_traced_too(make_bus, spans):
+    from opentelemetry import trace
+
+    sender, receiver = make_bus("sender", tracing=True), make_bus("receiver", tracing=True)
+    seen = []
+    receiver.handle("email.send", lambda p, m: seen.append(trace.get_current_span().get_span_context().trace_id))
+    with trace.get_tracer("test").start_as_current_span("job") as root:
+        sender.send(receiver.address, "email.send", {"to": "a@example.com"})
+    wait_until(lambda: seen, 10)
+    assert seen == [root.get_span_context().trace_id]
