@@ -2,6 +2,7 @@
 
 import logging
 
+from .aio import AsyncBus
 from .bus import Bus
 from .config import BusConfig
 from .errors import (
@@ -30,6 +31,7 @@ from .timeouts import HandlerTimeout
 
 __all__ = [
     "Bus",
+    "AsyncBus",
     "BusConfig",
     "Message",
     "BusStatus",

@@ -1,0 +1,106 @@
+"""``AsyncBus``: the same bus for asyncio code.
+
+It wraps a ``Bus`` (one engine, the same durability): calls that wait on the store or the
+network run in threads (``asyncio.to_thread``) or as futures the loop awaits
+(``asyncio.wrap_future``), so the loop never blocks on an fsync. ``async def`` handlers run
+on the loop the bus was opened on; the worker thread that runs the message waits for the
+coroutine, so a handler's completion is recorded only once it returned, exactly as for a
+plain handler (a raise is a retry, then a dead letter). Plain handlers still run on the
+worker threads. ``async with AsyncBus(...)`` closes it when the block ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+from .bus import Bus
+from .handlers import Handler, handler_name
+from .records import BusStatus, Message
+
+__all__ = ["AsyncBus"]
+
+
+class AsyncBus:
+    """``AsyncBus(bind, datadir, **options)``: as ``Bus``, made on a running loop."""
+
+    def __init__(self, bind: str, datadir: Any, **options: Any) -> None:
+        self._loop = asyncio.get_running_loop()  # async handlers run here
+        self.bus = Bus(bind, datadir, **options)
+
+    @property
+    def address(self) -> str:
+        return self.bus.address
+
+    async def publish(self, topic: str, payload: Any, **options: Any) -> str:
+        return await asyncio.to_thread(self.bus.publish, topic, payload, **options)
+
+    async def publish_many(self, topic: str, payloads: Iterable[Any], **options: Any) -> list[str]:
+        return await asyncio.to_thread(self.bus.publish_many, topic, list(payloads), **options)
+
+    async def send(self, address: str, command: str, payload: Any, **options: Any) -> str:
+        return await asyncio.to_thread(self.bus.send, address, command, payload, **options)
+
+    async def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
+                      headers: dict[str, Any] | None = None) -> Any:
+        """As ``Bus.request``, awaited without a thread: the reply arrives as a future."""
+        future = self.bus.request_async(address, command, payload, timeout, headers)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout + 1.0)
+        except asyncio.TimeoutError:
+            from .errors import RequestTimeout
+
+            raise RequestTimeout(f"no reply to {command} at {address} within {timeout}s") from None
+
+    async def subscribe(self, address: str, topic: str, **options: Any) -> None:
+        await asyncio.to_thread(self.bus.subscribe, address, topic, **options)
+
+    async def unsubscribe(self, address: str, topic: str, **options: Any) -> None:
+        await asyncio.to_thread(self.bus.unsubscribe, address, topic, **options)
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        return await asyncio.to_thread(self.bus.drain, timeout)
+
+    async def status(self) -> BusStatus:
+        return await asyncio.to_thread(self.bus.status)
+
+    def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
+              timeout: float | None = None) -> Any:
+        """As ``Bus.every``; ``handler`` may be an ``async def``."""
+        return self._register(self.bus.every, topic, handler, name, timeout)
+
+    def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
+               timeout: float | None = None) -> Any:
+        """As ``Bus.handle``; ``handler`` may be an ``async def`` (its return value is the
+        reply)."""
+        return self._register(self.bus.handle, command, handler, name, timeout)
+
+    def _register(self, register: Any, topic: str, handler: Handler | None, name: str | None,
+                  timeout: float | None) -> Any:
+        def add(fn: Handler) -> Handler:
+            run = fn
+            if inspect.iscoroutinefunction(fn):
+                loop = self._loop
+
+                def run(payload: Any, message: Message) -> Any:
+                    # On a worker thread: the coroutine runs on the loop; this thread waits,
+                    # so the message is done only when the coroutine returned.
+                    return asyncio.run_coroutine_threadsafe(fn(payload, message), loop).result()
+
+            register(topic, run, name=name if name is not None else handler_name(fn), timeout=timeout)
+            return fn
+
+        return add if handler is None else add(handler)
+
+    async def close(self) -> None:
+        """Close the bus; handlers still running get ``close_timeout`` to finish (async ones
+        need the loop running meanwhile: this awaits in a thread)."""
+        await asyncio.to_thread(self.bus.close)
+
+    async def __aenter__(self) -> "AsyncBus":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

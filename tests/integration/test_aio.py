@@ -1,0 +1,75 @@
+"""AsyncBus (issue 16): the same bus for asyncio code; async handlers run on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from servicebus import AsyncBus, RemoteError
+from servicebus.testing import free_address
+
+TOPIC = "user.signup"
+
+
+def test_async_publish_and_an_async_handler_on_the_loop(tmp_path):
+    async def main():
+        loop_thread = threading.current_thread()
+        async with AsyncBus(free_address(), tmp_path / "pub") as pub, \
+                AsyncBus(free_address(), tmp_path / "sub") as sub:
+            got, threads = [], []
+            done = asyncio.Event()
+
+            @sub.every(TOPIC)
+            async def welcome(payload, message):
+                await asyncio.sleep(0)  # really a coroutine, on the loop
+                threads.append(threading.current_thread())
+                got.append(payload)
+                if len(got) == 3:
+                    done.set()
+
+            await sub.subscribe(pub.address, TOPIC, wait=10)
+            ids = [await pub.publish(TOPIC, {"n": n}) for n in range(3)]
+            await asyncio.wait_for(done.wait(), 10)
+            assert await sub.drain(10)
+            return ids, got, threads, loop_thread
+
+    ids, got, threads, loop_thread = asyncio.run(main())
+    assert len(set(ids)) == 3 and sorted(p["n"] for p in got) == [0, 1, 2]
+    assert set(threads) == {loop_thread}
+
+
+def test_an_async_handler_that_raises_is_retried_and_an_async_command_replies(tmp_path):
+    async def main():
+        async with AsyncBus(free_address(), tmp_path / "a", retry_initial=0.05, retry_max=0.05) as a, \
+                AsyncBus(free_address(), tmp_path / "b") as b:
+            attempts = []
+
+            @a.handle("pricing.quote")
+            async def quote(payload, message):
+                return {"price": 10 * payload["qty"]}
+
+            @a.handle("pricing.fail")
+            async def fail(payload, message):
+                raise ValueError("no price")
+
+            @a.every("flaky.event")
+            async def flaky(payload, message):
+                attempts.append(message.attempt)
+                if message.attempt < 3:
+                    raise RuntimeError("not yet")
+
+            assert await b.request(a.address, "pricing.quote", {"qty": 2}, timeout=10) == {"price": 20}
+            with pytest.raises(RemoteError, match="no price"):
+                await b.request(a.address, "pricing.fail", {}, timeout=10)
+            await a.subscribe(b.address, "flaky.event", wait=10)
+            await b.publish("flaky.event", 1)
+            for _ in range(200):  # a condition with a deadline (10 s)
+                if attempts == [1, 2, 3]:
+                    break
+                await asyncio.sleep(0.05)
+            assert await a.drain(10)
+            return attempts
+
+    assert asyncio.run(main()) == [1, 2, 3]
