@@ -1,0 +1,25 @@
+"""The asyncio example runs and shows one trace id from the publisher to the handler, and
+a metrics scrape (issue 16)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_the_async_example_carries_each_trace_from_publisher_to_handler_and_scrapes_metrics():
+    pytest.importorskip("opentelemetry.sdk", reason="OpenTelemetry SDK not installed (pip install -e '.[dev]')")
+    pytest.importorskip("prometheus_client", reason="prometheus_client not installed (pip install -e '.[dev]')")
+    ran = subprocess.run([sys.executable, str(ROOT / "examples" / "async_service" / "main.py")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    published = dict(re.findall(r"web: +order (\d) published in trace ([0-9a-f]{32})", ran.stdout))
+    handled = dict(re.findall(r"billing: order (\d) handled in trace +([0-9a-f]{32})", ran.stdout))
+    assert len(published) == 3 and handled == published
+    assert re.search(r'servicebus_handler_seconds_count\{.*topic="order.placed"\} 3\.0', ran.stdout)
