@@ -48,39 +48,36 @@ class BusCollector:
         bus = self.bus
         if bus.closed:
             return
-        label = bus.address
+        me = bus.address
         status, counters = bus.status(), bus.counters()
         for name, value in sorted(counters.items()):
-            family = CounterMetricFamily(f"servicebus_{_NAME.sub('_', name)}",
-                                         f"servicebus engine counter {name}", labels=["bus"])
-            family.add_metric([label], value)
-            yield family
+            yield _family(CounterMetricFamily, f"servicebus_{_NAME.sub('_', name)}",
+                          f"servicebus engine counter {name}", ["bus"], [([me], value)])
         for name, value, doc in (("incoming", status.incoming, "received, not handled yet"),
                                  ("outgoing", status.outgoing, "stored for delivery"),
                                  ("deadletters", status.deadletters, "dead letters"),
                                  ("backlog_full", len(status.backlog_full),
                                   "(subscriber, topic) pairs at max_backlog")):
-            gauge = GaugeMetricFamily(f"servicebus_{name}", f"messages {doc}", labels=["bus"])
-            gauge.add_metric([label], value)
-            yield gauge
-        pending = GaugeMetricFamily("servicebus_pending", "deliveries owed, per subscriber",
-                                    labels=["bus", "subscriber"])
-        for subscriber, n in sorted(status.pending_by_subscriber.items()):
-            pending.add_metric([label, subscriber], n)
-        yield pending
-        up = GaugeMetricFamily("servicebus_peer_up", "1 if the peer answers", labels=["bus", "peer"])
-        flight = GaugeMetricFamily("servicebus_in_flight", "messages sent to the peer, not acknowledged",
-                                   labels=["bus", "peer"])
-        for peer in status.peers:
-            up.add_metric([label, peer.address], 1 if peer.up else 0)
-            flight.add_metric([label, peer.address], peer.in_flight)
-        yield up
-        yield flight
-        malformed = CounterMetricFamily("servicebus_malformed", "frames dropped as malformed",
-                                        labels=["bus", "reason"])
-        for reason, n in sorted(status.malformed_by_reason.items()):
-            malformed.add_metric([label, reason], n)
-        yield malformed
+            yield _family(GaugeMetricFamily, f"servicebus_{name}", f"messages {doc}", ["bus"],
+                          [([me], value)])
+        yield _family(GaugeMetricFamily, "servicebus_pending", "deliveries owed, per subscriber",
+                      ["bus", "subscriber"],
+                      [([me, sub], n) for sub, n in sorted(status.pending_by_subscriber.items())])
+        yield _family(GaugeMetricFamily, "servicebus_peer_up", "1 if the peer answers", ["bus", "peer"],
+                      [([me, p.address], 1 if p.up else 0) for p in status.peers])
+        yield _family(GaugeMetricFamily, "servicebus_in_flight", "messages sent to the peer, not acknowledged",
+                      ["bus", "peer"], [([me, p.address], p.in_flight) for p in status.peers])
+        yield _family(CounterMetricFamily, "servicebus_malformed", "frames dropped as malformed",
+                      ["bus", "reason"],
+                      [([me, reason], n) for reason, n in sorted(status.malformed_by_reason.items())])
+
+
+def _family(kind: Any, name: str, doc: str, labels: list[str],
+            rows: list[tuple[list[str], float]]) -> Metric:
+    family = kind(name, doc, labels=labels)
+    for values, value in rows:
+        family.add_metric(values, value)
+    return family
 
 
 def register(bus: "Bus", registry: CollectorRegistry | None = None) -> Histogram:

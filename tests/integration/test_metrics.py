@@ -26,16 +26,21 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def delivered(pub, sub, count: int) -> None:
+    """``count`` events published by ``pub``, handled by ``sub`` and acknowledged."""
+    handled = []
+    sub.every(TOPIC, lambda p, m: handled.append(p))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish_many(TOPIC, list(range(count)))
+    wait_until(lambda: len(handled) == count, 10)
+    assert pub.drain(10) and sub.drain(10)
+
+
 def test_a_bus_serves_its_counters_gauges_and_handler_times_on_its_metrics_port(make_bus):
     port = free_port()
     pub = make_bus("pub", metrics_port=port)
     sub = make_bus("sub")
-    handled = []
-    sub.every(TOPIC, lambda p, m: handled.append(p))
-    sub.subscribe(pub.address, TOPIC, wait=10)
-    pub.publish_many(TOPIC, list(range(25)))
-    wait_until(lambda: len(handled) == 25, 10)
-    assert pub.drain(10)
+    delivered(pub, sub, 25)
     assert pub.metrics_address == f"http://127.0.0.1:{port}/metrics"
     text = urllib.request.urlopen(pub.metrics_address, timeout=10).read().decode()
     assert sample(text, "servicebus_published_total", bus=pub.address) == 25
@@ -52,12 +57,7 @@ def test_register_adds_a_bus_to_the_applications_registry_with_handler_times(mak
     registry = CollectorRegistry()
     pub, sub = make_bus("pub"), make_bus("sub")
     metrics.register(sub, registry)
-    handled = []
-    sub.every(TOPIC, lambda p, m: handled.append(p))
-    sub.subscribe(pub.address, TOPIC, wait=10)
-    pub.publish_many(TOPIC, list(range(10)))
-    wait_until(lambda: len(handled) == 10, 10)
-    assert sub.drain(10)
+    delivered(pub, sub, 10)
     text = generate_latest(registry).decode()
     assert sample(text, "servicebus_handler_seconds_count", bus=sub.address, topic=TOPIC) == 10
     assert sample(text, "servicebus_received_total", bus=sub.address) == 10
