@@ -11,7 +11,8 @@ every time. Everything published or sent on it is delivered to its own handlers 
 other bus); ``published`` and ``sent`` keep what was published and sent, for assertions.
 
 What it does not model: the network, crashes and restarts, a second bus, handler
-``timeout=``, the dedupe window (a ``dedupe_key`` dedupes for the stub's whole life), an
+``timeout=``, the dedupe window (a ``dedupe_key`` dedupes for the stub's whole life;
+``dedupe="latest"`` stores the newer one and withdraws nothing), an
 ordered lane held by a message waiting for its retry (the stub runs the next ones).
 """
 

@@ -81,20 +81,17 @@ class Sender:
     def _room(self, consumer: Consumer, window: int) -> int:
         """How many more messages the consumer's window takes now. An ordered one takes a
         frame's worth, and only once the last one is all acknowledged: the next frame
-        cannot overtake it then, whatever the network loses."""
-        if consumer.left is None and consumer.members is None and not consumer.ordered:
-            return window - len(consumer.order)  # a plain subscription: most of them
-        if consumer.left is not None:  # subscribe(limit=N): never more than it is still given
-            room = self._room_unlimited(consumer, window)
-            return min(room, consumer.left - len(consumer.inflight))
-        return self._room_unlimited(consumer, window)
-
-    def _room_unlimited(self, consumer: Consumer, window: int) -> int:
+        cannot overtake it then, whatever the network loses. A group's window is one per
+        member; ``subscribe(limit=N)`` caps it at what the subscription is still given."""
         if consumer.ordered:
-            return 0 if consumer.order else self.s.config.max_batch
-        if consumer.members is not None:
-            return consumer.room(window * max(1, len(consumer.members)))
-        return consumer.room(window)
+            room = 0 if consumer.order else self.s.config.max_batch
+        elif consumer.members is not None:
+            room = consumer.room(window * max(1, len(consumer.members)))
+        else:
+            room = window - len(consumer.order)
+        if consumer.left is not None:
+            room = min(room, consumer.left - len(consumer.inflight))
+        return room
 
     def _member(self, consumer: Consumer, avoid: str | None = None) -> Peer | None:
         """The up member of a group with the fewest messages in flight (not ``avoid``,
