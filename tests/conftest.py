@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pytest
 
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
+from .faults import forget_moved_clock, libfaketime, moved_clock_env, offset_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,18 +76,20 @@ class BusProcess:
         self.log = tmp_path / f"{name}.log"
         self.args = args
         self.proc: subprocess.Popen | None = None
+        self.clock_offset: float | None = None  # seconds its wall clock is moved by
 
-    def start(self, *extra: str, wait_ready: bool = True, wrap: list[str] | None = None,
+    def start(self, *extra: str, wait_ready: bool = True,
               env: dict[str, str] | None = None) -> "BusProcess":
-        """``wrap`` prefixes the command (e.g. ``faketime -f -1h``); ``env`` adds variables."""
+        """``env`` adds variables (e.g. ``faketime("-1h")``)."""
         self.ready.unlink(missing_ok=True)
-        cmd = [*(wrap or []), sys.executable, "-m", "tests.busproc", "--bind", self.address,
+        self.clock_offset = offset_seconds(env["FAKETIME"]) if env and "FAKETIME" in env else None
+        cmd = [sys.executable, "-m", "tests.busproc", "--bind", self.address,
                "--datadir", str(self.datadir), "--ready", str(self.ready),
                "--out", str(self.out), "--ids", str(self.ids), "--marker", str(self.marker),
                *self.args, *extra]
         logf = open(self.log, "ab")
-        # Its own process group: faketime forks the bus instead of exec'ing it, so kill and
-        # stop signal the group, or the bus would outlive the test.
+        # Its own process group: kill and stop signal the group, so nothing the bus started
+        # outlives the test.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=logf,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         logf.close()
@@ -99,6 +102,11 @@ class BusProcess:
                    message=f"{self.name} to start")
         if not self.ready.exists():
             raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+        if self.clock_offset is not None:
+            # A clock fault that silently did not happen would make its test pass for nothing.
+            wall = float(self.ready.read_text().split()[1])
+            assert abs(wall - time.time() - self.clock_offset) < 60, (
+                f"{self.name}'s clock is {wall - time.time():+.0f} s off, not {self.clock_offset:+.0f} s")
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:] if self.log.exists() else ""
@@ -107,12 +115,14 @@ class BusProcess:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+            forget_moved_clock(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(20)
+                forget_moved_clock(self.proc.pid)  # in case it ended past libfaketime's cleanup
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -148,13 +158,11 @@ def bus_process(tmp_path):
         proc.kill()
 
 
-def faketime(offset: str) -> tuple[list[str], dict[str, str]]:
-    """(command prefix, environment) that run a process with its wall clock moved by
-    ``offset`` (libfaketime syntax: ``-1h``, ``+8d``). The monotonic clock is left alone:
-    libfaketime's monotonic faking hangs Python's timed waits, and the point is a wall
-    clock that jumps while time itself goes on. Skips the test if faketime is missing."""
-    path = shutil.which("faketime")
-    if path is None:
-        pytest.skip("faketime is not installed (Debian package faketime; tools/test installs "
+def faketime(offset: str) -> dict[str, str]:
+    """The environment that runs a process with its wall clock moved by ``offset``
+    (libfaketime syntax: ``-1h``, ``+8d``; see tests/faults.py). Skips the test if
+    libfaketime is missing."""
+    if libfaketime() is None:
+        pytest.skip("libfaketime is not installed (Debian package faketime; tools/test installs "
                     "it when run as root)")
-    return [path, "-f", offset], {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    return moved_clock_env(offset)

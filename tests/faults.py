@@ -1,16 +1,63 @@
 """Real faults for tests and tools/chaos: a small tmpfs as a full disk, network namespaces
-joined by a veth pair as a partition. Each helper undoes what it set up; each says why it
+joined by a veth pair as a partition, libfaketime as a clock set back or forward. Each helper undoes what it set up; each says why it
 cannot run (not root, no such kernel feature) so callers skip with that reason."""
 
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["SmallDisk", "cannot_mount", "Partition", "cannot_partition", "cannot_drop_packets"]
+__all__ = ["SmallDisk", "cannot_mount", "Partition", "cannot_partition", "cannot_drop_packets",
+           "libfaketime", "moved_clock_env", "offset_seconds", "forget_moved_clock"]
+
+
+def libfaketime() -> str | None:
+    """The path of libfaketime's shared library (Debian package libfaketime, installed with
+    faketime), or None."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+                   + glob.glob("/usr/lib/faketime/libfaketime.so.1"))
+    return found[0] if found else None
+
+
+def moved_clock_env(offset: str) -> dict[str, str]:
+    """Environment variables that start a process with its wall clock moved by ``offset``
+    (libfaketime syntax: ``-1h``, ``+8d``), the library preloaded directly. Not the
+    ``faketime`` wrapper: it forks the program and names a POSIX semaphore after its own pid,
+    which a SIGKILL leaves behind in /dev/shm, so a later wrapper that gets the same pid fails
+    with "sem_open: File exists" (seen in CI). The monotonic clock is left alone: libfaketime's
+    monotonic faking hangs Python's timed waits, and the point is a wall clock that jumps while
+    time itself goes on. Callers check ``libfaketime()`` first."""
+    library = libfaketime()
+    if library is None:
+        raise FileNotFoundError("libfaketime is not installed (Debian package faketime)")
+    preload = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD", "")]))
+    return {"LD_PRELOAD": preload, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "y": 365 * 86400}
+
+
+def offset_seconds(offset: str) -> float:
+    """Seconds in a relative libfaketime offset (``-1h`` -> -3600.0, ``+8d``, ``+30``)."""
+    unit = _UNITS.get(offset[-1], None)
+    return float(offset[:-1]) * unit if unit else float(offset)
+
+
+def forget_moved_clock(pid: int) -> None:
+    """Remove what libfaketime left in /dev/shm for a process that has ended (a semaphore and
+    a shared segment named after its pid; it removes them itself only when the process ends
+    through exit(), not on SIGKILL or os._exit). A
+    stale pair does not break the preloaded library, which then shares nothing, but it
+    would pile up over a long chaos run."""
+    for name in (f"sem.faketime_sem_{pid}", f"faketime_shm_{pid}"):
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except FileNotFoundError:
+            pass
 
 
 def cannot_mount() -> str | None:

@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults import (  # noqa: E402
-    Partition, SmallDisk, cannot_drop_packets, cannot_mount, cannot_partition)
+    Partition, SmallDisk, cannot_drop_packets, cannot_mount, cannot_partition, forget_moved_clock,
+    libfaketime, moved_clock_env)
 
 NODE = str(ROOT / "tools" / "chaos_node.py")
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -103,19 +104,16 @@ class Node:
 
     def start(self, wait: bool = True) -> bool:
         self.ready.unlink(missing_ok=True)
-        wrap, env = [], dict(os.environ)
-        if self.clock:
-            wrap = [shutil.which("faketime") or "faketime", "-f", self.clock]
-            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"  # see tests/conftest.py faketime()
-        cmd = [*self.prefix, *wrap, sys.executable, NODE, "--role", self.role, "--bind", self.bind,
+        env = {**os.environ, **(moved_clock_env(self.clock) if self.clock else {})}
+        cmd = [*self.prefix, sys.executable, NODE, "--role", self.role, "--bind", self.bind,
                "--datadir", str(self.datadir), "--ready", str(self.ready), "--stop", str(self.stop_file)]
         if self.role == "sub":
             cmd += ["--peer", self.peer, "--handled", str(self.handled), *self.options]
         else:
             cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet)]
         with open(self.log, "ab") as out:
-            # Its own process group: faketime forks the bus rather than exec'ing it, so every
-            # signal goes to the group (the wrapper and the bus), never to the wrapper alone.
+            # Its own process group: every signal goes to the group, so nothing the node
+            # started (the netns prefix's child included) outlives it.
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, env=env,
                                          start_new_session=True)
         return self.wait_ready() if wait else True
@@ -141,8 +139,8 @@ class Node:
 
     @property
     def pid(self) -> int:
-        """The bus's own pid (the one its handler runs record), as its ready file says;
-        under faketime it is the wrapper's child, not the process we started."""
+        """The bus's own pid (the one its handler runs record), as its ready file says, in
+        case a prefix forked rather than exec'ed it."""
         try:
             return int(self.ready.read_text())
         except (OSError, ValueError):
@@ -153,6 +151,7 @@ class Node:
             self.killed.add(self.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+            forget_moved_clock(self.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
         if not self.alive():
@@ -160,6 +159,7 @@ class Node:
         self.stop_file.touch()
         try:
             self.proc.wait(timeout)
+            forget_moved_clock(self.pid)  # a node may end with os._exit, past libfaketime's cleanup
         except subprocess.TimeoutExpired:
             self.kill()
         self.stop_file.unlink(missing_ok=True)
@@ -464,8 +464,8 @@ def environment(stack: ExitStack) -> Environment:
         no_drop = cannot_drop_packets()
         if no_drop:
             why_not["packet-loss"] = no_drop
-    if shutil.which("faketime") is None:
-        why_not["clock"] = "faketime is not installed (Debian package faketime)"
+    if libfaketime() is None:
+        why_not["clock"] = "libfaketime is not installed (Debian package faketime)"
     return Environment(partition, not no_mount, why_not)
 
 

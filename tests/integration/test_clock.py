@@ -31,8 +31,8 @@ def test_messages_published_after_a_restart_with_the_clock_set_back_are_delivere
     wait_until(lambda: len(got) == 100, 30, message=lambda: f"{len(got)} of 100 before the clock moved")
     pub.stop()
 
-    wrap, env = faketime("-1h")
-    pub.start("--count", "100", "--first", "100", wrap=wrap, env=env)
+    env = faketime("-1h")
+    pub.start("--count", "100", "--first", "100", env=env)
     wait_until(lambda: len(pub.published_ids()) == 200, 30)
     wait_until(lambda: len(got) == 200, 30, message=lambda: f"{len(got)} of 200 after the clock went back an hour")
     assert set(got.values()) == {1}
@@ -76,8 +76,8 @@ def test_a_clock_jumping_past_the_dedupe_window_does_not_make_a_resend_handled_t
     # before a status() call gets its turn (seen under load).
     assert offline_status(pub.datadir)["pending"] == 50
 
-    wrap, env = faketime("+8d")
-    sub.start(wrap=wrap, env=env)
+    env = faketime("+8d")
+    sub.start(env=env)
     for _ in range(2):  # a live answer comes from the engine loop: its first timers ran
         status = query_live(sub.datadir, "status", {})[0]
     assert status["handled"] == 50
@@ -91,9 +91,9 @@ def test_a_clock_jumping_past_the_dedupe_window_does_not_make_a_resend_handled_t
 def test_a_ttl_counts_on_the_receivers_clock_from_receipt_whatever_the_senders_clock_says(
         make_bus, bus_process, offset, expires):
     receiver = make_bus("receiver")
-    wrap, env = faketime(offset)
+    env = faketime(offset)
     sender = bus_process("sender")
-    sender.start("--send", receiver.address, "audit.record", "--ttl", "3", wrap=wrap, env=env)
+    sender.start("--send", receiver.address, "audit.record", "--ttl", "3", env=env)
     wait_until(lambda: receiver.status().incoming == 1 or receiver.status().deadletters == 1, 20)
     if expires:
         # Sent by a clock an hour ahead with 3 s to live: it expires 3 s after receipt,
@@ -119,8 +119,8 @@ def test_a_retry_scheduled_before_a_restart_with_the_clock_set_back_waits_at_mos
     # Attempt 1 failed and its retry, 4 s away, is stored.
     wait_until(lambda: any(row["next_attempt_ms"] for row in query_live(sub.datadir, "incoming", {})), 10)
     sub.kill()
-    wrap, env = faketime("-1h")
-    sub.start(wrap=wrap, env=env)
+    env = faketime("-1h")
+    sub.start(env=env)
     # Its retry time, read on a clock an hour behind, is an hour and 4 s away: it must
     # still run within retry_max.
     wait_until(lambda: sub.done_counts() == Counter({1: 1}), 15,
