@@ -143,6 +143,8 @@ def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> l
         "deadletters": store.count("deadletters"),
         "handled": store.count("handled"),
         "replies_waiting": store.count("replies"),
+        "commands_waiting": store.count("outbox"),  # sent by handlers, not in a stream yet
+        "kv_keys": store.count("kv"),
         "store_bytes": store.size_on_disk(),
     }]
 

@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 import time
-from contextlib import ExitStack
-from collections.abc import Callable, Iterable
+from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
@@ -23,7 +23,6 @@ from typing import Any
 
 from . import engine as E
 from .sockets import Sockets
-from .clock import wall_ms
 from .config import BusConfig
 from .dispatch import Dispatcher
 from .handlers import handler_name
@@ -33,12 +32,13 @@ from .admin import ENDPOINT_FILE, live_status
 from .journal import Journal
 from .keys import load_keys
 from .lockfile import DataDirLock
-from .delivery import KEY_HEADER, PRIORITY_HEADER
-from .protocol import Kind, encode_payload, validate_address, validate_bind, validate_group
+from .outgoing import check_seconds, due_ms, prepare_command, prepare_event
+from .protocol import Kind, validate_address, validate_bind, validate_group
 from .stored import ReplyRecord
 from .records import BusStatus, DeadLetter, Message
 from .requests import PendingRequests
 from .store import Store
+from .transaction import KeyValue, Transaction
 from .topics import validate_pattern, validate_topic
 
 __all__ = ["Bus"]
@@ -46,48 +46,6 @@ __all__ = ["Bus"]
 log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
-
-def _check_seconds(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
-
-
-def _check_ttl_headers(ttl: float | None, headers: dict[str, Any] | None) -> None:
-    if ttl is not None:
-        _check_seconds(ttl, "ttl")
-    if headers is not None:
-        if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
-            raise TypeError("headers must be a dict with str keys")
-        reserved = [k for k in headers if k.startswith("sb-")]
-        if reserved:
-            raise ValueError(f"header names starting with 'sb-' are the bus's own: {reserved[0]!r}")
-        encode_payload(headers)  # TypeError now rather than in the engine
-
-
-def _due(delay: float | None, deliver_at: float | datetime | None) -> int | None:
-    """Wall-clock ms to deliver at, from ``delay`` (seconds from now) or ``deliver_at``
-    (a POSIX timestamp or a timezone-aware datetime); None for now."""
-    if delay is not None and deliver_at is not None:
-        raise ValueError("give delay or deliver_at, not both")
-    if delay is not None:
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < 10 * 365 * 86400:
-            raise ValueError(f"delay must be seconds between 0 and 10 years, not {delay!r}")
-        return wall_ms() + int(delay * 1000) if delay > 0 else None
-    if deliver_at is None:
-        return None
-    if isinstance(deliver_at, datetime):
-        if deliver_at.tzinfo is None:
-            raise ValueError("deliver_at must be timezone-aware (a naive datetime's zone is a guess)")
-        at = deliver_at.timestamp()
-    elif isinstance(deliver_at, (int, float)) and not isinstance(deliver_at, bool):
-        at = float(deliver_at)
-    else:
-        raise TypeError(f"deliver_at must be a datetime or a POSIX timestamp, not {type(deliver_at).__name__}")
-    if not 0 <= at < 253402300799:  # the year 9999
-        raise ValueError(f"deliver_at {deliver_at!r} is out of range")
-    due = int(at * 1000)
-    return due if due > wall_ms() else None
-
 
 class Bus:
     """An embedded, durable service bus. See the README for the guarantees.
@@ -115,6 +73,9 @@ class Bus:
         self._store: Store
         self._dispatcher: Dispatcher
         self._engine: E.Engine | None = None
+        # The service's own state in this bus's store (transaction.py); in a handler,
+        # message.kv is the same state, written with the handler's completion.
+        self.kv: KeyValue
         # Everything opened is closed by this stack, in reverse: a failure at any step of
         # opening closes exactly what was opened before it, and close() is the same unwind.
         self._resources = ExitStack()
@@ -169,6 +130,13 @@ class Bus:
             address=self.address, node_id=self.node_id, dispatcher=dispatcher,
             requests=self._requests, journal=journal, datadir=self.datadir)
         stack.callback(self._stop_engine, engine)
+        runner = dispatcher.runner
+        runner.publisher = engine  # message.publish/send commit with the handler's run
+        if self._tracer is not None:
+            from .tracing import current_context
+
+            runner.inject = current_context
+        self.kv = KeyValue(store, self._commit_kv, runner.kv_lock, self.config.max_payload)
         (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
         stack.callback(self._remove_endpoint_files)
         dispatcher.start()
@@ -321,26 +289,13 @@ class Bus:
                  headers: dict[str, Any] | None, dedupe_key: str | None, key: str | None = None,
                  delay: float | None = None, deliver_at: float | datetime | None = None,
                  latest: bool = False, priority: int = 0) -> list[str]:
-        validate_topic(topic)
-        _check_ttl_headers(ttl, headers)
-        due = None if delay is None and deliver_at is None else _due(delay, deliver_at)
-        if priority != 0 or type(priority) is not int:  # the common case checked in one step
-            if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
-                raise ValueError(f"priority must be an int from 0 to 9, not {priority!r}")
-            headers = {**(headers or {}), PRIORITY_HEADER: priority}
-        if key is not None:
-            if not isinstance(key, str) or not key or len(key.encode()) > 256:
-                raise ValueError(f"key must be a non-empty str of at most 256 bytes, not {key!r}")
-            headers = {**(headers or {}), KEY_HEADER: key}
-        bodies = [encode_payload(p) for p in payloads]
-        limit = self.config.max_payload
-        for body in bodies:
-            if len(body) > limit:
-                raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {limit}")
+        event = prepare_event(topic, payloads, max_payload=self.config.max_payload, ttl=ttl,
+                              headers=headers, key=key, delay=delay, deliver_at=deliver_at,
+                              priority=priority)
         engine = self._check_open()
-        if not bodies:
+        if not event.bodies:
             return []
-        expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
+        bodies, expires, headers, due = event.bodies, event.expires, event.headers, event.due
         try:
             if self._tracer is not None:
                 from .tracing import producing
@@ -350,6 +305,53 @@ class Bus:
                                           priority)
             return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due, latest,
                                   priority)
+        except StoreError:
+            if self._closed or self._store.closed:
+                raise BusClosedError("the bus closed before this call completed") from None
+            raise
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """Group state writes and messages into one atomic, fsynced write::
+
+            with bus.transaction() as tx:
+                tx.kv["order:42"] = {"state": "paid"}
+                tx.publish("order.paid", {"id": 42})
+                tx.send(billing, "invoice.create", {"id": 42})
+
+        ``tx`` has ``kv``, ``publish`` and ``send`` as in a handler (``message.kv`` ...):
+        checked when called, stored when the block ends without an exception, all or
+        nothing (a crash loses all of it or none). An exception in the block stores
+        nothing and propagates. Event ids are made at the commit (they are not returned).
+        """
+        engine = self._check_open()
+        runner = self._dispatcher.runner
+        tx = Transaction(self._store, self.config.max_payload, runner.inject, engine.backpressure)
+        yield tx
+        if tx.empty():
+            return
+        sends: list = []
+        part = f"tx-{os.urandom(8).hex()}"  # outbox keys of its commands: unique
+
+        def rest(batch: Any) -> bool:
+            tx.write_state(batch)
+            sends[:] = tx.write_sends(batch, part, "bus")
+            return False
+        with runner.kv_lock if tx.updates else nullcontext():
+            tx.resolve_updates()
+            self._commit_staged(engine, tx.events, rest)
+        if sends:
+            engine.queue_sends(sends)
+
+    def _commit_kv(self, build: Callable[[Any], None]) -> None:
+        def rest(batch: Any) -> bool:
+            build(batch)
+            return False
+        self._commit_staged(self._check_open(), [], rest)
+
+    def _commit_staged(self, engine: E.Engine, events: list, rest: Callable[[Any], bool]) -> None:
+        try:
+            engine.commit_transaction(events, rest)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None
@@ -369,18 +371,14 @@ class Bus:
         ``deliver_at``: as for ``publish``.
         """
         return self._send(address, command, payload, ttl=ttl, headers=headers,
-                          due=_due(delay, deliver_at))
+                          due=due_ms(delay, deliver_at))
 
     def _send(self, address: str, command: str, payload: Any, *, ttl: float | None,
               headers: dict[str, Any] | None, correlation_id: str | None = None,
               wait: bool = True, due: int | None = None) -> Any:
-        validate_address(address)
-        validate_topic(command, "command")
-        _check_ttl_headers(ttl, headers)
-        body = encode_payload(payload)
-        if len(body) > self.config.max_payload:
-            raise ValueError(f"payload is {len(body)} bytes encoded; max_payload is {self.config.max_payload}")
-        expires = None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
+        address, command, body, expires, headers, due = prepare_command(
+            address, command, payload, max_payload=self.config.max_payload, ttl=ttl,
+            headers=headers, due=due)
         engine = self._check_open()
         future: Future = Future()
         if self._tracer is not None:
@@ -412,7 +410,7 @@ class Bus:
         The command itself is durable: if no reply comes in time the future fails, but the
         command is still delivered (and handled) later; its late reply is logged and dropped.
         """
-        _check_seconds(timeout, "timeout")
+        check_seconds(timeout, "timeout")
         corr, future = self._requests.new(timeout, f"{command} at {address}")
         try:
             stored = self._send(address, command, payload, ttl=None, headers=headers,
@@ -524,7 +522,7 @@ class Bus:
         for pattern in patterns:
             validate_pattern(pattern)
         if timeout is not None:
-            _check_seconds(timeout, "timeout")
+            check_seconds(timeout, "timeout")
         engine = self._check_open()
         watch = engine.watches.add(patterns, need_all)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -562,7 +560,7 @@ class Bus:
                   timeout: float | None = None) -> Any:
         """Register now, or return a decorator that does (``every`` and ``handle``)."""
         if timeout is not None:
-            _check_seconds(timeout, "timeout")
+            check_seconds(timeout, "timeout")
 
         def register(fn: Handler) -> Handler:
             if not callable(fn):

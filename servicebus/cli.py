@@ -146,7 +146,8 @@ def status(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
         table.add_row(f"  to {peer}", str(n))
     table.add_row("oldest pending", _age(row["oldest_pending_age_s"]))
     for key, label in (("incoming", "incoming (not handled)"), ("deadletters", "dead letters"),
-                       ("handled", "handled ids (dedupe)"), ("replies_waiting", "replies to queue")):
+                       ("handled", "handled ids (dedupe)"), ("replies_waiting", "replies to queue"),
+                       ("commands_waiting", "handlers' commands to queue"), ("kv_keys", "kv keys")):
         table.add_row(label, str(row[key]))
     table.add_row("store size", f"{row['store_bytes'] / 1024:.1f} KiB")
     out.print(table)

@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from .clock import BusClock, wall_ms
 from .config import BusConfig
@@ -99,6 +98,10 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def runner(self) -> Runner:
+        return self._runner
 
     def start(self) -> None:
         # Messages stored before a restart. A damaged record stops the start here, with a
@@ -330,14 +333,14 @@ class Dispatcher:
 
     def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                       now_ms: int, now: float) -> bool:
-        redos: list[tuple[str, Callable[[Any], None]]] = []
+        redos: list[tuple[str, Callable[[], None]]] = []
         try:
             return self._scan_stored(only, strict, damaged, now_ms, now, redos)
         finally:
             for message_id, redo in redos:  # finished here, but the write was dropped
                 log.warning("message %s: its finishing write was lost with a failed write; "
                             "writing it again (its handler does not run again)", message_id)
-                self._runner.record(redo, message_id)
+                redo()
 
     def _scan_stored(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                      now_ms: int, now: float, redos: list) -> bool:

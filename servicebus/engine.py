@@ -24,6 +24,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
@@ -33,7 +34,7 @@ from .adminserve import AdminReply, AdminServer
 from .clock import BusClock
 from .commit import GroupCommit
 from .config import BusConfig
-from .core import Core, Published, QueueReply, SendCmd, SubscribeCmd, Supersede
+from .core import Core, Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .dispatch import Dispatcher
 from .delivery import priority_stream
 from .watch import Watches
@@ -43,6 +44,8 @@ from .journal import Journal
 from .requests import PendingRequests
 from .sockets import Sockets
 from .store import Batch, Store
+from .stored import OutboxSend
+from .transaction import StagedEvent
 
 __all__ = ["Engine", "Drain", "Snapshot", "SendCmd", "QueueReply", "SubscribeCmd"]
 
@@ -241,6 +244,42 @@ class Engine(threading.Thread):
 
         return self.committer.commit(build)[0]
 
+    # --- a handler's transaction (runner.Publisher) -----------------------------------------
+
+    def commit_transaction(self, events: list[StagedEvent], rest: Callable[[Batch], bool]) -> bool:
+        """Store a handler's events with the rest of its run's write, fsynced, through the
+        publishers' group commit (ids in commit order, the engine told in that order)."""
+        if not self.store.writable:
+            raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
+        stage, journal = self.core.streams.stage_publish, self.journal
+        marked = [False]
+
+        def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
+            ids: list[str] = []
+            streams: list[tuple[str, list[tuple[str, bytes]]]] = []
+            for e in events:
+                got, into, journaled = stage(batch, e.topic, [e.body], e.expires, e.headers, e.due,
+                                             e.priority)
+                ids += got
+                streams += into
+                journal.record(batch, journaled)
+            marked[0] = rest(batch)
+            return ids, streams, any(e.expires is not None for e in events)
+
+        self.committer.commit(build)
+        return marked[0]
+
+    def queue_sends(self, sends: list[tuple[str, OutboxSend]]) -> None:
+        for key, send in sends:
+            try:
+                self.submit(QueueSend(key, send))
+            except BusError:
+                return  # closing or broken: the outbox keeps them for the next start
+
+    def backpressure(self, topic: str, priority: int) -> None:
+        if self.core.s.full_streams:
+            self._backpressure(topic, priority)
+
     def _on_published(self, results: list[tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]]) -> None:
         # Under the commit lock, in commit order: the engine sees new ids in stream order.
         with self._count_lock:
@@ -438,7 +477,7 @@ class Engine(threading.Thread):
                     cmd.future.set_exception(failed)
             elif isinstance(cmd, Supersede):
                 pass  # best effort: the older message is delivered too
-            elif not isinstance(cmd, (Published, QueueReply)):  # those are in the store: reloaded
+            elif not isinstance(cmd, (Published, QueueReply, QueueSend)):  # in the store: reloaded
                 self._engine_command(cmd, now)
         self.requests.expire(now)
         if now >= self._next_recover:
@@ -450,7 +489,8 @@ class Engine(threading.Thread):
         log.warning("the store can be written again (it had failed: %s); reloading delivery "
                     "state and going on", self._degraded)
         self._degraded = None
-        self._queue = deque(c for c in self._queue if not isinstance(c, (Published, QueueReply, Supersede)))
+        self._queue = deque(c for c in self._queue
+                            if not isinstance(c, (Published, QueueReply, QueueSend, Supersede)))
         # As at a start: cursors, subscriptions, intents, stored replies ...
         self._queue.extend(self.core.reload(self.store.batch()))
         # ... and the handlers get whatever is stored and not in memory, off this thread.
@@ -513,7 +553,7 @@ class Engine(threading.Thread):
         while queue:
             cmd = queue.popleft()
             try:
-                if isinstance(cmd, (Published, SendCmd, QueueReply, SubscribeCmd, Supersede)):
+                if isinstance(cmd, (Published, SendCmd, QueueReply, QueueSend, SubscribeCmd, Supersede)):
                     core.command(cmd, now)
                 else:
                     self._engine_command(cmd, now)

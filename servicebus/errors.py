@@ -23,6 +23,7 @@ __all__ = [
     "WaitTimeout",
     "RemoteError",
     "RequestTimeout",
+    "TransactionError",
     "Retry",
     "Reject",
 ]
@@ -124,6 +125,11 @@ class RemoteError(DeliveryError):
 
 class RequestTimeout(BusError, TimeoutError):
     """No reply arrived within the request's timeout."""
+
+
+class TransactionError(BusError):
+    """``message.kv``/``publish``/``send`` used where no handler's run can commit them: the
+    message was not given to a handler by a bus, or its handler already returned."""
 
 
 # --- raised by handlers, not by the bus -------------------------------------------------------

@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from .transaction import TransactionKeyValue
 
 __all__ = ["Message", "BusStatus", "PeerStatus", "DeadLetter", "EMPTY"]
 
@@ -24,6 +27,9 @@ class _MessageFields(NamedTuple):
     kind: str = "event"
     correlation_id: str | None = None
     expires_ms: int | None = None
+    # What message.kv/publish/send stage into while its handler runs (runner.py); None
+    # where there is no handler's run to commit with (once/any/all, a message made by hand).
+    transactions: Any = None
 
 
 class Message(_MessageFields):
@@ -58,6 +64,39 @@ class Message(_MessageFields):
         """The ordering key it was published with (``publish(key=)``), or None."""
         raw = self.headers_raw
         return raw.get("sb-key") if raw else None
+
+    # --- the handler's transaction (transaction.py) ---------------------------------------
+
+    def _transactions(self) -> Any:
+        owner = self.transactions
+        if owner is None:
+            from .errors import TransactionError
+
+            raise TransactionError("message.kv, message.publish and message.send work only in "
+                                   "the handler a bus runs for this message")
+        return owner
+
+    @property
+    def kv(self) -> "TransactionKeyValue":
+        """The bus's key-value state (``bus.kv``) as this handler's run sees it: writes are
+        stored in the same atomic write as the run's completion, or not at all."""
+        return self._transactions().transaction(self.id).kv
+
+    def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
+                headers: dict[str, Any] | None = None, key: str | None = None,
+                delay: float | None = None, deliver_at: float | datetime | None = None,
+                priority: int = 0) -> None:
+        """``Bus.publish`` as part of this handler's run: checked now, stored (and given
+        its id) in the write that completes the run, and only if the handler returns."""
+        self._transactions().stage_event(self.id, topic, payload, ttl=ttl, headers=headers, key=key,
+                                         delay=delay, deliver_at=deliver_at, priority=priority)
+
+    def send(self, address: str, command: str, payload: Any, *, ttl: float | None = None,
+             headers: dict[str, Any] | None = None, delay: float | None = None,
+             deliver_at: float | datetime | None = None) -> None:
+        """``Bus.send`` as part of this handler's run (see ``publish``)."""
+        self._transactions().stage_send(self.id, address, command, payload, ttl=ttl,
+                                        headers=headers, delay=delay, deliver_at=deliver_at)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,8 @@ ON_UNDECODABLE = {
     "publish_keys_index": "dropped (rebuilt from the publish keys)",
     "journal": "dropped (these delivery events are missing from the audit)",
     "segments": "dropped (the segment's retention starts again)",
+    "kv": "dropped: LOST (the service's state under this key is gone)",
+    "outbox": "dropped: LOST (a command a handler sent is not sent)",
     "meta": "restored",
 }
 

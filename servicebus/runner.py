@@ -10,6 +10,11 @@ writes that record each outcome.
 - A handler that raises is retried with backoff; after ``max_attempts`` the message moves
   to the dead letters with the exception type and text, atomically.
 - A request's handler is run once; its return value or exception is the reply.
+- What a handler stages with ``message.kv``/``publish``/``send`` (transaction.py) goes
+  into the write that records its run: the completion, or the "done" mark of one of
+  several handlers. With events in it, that write goes through the publishers' group
+  commit (fsynced, ids made in commit order, as ``publish`` does); commands go to the
+  outbox keyspace in it, and the engine moves them into their streams.
 """
 
 from __future__ import annotations
@@ -19,23 +24,24 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from .clock import BusClock, wall_ms
 from .config import BusConfig
 from .core.state import Incoming
 from .delivery import backoff
-from .errors import Reject, Retry, StoreError
+from .errors import Reject, Retry, StoreError, TransactionError
 from .handlers import Handler, Handlers
 from .journal import Journal
 from .letters import incoming_letter
 from .protocol import KIND_NAMES, Kind, decode_payload, encode_payload
 from .records import Message
-from .stored import NO_RUNS, JournalEvent, ReplyRecord, RunState
+from .stored import NO_RUNS, JournalEvent, OutboxSend, ReplyRecord, RunState
+from .transaction import StagedEvent, Transaction
 from .requests import PendingRequests
 from .store import Store
 
-__all__ = ["Runner", "RECENT", "STORE_RETRY"]
+__all__ = ["Runner", "Publisher", "RECENT", "STORE_RETRY"]
 
 log = logging.getLogger("servicebus")
 
@@ -45,6 +51,24 @@ log = logging.getLogger("servicebus")
 RECENT = 64
 _tuple = tuple.__new__  # NamedTuples built per message skip their keyword-parsing __new__
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
+
+
+class Publisher(Protocol):
+    """What a handler's transaction needs from the engine (engine.py implements it)."""
+
+    def commit_transaction(self, events: list[StagedEvent], rest: Callable[[Any], bool]) -> bool:
+        """Store ``events`` and whatever ``rest(batch)`` adds in one fsynced write shared
+        with publishers; returns what ``rest`` returned."""
+
+    def queue_sends(self, sends: list[tuple[str, OutboxSend]]) -> None:
+        """Move these outbox commands (stored) into their streams."""
+
+    def backpressure(self, topic: str, priority: int) -> None:
+        """As a publish to ``topic`` would: wait for room, or raise ``BacklogFull``."""
+
+
+class _UpdateFailed(Exception):
+    """A ``message.kv.update`` function raised at the commit: the run failed."""
 
 
 def _event(name: str, item: Incoming, attempts: int, error: str | None = None) -> JournalEvent:
@@ -71,13 +95,88 @@ class Runner:
         self.observe: Callable[[str, float], None] | None = None
         self._closing = closing
         self._lock = threading.Lock()
-        self._recent: OrderedDict[str, Callable[[Any], None]] = OrderedDict()  # see record
+        self._recent: OrderedDict[str, tuple[Callable[[Any], None], Callable[[], None] | None]] = OrderedDict()
         self._tls = threading.local()
+        # message id -> its handler's transaction while the handler runs (None: nothing staged)
+        self._txs: dict[str, Transaction | None] = {}
+        self.publisher: Publisher | None = None  # the engine, once made
+        self.kv_lock = threading.Lock()  # one kv update() at a time (shared with bus.kv)
+        self.inject: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None  # tracing
 
-    def redo_for(self, message_id: str) -> Callable[[Any], None] | None:
-        """The finishing write of ``message_id`` if it was among the last RECENT made."""
+    def redo_for(self, message_id: str) -> Callable[[], None] | None:
+        """Writes ``message_id``'s finishing write again, if it was among the last RECENT made."""
         with self._lock:
-            return self._recent.get(message_id)
+            found = self._recent.get(message_id)
+        if found is None:
+            return None
+        build, after = found
+
+        def redo() -> None:
+            self.record(build, message_id, after=after)
+        return redo
+
+    # --- a handler's transaction --------------------------------------------------------
+
+    def transaction(self, message_id: str) -> Transaction:
+        """The transaction of ``message_id``'s handler, which must be running."""
+        try:
+            tx = self._txs[message_id]
+        except KeyError:
+            raise TransactionError(
+                "message.kv, message.publish and message.send work only while the message's "
+                "handler runs: they are stored with its completion") from None
+        if tx is None:
+            admit = None if self.publisher is None else self.publisher.backpressure
+            tx = self._txs[message_id] = Transaction(self._store, self._config.max_payload,
+                                                     self.inject, admit)
+        return tx
+
+    def stage_event(self, message_id: str, topic: str, payload: Any, **options: Any) -> None:
+        self.transaction(message_id).publish(topic, payload, **options)
+
+    def stage_send(self, message_id: str, address: str, command: str, payload: Any,
+                   **options: Any) -> None:
+        self.transaction(message_id).send(address, command, payload, **options)
+
+    def _commit(self, build: Callable[[Any], None], finished: str | None, nxt: Incoming | None,
+                tx: Transaction | None, part: str) -> bool:
+        """``record`` a run's outcome with what its handler staged (``part`` names the
+        handler, keeping outbox keys of several handlers apart). Raises ``_UpdateFailed``
+        if a kv update function raised: nothing was written."""
+        if tx is None or tx.empty():
+            return self.record(build, finished, nxt)
+        if tx.updates:
+            with self.kv_lock:  # held until written: the next update reads this one's value
+                try:
+                    tx.resolve_updates()
+                except Exception as exc:
+                    raise _UpdateFailed(f"{type(exc).__name__}: {exc}") from exc
+                return self._commit_staged(build, finished, nxt, tx, part)
+        return self._commit_staged(build, finished, nxt, tx, part)
+
+    def _commit_staged(self, build: Callable[[Any], None], finished: str | None,
+                       nxt: Incoming | None, tx: Transaction, part: str) -> bool:
+        mid = finished or part
+        sends: list[tuple[str, OutboxSend]] = []
+
+        def full(batch: Any) -> None:
+            build(batch)
+            tx.write_state(batch)
+            sends[:] = tx.write_sends(batch, mid, part)
+
+        publisher = self.publisher
+        after = None
+        if tx.sends:
+            if publisher is None:
+                raise TransactionError("this bus cannot send from a handler's transaction")
+            after = lambda: publisher.queue_sends(sends)  # noqa: E731
+        if not tx.events:
+            return self.record(full, finished, nxt, after=after)
+        if publisher is None:
+            raise TransactionError("this bus cannot publish from a handler's transaction")
+        events = tx.events
+        return self.record(full, finished, nxt, after=after,
+                           synced=lambda rest: publisher.commit_transaction(events, rest))
 
     def _scratch(self) -> Any:
         """This thread's write batch, emptied: one per message was measurable."""
@@ -89,7 +188,8 @@ class Runner:
         return batch
 
     def record(self, build: Callable[[Any], None], finished: str | None = None,
-                nxt: Incoming | None = None) -> bool:
+               nxt: Incoming | None = None, *, after: Callable[[], None] | None = None,
+               synced: Callable[[Callable[[Any], bool]], bool] | None = None) -> bool:
         """Write what a handler's run did (done, failed, dead-lettered): ``build(batch)``
         fills a batch, whose write is tried until it succeeds. It happened: if the write
         fails (a full disk, the store being reopened), the handler must not run again while
@@ -97,32 +197,50 @@ class Runner:
         again each time (one made before a reopen belongs to the closed handle). Only
         closing the bus gives up (the message then runs again after the next start, as
         after a crash). With ``nxt``, the same write marks that message's run as started;
-        returns whether it did.
+        returns whether it did. ``after`` runs once the write is made.
 
-        ``finished``: the id of a message this write takes out of the incoming store. Such
-        writes are not fsynced, and one that LevelDB appended just after a write that
-        failed (a full disk) is dropped when the store is reopened: the message is then
-        found stored again. The last few such writes are kept, so that the scan after a
-        reopen writes them again instead of running their handlers a second time."""
+        ``synced``: make the write through it (``Publisher.commit_transaction``: fsynced,
+        with events) rather than as a plain unsynced write.
+
+        ``finished``: the id of a message this write takes out of the incoming store. A
+        write that failed may still have reached LevelDB's log, and be applied when the
+        store is reopened: if the message is gone when a write is tried again, it was,
+        and is not made twice. Unsynced writes that LevelDB appended just after a write
+        that failed (a full disk) are dropped when the store is reopened: the message is
+        then found stored again. The last few such writes are kept, so that the scan
+        after a reopen writes them again instead of running their handlers a second time."""
         delay = 0.05
+        failed = False
         while True:
             try:
-                batch = self._scratch()
-                build(batch)
-                marked = self._with_marker(batch, nxt)
-                self._store.write(batch, sync=False)
+                if failed and finished is not None and not self._store.has_incoming(finished):
+                    marked = False  # an earlier try's write was applied by the reopen
+                    break
+                if synced is None:
+                    batch = self._scratch()
+                    build(batch)
+                    marked = self._with_marker(batch, nxt)
+                    self._store.write(batch, sync=False)
+                else:
+                    def rest(b: Any) -> bool:
+                        build(b)
+                        return self._with_marker(b, nxt)
+                    marked = synced(rest)
                 break
             except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
                 if self._closing() or self._store.closed:
                     raise StoreError(f"closing before a handler's run was recorded: {exc}") from exc
+                failed = True
                 self._store.wait_writable(delay)
                 delay = min(delay * 2, 1.0)
-        if finished is not None:
+        if finished is not None and synced is None:  # a synced write is never dropped
             with self._lock:
                 recent = self._recent
-                recent[finished] = build
+                recent[finished] = (build, after)
                 if len(recent) > RECENT:
                     recent.popitem(last=False)
+        if after is not None:
+            after()
         return marked
 
     def _marker(self, item: Incoming | None) -> RunState | None:
@@ -194,9 +312,10 @@ class Runner:
                 # again later; no attempt is used up.
                 return time.monotonic() + STORE_RETRY, False
 
+        mid = item.id
         message: Message = _tuple(Message, (
-            item.id, topic, record.sender, record.reply_to, record.sent, attempts, record.headers,
-            KIND_NAMES.get(kind, "event"), record.correlation_id, expires))
+            mid, topic, record.sender, record.reply_to, record.sent, attempts, record.headers,
+            KIND_NAMES.get(kind, "event"), record.correlation_id, expires, self))
         try:
             payload = decode_payload(record.body)
         except Exception as exc:  # validated on receipt; only a corrupted store gets here
@@ -209,15 +328,19 @@ class Runner:
         error: str | None = None
         retry_after: float | None = None
         observe = self.observe
+        txs = self._txs
+        final: Transaction | None = None  # what the last handler to finish staged
+        final_name = handlers[-1][0]
         for name, handler in handlers:
             if name in done:
                 continue
             began = time.perf_counter() if observe is not None else 0.0
+            txs[mid] = None  # message.kv/publish/send work from here ...
             try:
                 handler(payload, message)
             except Reject as exc:
                 rejected = f"Reject: {exc}"
-                log.warning("handler %s rejected %s %s: %s", name, topic, item.id, exc)
+                log.warning("handler %s rejected %s %s: %s", name, topic, mid, exc)
                 self._deadletter(item, "rejected", rejected, attempts,
                                  [_event("handler_failed", item, attempts, rejected)])
                 return None, False
@@ -226,25 +349,41 @@ class Runner:
                 if exc.after is not None:
                     retry_after = max(retry_after or 0.0, exc.after)
                 log.info("handler %s asked to retry %s %s (attempt %d/%d): %s", name, topic,
-                         item.id, attempts, config.max_attempts, exc)
+                         mid, attempts, config.max_attempts, exc)
                 continue
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
-                            item.id, attempts, config.max_attempts, error)
+                            mid, attempts, config.max_attempts, error)
                 continue
             finally:
+                tx = txs.pop(mid, None)  # ... to here; what a failed run staged is dropped
                 if observe is not None:
                     observe(topic, time.perf_counter() - began)
             done.append(name)
-            if len(handlers) > 1 and len(done) < len(handlers):
+            if len(done) < len(handlers):
                 # Remember which handlers finished, so a crash reruns only the others.
-                self.record(lambda b: b.put_runstate(item.id, RunState(attempts, list(done), last_error, 0)))
+                state = RunState(attempts, list(done), last_error, 0)
+                try:
+                    self._commit(lambda b: b.put_runstate(mid, state), None, None, tx, name)
+                except _UpdateFailed as exc:
+                    done.pop()
+                    error = f"kv update: {exc}"
+                    log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
+                                mid, attempts, config.max_attempts, error)
+            else:
+                final, final_name = tx, name
 
         if error is None:
-            premarked = self.record(self._completion(item.id, _event("handled", item, attempts)),
-                                     item.id, nxt)
-            return None, premarked
+            try:
+                premarked = self._commit(self._completion(mid, _event("handled", item, attempts)),
+                                         mid, nxt, final, final_name)
+                return None, premarked
+            except _UpdateFailed as exc:
+                done.remove(final_name)
+                error = f"kv update: {exc}"
+                log.warning("handler %s failed on %s %s (attempt %d/%d): %s", final_name,
+                            topic, mid, attempts, config.max_attempts, error)
         failed = _event("handler_failed", item, attempts, error)
         if attempts >= config.max_attempts:
             self._deadletter(item, "handler_failed", error, attempts, [failed])
@@ -252,7 +391,7 @@ class Runner:
         delay = backoff(attempts, config.retry_initial, config.retry_max) if retry_after is None else retry_after
 
         def retried(batch: Any) -> None:
-            batch.put_runstate(item.id, RunState(attempts, done, error, wall_ms() + int(delay * 1000)))
+            batch.put_runstate(mid, RunState(attempts, done, error, wall_ms() + int(delay * 1000)))
             self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
 
         return time.monotonic() + delay, self.record(retried, None, nxt)
@@ -270,27 +409,42 @@ class Runner:
         """A request: the handler's return value, or its exception, is the reply. It is not
         retried here: the caller is waiting, and decides whether to ask again."""
         events = []
+        mid = item.id
+        self._txs[mid] = None
         try:
             reply: dict = {"ok": True, "value": handler(payload, message)}
         except Exception as exc:
             log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
             reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
             events.append(_event("handler_failed", item, message.attempt, f"{type(exc).__name__}: {exc}"))
+        finally:
+            tx = self._txs.pop(mid, None)
+        if not reply["ok"]:
+            tx = None  # what a failed run staged is dropped
+
+        def replied_with(body: bytes) -> tuple[Callable[[Any], None], ReplyRecord]:
+            reply_record = ReplyRecord(message.reply_to, message.topic, message.correlation_id, body)
+
+            def replied(batch: Any) -> None:
+                batch.complete_with_reply(mid, self._clock.now(), reply_record)
+                self._journal.record(batch, [*events, _event("handled", item, message.attempt)])
+            return replied, reply_record
+
         try:
             body = encode_payload(reply)
         except TypeError as exc:
-            body = encode_payload({"ok": False, "type": "TypeError", "message": str(exc)})
+            body, tx = encode_payload({"ok": False, "type": "TypeError", "message": str(exc)}), None
         if len(body) > self._config.max_payload:
-            body = encode_payload({"ok": False, "type": "ValueError",
-                                   "message": f"reply of {len(body)} bytes exceeds max_payload"})
-        reply_record = ReplyRecord(message.reply_to, message.topic, message.correlation_id, body)
-        events.append(_event("handled", item, message.attempt))
-
-        def replied(batch: Any) -> None:
-            batch.complete_with_reply(item.id, self._clock.now(), reply_record)
-            self._journal.record(batch, events)
-
-        premarked = self.record(replied, item.id, nxt)
+            body, tx = encode_payload({"ok": False, "type": "ValueError",
+                                       "message": f"reply of {len(body)} bytes exceeds max_payload"}), None
+        replied, reply_record = replied_with(body)
+        try:
+            premarked = self._commit(replied, mid, nxt, tx, "request")
+        except _UpdateFailed as exc:
+            events.append(_event("handler_failed", item, message.attempt, f"kv update: {exc}"))
+            replied, reply_record = replied_with(encode_payload(
+                {"ok": False, "type": "TransactionError", "message": f"kv update: {exc}"}))
+            premarked = self.record(replied, mid, nxt)
         self._on_reply(item.id, reply_record)
         return premarked
 

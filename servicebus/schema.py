@@ -25,7 +25,7 @@ __all__ = ["decode", "REPAIR_HINT", "KEY_PAIR_KEYSPACES", "MESSAGE_KINDS"]
 REPAIR_HINT = "run `servicebus check --repair DATADIR` (it lists and repairs what is damaged)"
 SEP = b"\x00"
 MESSAGE_KINDS = (1, 2, 3)  # event, command, reply (protocol.Kind)
-KEY_PAIR_KEYSPACES = ("subscriptions", "intents", "outgoing", "deliveries")
+KEY_PAIR_KEYSPACES = ("subscriptions", "intents", "outgoing", "deliveries", "outbox")
 
 
 def _unpack(value: bytes) -> Any:
@@ -120,6 +120,15 @@ def _reply(value: bytes) -> list:
     return rec
 
 
+def _outbox(value: bytes) -> list:
+    rec = _unpack(value)
+    _require(type(rec) is list and len(rec) == 6, "not an outbox command")
+    address, command, body, expires, headers, due = rec
+    _require(_is_str(address) and _is_str(command) and type(body) is bytes and _is_opt_int(expires)
+             and _is_opt_dict(headers) and _is_opt_int(due), "not an outbox command")
+    return rec
+
+
 def _deadletter(value: bytes) -> dict:
     rec = _unpack(value)
     _require(type(rec) is dict and _is_str(rec.get("origin")) and _is_str(rec.get("reason")),
@@ -186,6 +195,8 @@ VALUES: dict[str, Callable[[bytes], Any]] = {
     "publish_keys_index": _empty,
     "journal": _journal,
     "segments": _stamp,
+    "kv": _unpack,  # any value msgpack encodes
+    "outbox": _outbox,
 }
 
 

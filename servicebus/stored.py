@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, TypedDict
 
 __all__ = ["subscription_options", "IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
-           "DeliveryRecord", "ReplyRecord", "JournalEvent", "NO_RUNS"]
+           "DeliveryRecord", "ReplyRecord", "OutboxSend", "JournalEvent", "NO_RUNS"]
 
 
 class IncomingRecord(NamedTuple):
@@ -47,6 +47,18 @@ class ReplyRecord(NamedTuple):
     command: str
     correlation_id: str | None
     body: bytes
+
+
+class OutboxSend(NamedTuple):
+    """``u/<handled id>\\0<seq>``: a command a handler sent (``message.send``), stored in
+    the write that finished its run, until the engine moves it into the address's stream."""
+
+    address: str
+    command: str
+    body: bytes
+    expires: int | None
+    headers: dict[str, Any] | None
+    due: int | None
 
 
 class SubscriptionRecord(TypedDict, total=False):

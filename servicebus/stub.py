@@ -10,6 +10,9 @@ one message at a time in publish order), but all of it in the calling thread whe
 every time. Everything published or sent on it is delivered to its own handlers (there is no
 other bus); ``published`` and ``sent`` keep what was published and sent, for assertions.
 
+In handlers, ``message.kv``, ``message.publish`` and ``message.send`` behave as on a bus: what
+a run staged is applied (to ``stub.kv``, ``published``, ``sent``) only if its handler returned.
+
 What it does not model: the network, crashes and restarts, a second bus, handler
 ``timeout=``, the dedupe window (a ``dedupe_key`` dedupes for the stub's whole life;
 ``dedupe="latest"`` stores the newer one and withdraws nothing), an
@@ -27,11 +30,13 @@ from datetime import datetime
 from typing import Any
 
 from .config import BusConfig
-from .errors import BusClosedError, Reject, RemoteError, Retry
+from .errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
 from .handlers import Handler, Handlers, handler_name
 from .protocol import Kind, decode_payload, encode_payload, validate_address
+from .outgoing import check_ttl_headers, due_ms, prepare_command, prepare_event
 from .records import DeadLetter, Message
 from .topics import validate_pattern, validate_topic
+from .transaction import KeyValue, Transaction
 
 __all__ = ["StubBus", "Sent"]
 
@@ -48,6 +53,26 @@ class Sent:
     payload: Any
     headers: dict[str, Any] | None
     address: str | None  # a command's address
+
+
+class _MemoryKV:
+    """The stub's kv state: what ``bus.kv`` and a transaction read, and a batch they write."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def get_kv(self, key: str, default: Any = None) -> Any:
+        data = self.data.get(key)
+        return default if data is None else decode_payload(data)
+
+    def kv_items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        return sorted((k, decode_payload(v)) for k, v in self.data.items() if k.startswith(prefix))
+
+    def put_kv(self, key: str, data: bytes) -> None:
+        self.data[key] = data
+
+    def delete_kv(self, key: str) -> None:
+        self.data.pop(key, None)
 
 
 @dataclass
@@ -82,6 +107,11 @@ class StubBus:
         self._now_ms = _START_MS
         self._closed = False
         self._lock = threading.RLock()
+        self._state = _MemoryKV()
+        self.kv = KeyValue(self._state, lambda build: build(self._state), threading.Lock(),
+                           self.config.max_payload)
+        # message id -> (its run's kv transaction, publishes and sends to make if it returns)
+        self._txs: dict[str, tuple[Transaction, list[Callable[[], Any]]]] = {}
 
     # --- time --------------------------------------------------------------------------
 
@@ -115,13 +145,12 @@ class StubBus:
                      headers: dict[str, Any] | None = None, key: str | None = None,
                      delay: float | None = None, deliver_at: float | datetime | None = None,
                      priority: int = 0) -> list[str]:
-        from .bus import _check_ttl_headers, _due  # the real checks, not copies of them
 
         validate_topic(topic)
-        _check_ttl_headers(ttl, headers)
+        check_ttl_headers(ttl, headers)
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"priority must be an int from 0 to 9, not {priority!r}")
-        due = self._stub_due(_due, delay, deliver_at)
+        due = self._stub_due(due_ms, delay, deliver_at)
         if key is not None:
             headers = {**(headers or {}), "sb-key": key}
         ids = []
@@ -138,12 +167,11 @@ class StubBus:
              headers: dict[str, Any] | None = None, delay: float | None = None,
              deliver_at: float | datetime | None = None) -> str:
         """As ``Bus.send``; handled by this stub's ``handle`` handler for ``command``."""
-        from .bus import _check_ttl_headers, _due
 
         validate_address(address)
         validate_topic(command, "command")
-        _check_ttl_headers(ttl, headers)
-        due = self._stub_due(_due, delay, deliver_at)
+        check_ttl_headers(ttl, headers)
+        due = self._stub_due(due_ms, delay, deliver_at)
         body = self._encode(payload)
         mid = self._new_id()
         expires = None if ttl is None else due + int(ttl * 1000)
@@ -167,7 +195,7 @@ class StubBus:
         self.sent.append(Sent(mid, "command", command, decode_payload(body), headers, address))
         message = self._message(_Queued(mid, Kind.COMMAND, command, body, headers, None, "stub"), 1)
         try:
-            return handlers[0][1](decode_payload(body), message)
+            return self._call(handlers[0][1], decode_payload(body), message)
         except Exception as exc:  # noqa: BLE001 - the caller gets it, as from a remote bus
             raise RemoteError(type(exc).__name__, str(exc)) from exc
 
@@ -257,7 +285,7 @@ class StubBus:
             if name in msg.done:
                 continue
             try:
-                handler(payload, message)
+                self._call(handler, payload, message)
             except Reject as exc:
                 self._dead(msg, "rejected", f"Reject: {exc}")
                 return
@@ -314,4 +342,42 @@ class StubBus:
 
     def _message(self, msg: _Queued, attempt: int) -> Message:
         return Message(msg.id, msg.topic, self.node_id, self.address, self._now_ms, attempt,
-                       msg.headers, msg.kind.name.lower(), msg.correlation_id, msg.expires)
+                       msg.headers, msg.kind.name.lower(), msg.correlation_id, msg.expires, self)
+
+    # --- a handler's transaction (what Message.kv/publish/send call) ----------------------
+
+    def _call(self, handler: Handler, payload: Any, message: Message) -> Any:
+        """Run ``handler`` in a transaction: what it staged is applied if it returned."""
+        self._txs[message.id] = (Transaction(self._state, self.config.max_payload), [])
+        try:
+            value = handler(payload, message)
+            tx, calls = self._txs[message.id]
+            tx.resolve_updates()
+        finally:
+            self._txs.pop(message.id, None)
+        tx.write_state(self._state)
+        for call in calls:
+            call()
+        return value
+
+    def _running(self, message_id: str) -> tuple[Transaction, list[Callable[[], Any]]]:
+        try:
+            return self._txs[message_id]
+        except KeyError:
+            raise TransactionError("message.kv, message.publish and message.send work only "
+                                   "while the message's handler runs") from None
+
+    def transaction(self, message_id: str) -> Transaction:
+        return self._running(message_id)[0]
+
+    def stage_event(self, message_id: str, topic: str, payload: Any, **options: Any) -> None:
+        calls = self._running(message_id)[1]
+        prepare_event(topic, [payload], max_payload=self.config.max_payload, **options)  # the checks
+        calls.append(lambda: self.publish(topic, payload, **options))
+
+    def stage_send(self, message_id: str, address: str, command: str, payload: Any,
+                   **options: Any) -> None:
+        calls = self._running(message_id)[1]
+        prepare_command(address, command, payload, max_payload=self.config.max_payload,
+                        ttl=options.get("ttl"), headers=options.get("headers"))
+        calls.append(lambda: self.send(address, command, payload, **options))

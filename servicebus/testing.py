@@ -15,7 +15,7 @@ from .clock import BusClock
 from .config import BusConfig
 from .core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from .ids import IdGenerator
-from .stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, SubscriptionRecord
+from .stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 from .protocol import decode, decode_payload, encode_ack, encode_payload
 from .stub import Sent, StubBus
 
@@ -114,6 +114,7 @@ class FakeStore:
         self.handled: dict[str, int] = {}
         self.letters: dict[str, dict] = {}
         self.reply: dict[str, ReplyRecord] = {}
+        self.sends: dict[str, OutboxSend] = {}
         self.meta: dict[str, object] = {}
         self.writes = self.fsyncs = 0
 
@@ -136,6 +137,7 @@ class FakeStore:
     def _delete_delivery(self, peer: str, stream: str) -> None: self.delivery.pop((peer, stream), None)
     def _put_incoming(self, mid: str, rec: IncomingRecord) -> None: self.incoming[mid] = rec
     def _delete_reply(self, mid: str) -> None: self.reply.pop(mid, None)
+    def _delete_outbox(self, key: str) -> None: self.sends.pop(key, None)
     def _forget_handled(self, mid: str, at: int) -> None: self.handled.pop(mid, None)
     def _put_deadletter(self, mid: str, rec: dict) -> None: self.letters[mid] = rec
     def _put_clock(self, clock: BusClock) -> None: self.meta["clock"] = clock.now()
@@ -162,6 +164,12 @@ class FakeStore:
 
     def replies(self) -> list[tuple[str, ReplyRecord]]:
         return list(self.reply.items())
+
+    def outbox(self) -> list[tuple[str, OutboxSend]]:
+        return sorted(self.sends.items())
+
+    def has_outbox(self, key: str) -> bool:
+        return key in self.sends
 
     def stream_names(self) -> list[str]:
         return sorted(name for name, msgs in self.streams.items() if msgs)

@@ -22,7 +22,7 @@ except ImportError as exc:  # the extra is not installed
 from .handlers import Handler
 from .records import Message
 
-__all__ = ["tracer", "producing", "consuming"]
+__all__ = ["tracer", "producing", "consuming", "current_context"]
 
 _SYSTEM = "servicebus"
 
@@ -43,6 +43,14 @@ def producing(tracer: trace.Tracer, operation: str, destination: str,
         carrier = dict(headers or {})
         propagate.inject(carrier)
         yield carrier
+
+
+def current_context(headers: dict[str, Any] | None) -> dict[str, Any]:
+    """``headers`` with the current span's context in them: what a handler publishes or
+    sends in its transaction continues the handler's trace."""
+    carrier = dict(headers or {})
+    propagate.inject(carrier)
+    return carrier
 
 
 def consuming(tracer: trace.Tracer, handler: Handler) -> Handler:

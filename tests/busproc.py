@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--ordered", action="store_true", help="subscribe ordered")
     ap.add_argument("--keys", type=int, default=0, help="publish with key n %% KEYS")
     ap.add_argument("--handler-ms", type=float, default=0.0, help="each handler run takes this long")
+    ap.add_argument("--transact", metavar="ADDRESS",
+                    help="in its run, the handler counts in message.kv, publishes TOPIC.done and "
+                         "sends tx.note to ADDRESS (committed with the run)")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -75,6 +78,11 @@ def main() -> None:
     def handler(payload, message):
         n = payload["n"]
         append(args.out, f"start {message.id} {n} {message.attempt}")
+        if args.transact:
+            message.kv.update("count", lambda c: c + 1, 0)
+            message.kv.put(f"n:{n}", message.attempt)
+            message.publish(f"{message.topic}.done", {"n": n})
+            message.send(args.transact, "tx.note", {"n": n})
         if args.handler_ms:
             threading.Event().wait(args.handler_ms / 1000)
         if args.fail_first and message.attempt == 1:

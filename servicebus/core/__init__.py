@@ -14,12 +14,12 @@ to send); ``engine.py`` is the shell that does the I/O. Its parts, one concern e
 - ``ports``: the narrow protocols the core reads the store and opens links through.
 """
 
-from .commands import Published, QueueReply, SendCmd, SubscribeCmd, Supersede
+from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .machine import TICK, Core
 from .ports import Links, StoreView, WriteBatch
 from .state import Effects, Incoming, Intent, Peer, incoming_record
 
 __all__ = [
     "Core", "TICK", "Effects", "Incoming", "Intent", "Peer", "incoming_record",
-    "Published", "QueueReply", "SendCmd", "SubscribeCmd", "Supersede", "Links", "StoreView", "WriteBatch",
+    "Published", "QueueReply", "QueueSend", "SendCmd", "SubscribeCmd", "Supersede", "Links", "StoreView", "WriteBatch",
 ]

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..stored import ReplyRecord
+from ..stored import OutboxSend, ReplyRecord
 
-__all__ = ["Published", "SendCmd", "QueueReply", "SubscribeCmd", "Supersede"]
+__all__ = ["Published", "SendCmd", "QueueReply", "QueueSend", "SubscribeCmd", "Supersede"]
 
 
 @dataclass
@@ -45,6 +45,16 @@ class QueueReply:
 
     command_id: str
     reply: ReplyRecord
+    future: Any = None
+
+
+@dataclass
+class QueueSend:
+    """A command a handler sent (``message.send``), stored in the outbox by the write that
+    finished its run, to be moved into its address's stream."""
+
+    key: str  # its outbox key (handled id, NUL, seq)
+    send: OutboxSend
     future: Any = None
 
 

@@ -32,7 +32,7 @@ from ..ids import IdGenerator
 from ..policy import AddressPolicy
 from ..trust import Keys
 from ..records import PeerStatus
-from .commands import Published, QueueReply, SendCmd, SubscribeCmd, Supersede
+from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .backlog import Backlog
 from .expiry import Expiry
 from .handshake import Handshake
@@ -80,9 +80,9 @@ class Core:
 
     # --- startup -----------------------------------------------------------------------
 
-    def load(self) -> list[QueueReply]:
-        """Read subscriptions, cursors and intents from the store; return the replies a
-        crash left stored and not yet queued, for the shell to queue."""
+    def load(self) -> list[QueueReply | QueueSend]:
+        """Read subscriptions, cursors and intents from the store; return the replies and
+        the handlers' commands a crash left stored and not yet queued, for the shell to queue."""
         s = self.s
         for subscriber, topic, record in s.store.subscriptions():
             s.subscriptions[(subscriber, topic)] = record
@@ -130,7 +130,10 @@ class Core:
         for publisher, topic, intent in s.store.intents():
             self.handshake.load_intent(publisher, topic, intent)
         self.backlog.load()
-        return [QueueReply(command_id, reply) for command_id, reply in s.store.replies()]
+        s.outbox_moving.clear()
+        queued: list[QueueReply | QueueSend] = [QueueReply(cid, reply) for cid, reply in s.store.replies()]
+        queued += [QueueSend(key, send) for key, send in s.store.outbox()]
+        return queued
 
     def _load_consumer(self, consumer: Consumer) -> None:
         try:
@@ -140,7 +143,7 @@ class Core:
             # in the store for an operator (servicebus purge --subscriber) to deal with.
             log.error("not delivering to %s: %s", consumer.peer, exc)
 
-    def reload(self, batch: WriteBatch) -> list[QueueReply]:
+    def reload(self, batch: WriteBatch) -> list[QueueReply | QueueSend]:
         """Start over from the store, as at a start, after a write failed and the store
         was reopened. Connections and callers waiting on intents are kept."""
         s = self.s
@@ -218,7 +221,7 @@ class Core:
         """A frame that did not decode (the shell decodes)."""
         self.s.count_malformed(reason, error)
 
-    def command(self, cmd: Published | SendCmd | QueueReply | SubscribeCmd | Supersede,
+    def command(self, cmd: Published | SendCmd | QueueReply | QueueSend | SubscribeCmd | Supersede,
                 now: float) -> None:
         """Work from a user thread. Raises (``ValueError`` for an address that cannot be
         connected) before it changes any state; the shell fails the caller with it."""
@@ -229,6 +232,8 @@ class Core:
             self.streams.send(cmd)
         elif isinstance(cmd, QueueReply):
             self.streams.queue_reply(cmd)
+        elif isinstance(cmd, QueueSend):
+            self.streams.queue_send(cmd)
         elif isinstance(cmd, SubscribeCmd):
             self.handshake.subscribe(cmd)
         elif isinstance(cmd, Supersede):
@@ -265,6 +270,7 @@ class Core:
         s.out = Effects(batch, to_peers=done.to_peers, to_router=done.to_router)
         done.to_peers, done.to_router = [], []
         s.turn_ids.clear()
+        s.outbox_moving.clear()  # written: the store no longer holds them
         return done
 
     def abandon(self) -> Effects:
@@ -276,6 +282,7 @@ class Core:
         s.turn_ids.clear()
         s.new.clear()
         s.outbox.clear()
+        s.outbox_moving.clear()  # not moved after all: a reload queues them again
         return done
 
     def advance(self, now: float) -> bool:

@@ -134,6 +134,8 @@ class State:
     outbox: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
     turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)
     gc_floor: dict[str, str | None] = field(default_factory=dict)
+    # Outbox keys (handlers' commands) moved into streams by the batch being built.
+    outbox_moving: set[str] = field(default_factory=set)
     # Event streams that got messages with a TTL since this start: checked for expiry while
     # a subscriber is down, as command streams always are (expiry.py).
     ttl_streams: set[str] = field(default_factory=set)

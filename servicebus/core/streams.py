@@ -16,7 +16,7 @@ from ..delivery import (Consumer, base_stream, command_stream, event_stream, is_
                         is_priority_stream, pack_outgoing, priority_stream, stream_target)
 from ..stored import DeliveryRecord
 from ..protocol import Kind
-from .commands import Published, QueueReply, SendCmd, Supersede
+from .commands import Published, QueueReply, QueueSend, SendCmd, Supersede
 from .backlog import Backlog
 from .peers import Roster
 from .ports import WriteBatch
@@ -216,6 +216,32 @@ class Streams:
         s.counters["replies_sent"] += 1
         if s.journal_on:
             s.journal("published", s.wall(), mid, command, "reply", reply_to)
+
+    def queue_send(self, cmd: QueueSend) -> None:
+        """Move a command a handler sent from the outbox into its address's stream, ids
+        made here like ``send``'s. Fsynced: once sent, a crash must not find it in the
+        outbox again and send it a second time under a new id."""
+        s = self.s
+        key, send = cmd.key, cmd.send
+        if key in s.outbox_moving or not s.store.has_outbox(key):
+            return  # queued twice (read again by a reload while its first queueing waited)
+        try:
+            stream = self._command_consumer(send.address)
+        except ValueError as exc:  # checked by message.send; only an older store gets here
+            log.error("command %s to %s cannot be sent: %s; dropped", send.command, send.address, exc)
+            s.out.batch.delete_outbox(key)
+            return
+        s.outbox_moving.add(key)
+        mid = s.ids.delayed(1, send.due)[0] if send.due is not None else s.ids.next()
+        record = pack_outgoing(Kind.COMMAND, send.command, s.wall(), send.body, send.expires, None,
+                               send.headers)
+        s.out.batch.put_outgoing(stream, mid, record)
+        s.out.batch.delete_outbox(key)
+        s.out.batch.sync = True
+        s.new.setdefault(stream, []).append((mid, record))
+        s.counters["commands_sent"] += 1
+        if s.journal_on:
+            s.journal("published", s.wall(), mid, send.command, "command", send.address)
 
     # --- out ---------------------------------------------------------------------------
 

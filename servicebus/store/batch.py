@@ -6,8 +6,9 @@ from typing import Any
 
 from ..clock import BusClock
 from ..letters import damaged_letter
-from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, RunState, SubscriptionRecord
-from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _X, _Y, _pack, _pair
+from ..stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
+                      SubscriptionRecord)
+from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair
 
 __all__ = ["Batch"]
 
@@ -95,6 +96,20 @@ class Batch:
 
     def delete_reply(self, message_id: str) -> None:
         self._delete(_Y + message_id.encode())
+
+    def put_kv(self, key: str, value: bytes) -> None:
+        """``value``: the msgpack-encoded user value."""
+        self._put(_V + key.encode(), value)
+
+    def delete_kv(self, key: str) -> None:
+        self._delete(_V + key.encode())
+
+    def put_outbox(self, message_id: str, name: str, send: OutboxSend) -> None:
+        self._put(_pair(_U, message_id, name), _pack(send))
+
+    def delete_outbox(self, key: str) -> None:
+        """``key``: as ``Reads.outbox`` yields it (handled id, NUL, seq)."""
+        self._delete(_U + key.encode())
 
     def put_publish_key(self, key: str, message_id: str, at: int) -> None:
         """``at``: bus-clock ms; the publish dedupe window counts from it."""

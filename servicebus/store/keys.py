@@ -33,11 +33,13 @@ KEYSPACES = {
     "segments": b"g/",
     "publish_keys": b"p/",  # publish(dedupe_key=): key -> [message id, bus-clock ms]
     "publish_keys_index": b"q/",  # the same by time, for pruning: time + key -> b""
+    "kv": b"v/",  # bus.kv / message.kv: the service's own state, key -> msgpack value
+    "outbox": b"u/",  # commands a handler sent, committed with it: handled id, seq -> OutboxSend
 }
-_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G, _P, _Q = (KEYSPACES[k] for k in (
+_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G, _P, _Q, _V, _U = (KEYSPACES[k] for k in (
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
     "handled", "deadletters", "replies", "journal", "handled_index", "segments",
-    "publish_keys", "publish_keys_index"))
+    "publish_keys", "publish_keys_index", "kv", "outbox"))
 
 
 _pack = pack

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 from ..clock import BusClock
 from .. import schema
 from ..errors import CorruptRecordError
-from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, ReplyRecord, RunState, SubscriptionRecord
-from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _X, _Y, _end, _pair, _split
+from ..stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
+                      SubscriptionRecord)
+from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
 
 if TYPE_CHECKING:
     from .db import _Guard
@@ -299,6 +300,27 @@ class Reads:
     def replies(self) -> Iterator[tuple[str, ReplyRecord]]:
         for key, record in self._decoded("replies", _Y):
             yield key[len(_Y):].decode(), ReplyRecord._make(record)
+
+    def outbox(self) -> Iterator[tuple[str, OutboxSend]]:
+        """(key, command) of every command a handler sent that is not in its stream yet."""
+        for key, record in self._decoded("outbox", _U):
+            yield key[len(_U):].decode(), OutboxSend._make(record)
+
+    def has_outbox(self, key: str) -> bool:
+        with self._op():
+            return self._db.get(_U + key.encode()) is not None
+
+    def get_kv(self, key: str, default: Any = None) -> Any:
+        """The value ``bus.kv`` holds under ``key``, or ``default``."""
+        raw = _V + key.encode()
+        with self._op():
+            value: bytes | None = self._db.get(raw)
+        return default if value is None else schema.decode("kv", raw, value)
+
+    def kv_items(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        """(key, value) of the ``bus.kv`` keys starting with ``prefix``, in key order."""
+        for key, value in self._decoded("kv", _V + prefix.encode()):
+            yield key[len(_V):].decode(), value
 
     def journal_records(self, limit: int, max_bytes: int, after: int | None = None) -> list[tuple[int, bytes]]:
         """The oldest journal records (seq, packed events), after seq ``after`` if given: at

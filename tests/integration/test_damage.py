@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import plyvel
 import pytest
 
@@ -92,15 +93,15 @@ def test_a_data_directory_without_any_store_gets_a_new_one(tmp_path):
 
 # keyspace -> how to find a key of it in the publisher's or subscriber's store
 KEYSPACES_READ_AT_OPEN = ["subscriptions", "deliveries", "intents", "incoming", "runstate",
-                          "replies", "meta:node", "meta:clock", "meta:format"]
+                          "replies", "outbox", "meta:node", "meta:clock", "meta:format"]
 PREFIX = {"subscriptions": b"s/", "deliveries": b"d/", "intents": b"i/", "incoming": b"n/",
-          "runstate": b"r/", "replies": b"y/", "meta:node": b"m/node", "meta:clock": b"m/clock",
+          "runstate": b"r/", "replies": b"y/", "outbox": b"u/", "meta:node": b"m/node", "meta:clock": b"m/clock",
           "meta:format": b"m/format"}
 
 
 def data_directory_with_every_keyspace(tmp_path) -> tuple[Path, Path]:
     """A publisher (subscriptions, deliveries) and a subscriber (intents, incoming with run
-    state, a reply waiting to be queued), both stopped."""
+    state, a reply and a handler's command waiting to be queued), both stopped."""
     pub = Bus(free_address(), tmp_path / "pub")
     sub = Bus(free_address(), tmp_path / "sub")
     sub.subscribe(pub.address, TOPIC, wait=10)
@@ -109,11 +110,15 @@ def data_directory_with_every_keyspace(tmp_path) -> tuple[Path, Path]:
     sub.send(pub.address, "never.handled", {"n": 2})
     wait_until(lambda: sub.status().incoming == 1, 10)
     wait_until(lambda: pub.status().incoming == 1, 10)
+    pub_address = pub.address
     pub.close()
     sub.close()
     db = plyvel.DB(str(tmp_path / "sub" / "store"))
     (incoming_key,) = list(db.iterator(prefix=b"n/", include_value=False))
     db.put(b"y/" + incoming_key[2:], b"\x94\xa1x\xa1y\xc0\xc4\x00")  # a reply record, well formed
+    # a handler's command in the outbox, well formed: [address, command, body, expires, headers, due]
+    db.put(b"u/" + incoming_key[2:] + b"\x00h:000000",
+           msgpack.packb([pub_address, "never.handled", b"\x80", None, None, None]))
     db.close()
     return tmp_path / "pub", tmp_path / "sub"
 

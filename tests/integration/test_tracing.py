@@ -65,3 +65,18 @@ def test_a_send_and_its_handler_are_traced_too(make_bus, spans):
         sender.send(receiver.address, "email.send", {"to": "a@example.com"})
     wait_until(lambda: seen, 10)
     assert seen == [root.get_span_context().trace_id]
+
+
+def test_what_a_handler_publishes_in_its_transaction_continues_its_trace(make_bus, spans):
+    from opentelemetry import trace
+
+    pub, mid, end = (make_bus(n, tracing=True) for n in ("pub", "mid", "end"))
+    seen = []
+    mid.every(TOPIC, lambda p, m: m.publish("user.welcomed", p))
+    end.every("user.welcomed", lambda p, m: seen.append(trace.get_current_span().get_span_context().trace_id))
+    mid.subscribe(pub.address, TOPIC, wait=10)
+    end.subscribe(mid.address, "user.welcomed", wait=10)
+    with trace.get_tracer("test").start_as_current_span("signup") as root:
+        pub.publish(TOPIC, {"id": 1})
+    wait_until(lambda: seen, 10)
+    assert seen == [root.get_span_context().trace_id]

@@ -319,3 +319,22 @@ def test_a_new_address_beyond_max_peers_is_refused_with_the_option_named():
     with pytest.raises(ValueError, match="max_peers"):
         pub.core.roster.peer("ipc://c")
     assert pub.core.roster.peer("ipc://a")  # a known one is still fine
+
+
+def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_twice(net):
+    from servicebus.core import QueueSend
+    from servicebus.stored import OutboxSend
+
+    sender, receiver = net.node("sender"), net.node("receiver")
+    key = "01handled\x00h:000000"
+    send = OutboxSend(receiver.address, "charge", P.encode_payload({"n": 1}), None, None, None)
+    sender.store.sends[key] = send  # stored by the write that finished the handler's run
+    sender.stop()
+    sender.start()  # a restart queues what the outbox holds ...
+    assert [type(c) for c in sender.commands] == [QueueSend]
+    sender.commands.append(QueueSend(key, send))  # ... and the worker queued it too
+    net.run(lambda: receiver.handled, seconds=5)
+    net.run(seconds=3)
+    assert receiver.payloads() == [{"n": 1}]
+    assert sender.store.sends == {}
+    assert sender.core.s.counters["commands_sent"] == 1

@@ -130,3 +130,34 @@ def test_a_dedupe_key_publishes_once(stub_bus):
     first = stub_bus.publish("t", 1, dedupe_key="k")
     assert stub_bus.publish("t", 1, dedupe_key="k") == first
     assert len(stub_bus.published) == 1
+
+
+def test_a_handlers_transaction_is_applied_on_the_stub_only_if_it_returns(stub_bus):
+    @stub_bus.every("order.placed")
+    def place(payload, message):
+        message.kv.update("orders", lambda c: c + 1, 0)
+        message.kv[f"order:{payload['n']}"] = "placed"
+        message.publish("order.counted", {"n": payload["n"]})
+        message.send("tcp://127.0.0.1:9", "audit.note", {"n": payload["n"]})
+        if message.attempt == 1:
+            raise RuntimeError("first attempt fails")
+
+    stub_bus.publish("order.placed", {"n": 1})
+    stub_bus.drain()
+    assert stub_bus.kv.get("orders") is None and stub_bus.sent == []  # the failed run left nothing
+    stub_bus.advance(60)
+    stub_bus.drain()
+    assert stub_bus.kv.get("orders") == 1 and stub_bus.kv["order:1"] == "placed"
+    assert [s.topic for s in stub_bus.published] == ["order.placed", "order.counted"]
+    assert [(s.topic, s.address) for s in stub_bus.sent] == [("audit.note", "tcp://127.0.0.1:9")]
+
+
+def test_message_kv_outside_a_running_handler_raises_on_the_stub(stub_bus):
+    from servicebus import TransactionError
+
+    kept = []
+    stub_bus.every("t", lambda payload, message: kept.append(message))
+    stub_bus.publish("t", {})
+    stub_bus.drain()
+    with pytest.raises(TransactionError):
+        kept[0].kv.get("x")
