@@ -193,7 +193,8 @@ class SqlOutbox:
             self._wake.clear()
 
     def __enter__(self) -> "SqlOutbox":
-        return self.start()
+        """``with outbox:`` (or ``with outbox.start():``) relays for the block."""
+        return self if self._thread is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -1,5 +1,5 @@
-"""The asyncio example runs and shows one trace id from the publisher to the handler, and
-a metrics scrape (issue 16)."""
+"""The examples of issue 16 run: the asyncio one shows one trace id from the publisher to
+the handler and a metrics scrape; the outbox one bills each committed order once."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def test_the_async_example_carries_each_trace_from_publisher_to_handler_and_scra
     handled = dict(re.findall(r"billing: order (\d) handled in trace +([0-9a-f]{32})", ran.stdout))
     assert len(published) == 3 and handled == published
     assert re.search(r'servicebus_handler_seconds_count\{.*topic="order.placed"\} 3\.0', ran.stdout)
+
+
+def test_the_outbox_example_announces_committed_orders_once_and_bills_each_once():
+    pytest.importorskip("sqlalchemy", reason="SQLAlchemy not installed (pip install -e '.[dev]')")
+    ran = subprocess.run([sys.executable, str(ROOT / "examples" / "outbox" / "main.py")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert re.findall(r"ledger:  invoice for order (\d)", ran.stdout) == ["1", "2", "3"]
+    assert "billing: total 92 " in ran.stdout
+    assert "orders:  3 outbox rows relayed" in ran.stdout
