@@ -73,3 +73,26 @@ def test_an_async_handler_that_raises_is_retried_and_an_async_command_replies(tm
             return attempts
 
     assert asyncio.run(main()) == [1, 2, 3]
+
+
+def test_an_async_handlers_transaction_is_committed_with_its_completion(tmp_path):
+    async def main():
+        async with AsyncBus(free_address(), tmp_path / "pub") as pub, \
+                AsyncBus(free_address(), tmp_path / "sub") as sub:
+            @sub.every(TOPIC)
+            async def count(payload, message):
+                await asyncio.sleep(0)
+                message.kv.update("count", lambda c: c + 1, 0)
+                message.kv[f"n:{payload['n']}"] = message.attempt
+
+            await sub.subscribe(pub.address, TOPIC, wait=10)
+            for n in range(5):
+                await pub.publish(TOPIC, {"n": n})
+            for _ in range(500):
+                if sub.bus.kv.get("count") == 5:
+                    break
+                await asyncio.sleep(0.02)
+            return sub.bus.kv.get("count"), [k for k, _ in sub.bus.kv.items("n:")]
+
+    count, keys = asyncio.run(main())
+    assert count == 5 and keys == [f"n:{n}" for n in range(5)]
