@@ -418,6 +418,7 @@ def audit(ctx: typer.Context) -> None:
     """Reconcile the delivery journals of many buses on Spark (see `servicebus audit --help`).
 
     servicebus audit PATH [PATH ...] --out DIR [--master local[*]] [--since T] [--grace 60s]
+                     [--checkpoint DIR [--carry 7d]]
     """
     from .audit import job  # pyspark is imported only when the audit runs
 

@@ -1,5 +1,6 @@
 """report.html for the delivery audit: a readable page with the verdict, the classes, a
-latency histogram and a throughput-over-time plot (PNG images embedded, no external files)."""
+latency histogram and a throughput-over-time plot (PNG images embedded, no external files),
+and report.png: both plots in one image, for a terminal or a ticket."""
 
 from __future__ import annotations
 
@@ -7,48 +8,80 @@ import base64
 import html
 import io
 from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import Any
 
 CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
 
 
-def _png(fig) -> str:
+def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
 
 
-def _plots(histogram: list[tuple[float, int]], timeline: list[tuple[int, int, int]]) -> dict[str, str]:
+def _per_second(timeline: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Every second from the first to the last, the ones without messages as 0: a plot
+    of only the seconds that had some would draw a straight line across a gap."""
+    if not timeline or timeline[-1][0] - timeline[0][0] > 100_000:
+        return timeline
+    have = {s: (p, h) for s, p, h in timeline}
+    return [(s, *have.get(s, (0, 0))) for s in range(timeline[0][0], timeline[-1][0] + 1)]
+
+
+def _draw_latency(ax, histogram: list[tuple[float, int]]) -> None:
+    lows = [b for b, _ in histogram]
+    ax.bar(lows, [n for _, n in histogram], width=[b * 0.25 for b in lows], align="edge", color="#3b6ea5")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency published -> handled (ms, log scale)")
+    ax.set_ylabel("messages")
+    ax.set_title("End-to-end latency")
+
+
+def _draw_timeline(ax, timeline: list[tuple[int, int, int]]) -> None:
+    timeline = _per_second(timeline)
+    start = timeline[0][0]
+    # Steps one second wide, filled: each is what happened in that second (one artist per
+    # series: a bar per second costs seconds to draw for a long run).
+    edges = [s - start for s, _, _ in timeline] + [timeline[-1][0] - start + 1]
+    ax.stairs([p for _, p, _ in timeline], edges, fill=True, label="published/s", color="#3b6ea5", alpha=0.5)
+    ax.stairs([h for _, _, h in timeline], edges, fill=True, label="handled/s", color="#d0743c", alpha=0.5)
+    ax.set_xlabel(f"seconds since {datetime.fromtimestamp(start, tz=timezone.utc):%Y-%m-%d %H:%M:%S} UTC")
+    ax.set_ylabel("messages per second")
+    ax.set_title("Throughput over time")
+    ax.legend()
+
+
+def _plots(histogram: list[tuple[float, int]],
+           timeline: list[tuple[int, int, int]]) -> tuple[dict[str, str], bytes | None]:
+    """The two plots as base64 PNGs for the page, and both in one PNG (None: no data or
+    no matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {}
+        return {}, None
     images = {}
+    draw: list[tuple[str, Callable[[Any], None]]] = []
     if histogram:
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        lows = [b for b, _ in histogram]
-        ax.bar(lows, [n for _, n in histogram], width=[b * 0.25 for b in lows], align="edge", color="#3b6ea5")
-        ax.set_xscale("log")
-        ax.set_xlabel("latency published -> handled (ms, log scale)")
-        ax.set_ylabel("messages")
-        ax.set_title("End-to-end latency")
-        images["latency"] = _png(fig)
-        plt.close(fig)
+        draw.append(("latency", lambda ax: _draw_latency(ax, histogram)))
     if timeline:
+        draw.append(("timeline", lambda ax: _draw_timeline(ax, timeline)))
+    for name, fn in draw:
         fig, ax = plt.subplots(figsize=(8, 3.2))
-        start = timeline[0][0]
-        xs = [s - start for s, _, _ in timeline]
-        ax.step(xs, [p for _, p, _ in timeline], where="post", label="published/s", color="#3b6ea5")
-        ax.step(xs, [h for _, _, h in timeline], where="post", label="handled/s", color="#d0743c")
-        ax.set_xlabel(f"seconds since {datetime.fromtimestamp(start, tz=timezone.utc):%Y-%m-%d %H:%M:%S} UTC")
-        ax.set_ylabel("messages per second")
-        ax.set_title("Throughput over time")
-        ax.legend()
-        images["timeline"] = _png(fig)
+        fn(ax)
+        images[name] = base64.b64encode(_png(fig)).decode()
         plt.close(fig)
-    return images
+    if not draw:
+        return images, None
+    fig, axes = plt.subplots(len(draw), 1, figsize=(8, 3.4 * len(draw)), squeeze=False)
+    for ax, (_name, fn) in zip(axes[:, 0], draw):
+        fn(ax)
+    fig.tight_layout()
+    both = _png(fig)
+    plt.close(fig)
+    return images, both
 
 
 def _table(rows: list[dict], key: str) -> str:
@@ -60,12 +93,14 @@ def _table(rows: list[dict], key: str) -> str:
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape('-' if r.get(c) is None else str(r.get(c)))}</td>" for c in cols) + "</tr>"
         for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    # Wide tables scroll inside their box, not the page.
+    return f'<div class="wide"><table><tr>{head}</tr>{body}</table></div>'
 
 
 def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
-           timeline: list[tuple[int, int, int]]) -> str:
-    images = _plots(histogram, timeline)
+           timeline: list[tuple[int, int, int]]) -> tuple[str, bytes | None]:
+    """The page, and the PNG of its plots (None without data or matplotlib)."""
+    images, png = _plots(histogram, timeline)
     verdict = ("Nothing lost or duplicated." if summary["ok"] else "Problems found: see below.")
     classes = "".join(f"<tr><td>{c}</td><td>{summary['classes'][c]:,}</td></tr>" for c in CLASSES)
     problems = ""
@@ -79,10 +114,11 @@ def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
                              if name in images else f"<p>({alt}: no data or matplotlib missing)</p>")
     reasons = "".join(f"<li>{html.escape(str(k))}: {v}</li>" for k, v in summary["deadletter_reasons"].items())
     attempts = ", ".join(f"{k}: {v}" for k, v in summary["attempts"].items())
-    return f"""<!doctype html>
+    page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>servicebus delivery audit</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:70em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right}}th{{background:#eee}}
+td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right;white-space:nowrap}}th{{background:#eee}}
+.wide{{max-width:100%;overflow-x:auto}}img{{max-width:100%}}
 .ok{{color:#16632b}}.bad{{color:#a31515}}</style></head><body>
 <h1>servicebus delivery audit</h1>
 <p class="{'ok' if summary['ok'] else 'bad'}"><b>{verdict}</b></p>
@@ -105,3 +141,4 @@ skew count as 0).</p>
 <h2>By receiver</h2>{_table(summary.get('by_receiver') or [], 'receiver')}
 </body></html>
 """
+    return page, png
