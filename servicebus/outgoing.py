@@ -11,10 +11,10 @@ from typing import Any, NamedTuple
 from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER
 from .protocol import encode_payload, validate_address
+from .stored import OutboxSend
 from .topics import validate_topic
 
-__all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "Command", "prepare_event",
-           "prepare_command"]
+__all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_event", "prepare_command"]
 
 
 def check_seconds(value: object, what: str) -> None:
@@ -80,15 +80,6 @@ class Event(NamedTuple):
     priority: int
 
 
-class Command(NamedTuple):
-    address: str
-    command: str
-    body: bytes
-    expires: int | None
-    headers: dict[str, Any] | None
-    due: int | None
-
-
 def prepare_event(topic: str, payloads: Iterable[Any], *, max_payload: int,
                   ttl: float | None = None, headers: dict[str, Any] | None = None,
                   key: str | None = None, delay: float | None = None,
@@ -112,10 +103,11 @@ def prepare_event(topic: str, payloads: Iterable[Any], *, max_payload: int,
 
 def prepare_command(address: str, command: str, payload: Any, *, max_payload: int,
                     ttl: float | None = None, headers: dict[str, Any] | None = None,
-                    due: int | None = None) -> Command:
-    """Check a send and encode its payload; nothing is stored."""
+                    due: int | None = None) -> OutboxSend:
+    """Check a send and encode its payload; nothing is stored. The result is the record a
+    handler's transaction stores (``OutboxSend``): the same fields a send needs."""
     validate_address(address)
     validate_topic(command, "command")
     check_ttl_headers(ttl, headers)
     body = _check_size(encode_payload(payload), max_payload)
-    return Command(address, command, body, _expires(ttl, due), headers or None, due)
+    return OutboxSend(address, command, body, _expires(ttl, due), headers or None, due)

@@ -216,8 +216,9 @@ class Transaction:
         """Stage a command (``Bus.send``'s options)."""
         cmd = prepare_command(address, command, payload, max_payload=self.max_value, ttl=ttl,
                               headers=headers, due=due_ms(delay, deliver_at))
-        headers = cmd.headers if self._inject is None else self._inject(cmd.headers)
-        self.sends.append(OutboxSend(cmd.address, cmd.command, cmd.body, cmd.expires, headers, cmd.due))
+        if self._inject is not None:
+            cmd = cmd._replace(headers=self._inject(cmd.headers))
+        self.sends.append(cmd)
 
     def empty(self) -> bool:
         return not (self.writes or self.updates or self.events or self.sends)
