@@ -65,6 +65,11 @@ class Message(_MessageFields):
         raw = self.headers_raw
         return raw.get("sb-key") if raw else None
 
+    def __repr__(self) -> str:
+        # Without ``transactions``: an internal object, not part of what the message says.
+        shown = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields[:-1], self[:-1]))
+        return f"Message({shown})"
+
     # --- the handler's transaction (transaction.py) ---------------------------------------
 
     def _transactions(self) -> Any:

@@ -37,3 +37,8 @@ def test_every_dead_letter_has_origin_reason_error_and_time_and_what_replay_need
     assert (out["kind"], out["topic"], out["record"][1], out["peer"]) == ("command", "charge", "charge", "tcp://10.0.0.1:1")
     assert (inc["kind"], inc["attempts"], inc["record"][1]) == ("event", 5, "t")
     assert bad["raw"] == b"\xc1" and "record" not in bad and bad["stream"] == "e:t"
+
+
+def test_a_messages_repr_shows_what_it_says_not_the_bus_object_behind_it():
+    m = Message("id1", "t", "node", "tcp://127.0.0.1:1", 0, 1, None, "event", None, None, object())
+    assert repr(m).startswith("Message(id='id1', topic='t'") and "transactions" not in repr(m)
