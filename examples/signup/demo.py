@@ -9,12 +9,10 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
