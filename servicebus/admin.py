@@ -111,6 +111,18 @@ def consumers(store: Store) -> list[ConsumerView]:
     return sorted(views.values(), key=lambda c: (c.peer, c.stream))
 
 
+def oldest_pending(store: Store) -> dict[str, int]:
+    """Subscriber (or address) -> the time (ms, from its id) of the oldest message it is
+    owed. Reads the stored cursors: at most a turn behind the engine."""
+    out: dict[str, int] = {}
+    for c in consumers(store):
+        first = next(c.pending_ids(store), None)
+        if first is not None:
+            ms = id_millis(first)
+            out[c.peer] = min(out.get(c.peer, ms), ms)
+    return out
+
+
 # --- views ---------------------------------------------------------------------------------
 
 

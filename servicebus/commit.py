@@ -52,6 +52,9 @@ class GroupCommit:
         self._leading = False
         self._last_group = 0
         self.fsyncs = 0  # synced writes made (each one fsync of the log)
+        # Called with each committed group's size (callers sharing one fsync), under the
+        # mutex: metrics.py's histogram. None: not observed.
+        self.observe: Callable[[int], None] | None = None
 
     def commit(self, build: Callable[[Batch], T]) -> T:
         """Run ``build(batch)`` under the commit lock, then make the batch durable (shared
@@ -96,6 +99,8 @@ class GroupCommit:
             with self._mutex:
                 if error is None:
                     self.fsyncs += 1
+                    if self.observe is not None:
+                        self.observe(len(group))
                     try:
                         self._on_commit([e.result for e in group])
                     except BaseException as exc:  # noqa: BLE001 - written, but not reported

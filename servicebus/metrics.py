@@ -10,8 +10,12 @@ What is exported (every series labelled with ``bus``, the bus's address):
   ``servicebus_outgoing``, ``servicebus_deadletters``, ``servicebus_peer_up{peer}``,
   ``servicebus_in_flight{peer}``, ``servicebus_malformed_total{reason}``,
   ``servicebus_backlog_full``;
+- ``servicebus_oldest_pending_seconds{subscriber}``: the age of the oldest message each
+  subscriber is owed (from the stored cursors);
 - ``servicebus_handler_seconds{topic}``: a histogram of handler run times (successful or
-  not), observed by the worker threads.
+  not), observed by the worker threads;
+- ``servicebus_group_commit_size``: a histogram of how many publishes (or handler
+  transactions with events) shared each fsync.
 
 The gauges are read at scrape time through ``status()``, which counts the store's
 keyspaces: on a store holding millions of messages a scrape takes that long.
@@ -29,6 +33,9 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ImportError as exc:  # the extra is not installed
     raise ImportError("servicebus metrics need prometheus_client: pip install 'servicebus[metrics]'") from exc
+
+from .admin import oldest_pending
+from .clock import wall_ms
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -67,6 +74,11 @@ class BusCollector:
                       [([me, p.address], 1 if p.up else 0) for p in status.peers])
         yield _family(GaugeMetricFamily, "servicebus_in_flight", "messages sent to the peer, not acknowledged",
                       ["bus", "peer"], [([me, p.address], p.in_flight) for p in status.peers])
+        now = wall_ms()
+        yield _family(GaugeMetricFamily, "servicebus_oldest_pending_seconds",
+                      "age of the oldest message owed, per subscriber", ["bus", "subscriber"],
+                      [([me, sub], max(0.0, (now - ms) / 1000))
+                       for sub, ms in sorted(oldest_pending(bus._store).items())])
         yield _family(CounterMetricFamily, "servicebus_malformed", "frames dropped as malformed",
                       ["bus", "reason"],
                       [([me, reason], n) for reason, n in sorted(status.malformed_by_reason.items())])
@@ -89,6 +101,9 @@ def register(bus: "Bus", registry: CollectorRegistry | None = None) -> Histogram
                         registry=registry)
     address = bus.address
     bus._dispatcher.observe(lambda topic, took: seconds.labels(address, topic).observe(took))
+    groups = Histogram("servicebus_group_commit_size", "callers sharing one fsync", ["bus"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
+    bus._check_open().committer.observe = groups.labels(address).observe
     return seconds
 
 

@@ -8,7 +8,11 @@ import urllib.request
 import pytest
 
 from servicebus import Bus
+from servicebus.clock import wall_ms
+from servicebus.ids import id_millis
 from servicebus.testing import free_address, free_port, wait_until
+
+from ..conftest import subscriber_gone
 
 prometheus_client = pytest.importorskip(
     "prometheus_client", reason="prometheus_client is not installed (pip install 'servicebus[metrics]')")
@@ -47,6 +51,22 @@ def test_a_bus_serves_its_counters_gauges_and_handler_times_on_its_metrics_port(
     assert sample(text, "servicebus_acked_total", bus=pub.address) == 25
     assert sample(text, "servicebus_peer_up", bus=pub.address, peer=sub.address) == 1
     assert sample(text, "servicebus_pending", bus=pub.address, subscriber=sub.address) == 0
+    assert sample(text, "servicebus_group_commit_size_count", bus=pub.address) == 1  # one publish_many
+    assert sample(text, "servicebus_group_commit_size_sum", bus=pub.address) == 1
+
+
+def test_the_age_of_the_oldest_message_owed_is_exported_per_subscriber(make_bus):
+    pub = make_bus("pub", metrics_port=free_port())
+    gone, _ = subscriber_gone(make_bus, pub, TOPIC, known_down=True)
+    first = pub.publish(TOPIC, {"n": 1})
+    pub.publish(TOPIC, {"n": 2})
+
+    def age() -> float | None:
+        text = urllib.request.urlopen(pub.metrics_address, timeout=10).read().decode()
+        return sample(text, "servicebus_oldest_pending_seconds", bus=pub.address, subscriber=gone)
+
+    wait_until(lambda: (age() or 0) >= 1.0, 10, message="an age of a second")  # it grows
+    assert abs(age() - (wall_ms() - id_millis(first)) / 1000) < 1.0  # the oldest one's
 
 
 def test_register_adds_a_bus_to_the_applications_registry_with_handler_times(make_bus):
