@@ -5,20 +5,23 @@ network run in threads (``asyncio.to_thread``) or as futures the loop awaits
 (``asyncio.wrap_future``), so the loop never blocks on an fsync. ``async def`` handlers run
 on the loop the bus was opened on; the worker thread that runs the message waits for the
 coroutine, so a handler's completion is recorded only once it returned, exactly as for a
-plain handler (a raise is a retry, then a dead letter). Plain handlers still run on the
-worker threads. ``async with AsyncBus(...)`` closes it when the block ends.
+plain handler (a raise is a retry, then a dead letter). A handler's ``timeout`` cancels
+its coroutine on the loop (``HandlerTimeout`` in its place). Plain handlers still run on
+the worker threads. ``async with AsyncBus(...)`` closes it when the block ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from .bus import Bus
 from .handlers import Handler, handler_name
+from .outgoing import check_seconds
 from .records import BusStatus, Message
+from .timeouts import HandlerTimeout, timeout_text
 
 __all__ = ["AsyncBus"]
 
@@ -79,17 +82,26 @@ class AsyncBus:
 
     def _register(self, register: Any, topic: str, handler: Handler | None, name: str | None,
                   timeout: float | None) -> Any:
+        if timeout is not None:
+            check_seconds(timeout, "timeout")
+
         def add(fn: Handler) -> Handler:
-            run = fn
-            if inspect.iscoroutinefunction(fn):
-                loop = self._loop
+            stable = name if name is not None else handler_name(fn)
+            if not inspect.iscoroutinefunction(fn):
+                register(topic, fn, name=stable, timeout=timeout)
+                return fn
+            loop = self._loop
+            label = stable or topic
 
-                def run(payload: Any, message: Message) -> Any:
-                    # On a worker thread: the coroutine runs on the loop; this thread waits,
-                    # so the message is done only when the coroutine returned.
-                    return asyncio.run_coroutine_threadsafe(fn(payload, message), loop).result()
+            def run(payload: Any, message: Message) -> Any:
+                # On a worker thread: the coroutine runs on the loop; this thread waits,
+                # so the message is done only when the coroutine returned.
+                return asyncio.run_coroutine_threadsafe(
+                    _limited(fn(payload, message), timeout, label), loop).result()
 
-            register(topic, run, name=name if name is not None else handler_name(fn), timeout=timeout)
+            # The time limit is the loop's (the coroutine is cancelled), not the worker's: an
+            # exception raised in the waiting thread would land only after the coroutine ended.
+            register(topic, run, name=stable, timeout=None)
             return fn
 
         return add if handler is None else add(handler)
@@ -104,3 +116,17 @@ class AsyncBus:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _limited(coro: Coroutine[Any, Any, Any], seconds: float | None, name: str) -> Any:
+    """``coro``, cancelled past ``seconds`` with ``HandlerTimeout`` raised in its place; a
+    ``TimeoutError`` of the handler's own (its own ``asyncio.timeout``) stays what it is."""
+    if seconds is None:
+        return await coro
+    try:
+        async with asyncio.timeout(seconds) as limit:
+            return await coro
+    except TimeoutError:
+        if limit.expired():
+            raise HandlerTimeout(timeout_text(name, seconds)) from None
+        raise

@@ -38,6 +38,10 @@ class HandlerTimeout(Exception):
     """Raised inside a handler that ran longer than its ``timeout``."""
 
 
+def timeout_text(name: str, seconds: float) -> str:
+    return f"handler {name} ran longer than its timeout of {seconds:g}s"
+
+
 def _timeout_class(text: str) -> type[HandlerTimeout]:
     """CPython raises an asynchronous exception by calling its class with no arguments:
     a subclass per firing carries the text."""
@@ -97,8 +101,7 @@ class Watchdog:
                         continue  # finished in time
                     ident, name, seconds = armed
                     self._fired.add(token)
-                    _set_async_exc(ident, _timeout_class(f"handler {name} ran longer than its "
-                                                         f"timeout of {seconds:g}s"))
+                    _set_async_exc(ident, _timeout_class(timeout_text(name, seconds)))
                 wait = self._deadlines[0][0] - now if self._deadlines else None
                 self._lock.wait(wait)
 

@@ -96,3 +96,61 @@ def test_an_async_handlers_transaction_is_committed_with_its_completion(tmp_path
 
     count, keys = asyncio.run(main())
     assert count == 5 and keys == [f"n:{n}" for n in range(5)]
+
+
+
+def _first_dead_letter(bus, seconds=10.0):
+    async def wait():
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline:
+            letters = await asyncio.to_thread(bus.deadletters)
+            if letters:
+                return letters[0]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no dead letter within {seconds}s")
+    return wait()
+
+
+def test_an_async_handler_past_its_timeout_is_cancelled_and_counted_as_a_failed_attempt(tmp_path):
+    async def main():
+        async with AsyncBus(free_address(), tmp_path / "pub") as pub, \
+                AsyncBus(free_address(), tmp_path / "sub", retry_initial=0.05, retry_max=0.05,
+                         max_attempts=2) as sub:
+            cancelled = []
+
+            @sub.every(TOPIC, timeout=0.3)
+            async def hangs(payload, message):
+                try:
+                    await asyncio.sleep(60)  # hung: only the time limit ends it
+                except asyncio.CancelledError:
+                    cancelled.append(message.attempt)
+                    raise
+
+            await sub.subscribe(pub.address, TOPIC, wait=10)
+            started = asyncio.get_running_loop().time()
+            await pub.publish(TOPIC, {"n": 1})
+            letter = await _first_dead_letter(sub.bus)
+            return letter, cancelled, asyncio.get_running_loop().time() - started
+
+    letter, cancelled, took = asyncio.run(main())
+    assert cancelled == [1, 2]  # each coroutine itself was stopped, not left running on the loop
+    assert letter.attempts == 2 and "HandlerTimeout" in letter.error
+    assert "ran longer than its timeout of 0.3s" in letter.error
+    assert took < 5, f"dead letter {took:.1f}s after the publish: the limit did not hold"
+
+
+def test_an_async_handlers_own_timeout_error_is_a_plain_failure_not_the_time_limit(tmp_path):
+    async def main():
+        async with AsyncBus(free_address(), tmp_path / "pub") as pub, \
+                AsyncBus(free_address(), tmp_path / "sub", max_attempts=1) as sub:
+            @sub.every(TOPIC, timeout=30)
+            async def own_timeout(payload, message):
+                async with asyncio.timeout(0.01):
+                    await asyncio.sleep(5)
+
+            await sub.subscribe(pub.address, TOPIC, wait=10)
+            await pub.publish(TOPIC, {"n": 1})
+            return await _first_dead_letter(sub.bus)
+
+    letter = asyncio.run(main())
+    assert letter.error.startswith("TimeoutError"), letter.error
