@@ -25,7 +25,12 @@ dedupe window (subscriber) with libfaketime; store damage (missing CURRENT, a ga
 record, a truncated table, flipped bits) followed by `servicebus check --repair`; kill -9
 of a member of a two-member subscriber group (or of the publisher); kill -9 of either side
 of an ordered subscription, where "out of order" counts messages first handled after one
-published later (must be 0). In a group, a message the killed member had stored but not
+published later (must be 0); kill -9 of a subscriber whose handler counts in
+``message.kv`` and publishes a forwarded event in its transaction (or of its publisher),
+where a third bus (the sink) must get exactly one forwarded event per acknowledged message
+and the stored count must equal the messages handled: a forwarded event missing counts as
+lost, a second one as duplicated, a count off as a state error, reruns after kill -9
+notwithstanding (a rerun's staged writes die with the run that was killed). In a group, a message the killed member had stored but not
 acknowledged is also given to the other member: counted apart ("group handovers"), the
 bound the README states. Faults
 that need root or a kernel feature this machine lacks are skipped with a note saying why.
@@ -72,6 +77,8 @@ KINDS = {
     "group-kill": (2, 10),
     # An ordered subscription, either side killed with SIGKILL: handled in publish order.
     "ordered-kill": (2, 10),
+    # A handler's kv count and forwarded event in its transaction; the subscriber (mostly) killed.
+    "transaction-kill": (2, 10),
 }
 DAMAGE = ("missing CURRENT", "garbage record", "truncated table", "flipped bits")
 
@@ -86,7 +93,7 @@ def log(text: str) -> None:
 class Node:
     def __init__(self, role: str, work: Path, bind: str, prefix: list[str], peer: str | None = None,
                  disk: SmallDisk | None = None, name: str | None = None,
-                 options: tuple[str, ...] = ()) -> None:
+                 options: tuple[str, ...] = (), handled: str = "handled") -> None:
         self.role, self.bind, self.prefix, self.peer, self.disk = role, bind, prefix, peer, disk
         self.name, self.options = name or role, options
         base = disk.path if disk is not None else work
@@ -96,7 +103,7 @@ class Node:
         self.stop_file = work / f"{self.name}.stop"
         self.quiet = work / f"{self.name}.quiet"
         self.acks = work / "acks"
-        self.handled = work / "handled"
+        self.handled = work / handled
         self.proc: subprocess.Popen | None = None
         self.killed: set[int] = set()  # pids ended with SIGKILL
         self.pids: set[int] = set()  # every pid it ran as
@@ -107,7 +114,7 @@ class Node:
         env = {**os.environ, **(moved_clock_env(self.clock) if self.clock else {})}
         cmd = [*self.prefix, sys.executable, NODE, "--role", self.role, "--bind", self.bind,
                "--datadir", str(self.datadir), "--ready", str(self.ready), "--stop", str(self.stop_file)]
-        if self.role == "sub":
+        if self.role in ("sub", "sink"):
             cmd += ["--peer", self.peer, "--handled", str(self.handled), *self.options]
         else:
             cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet)]
@@ -182,6 +189,7 @@ class Run:
     reruns_after_kill: int = 0
     handovers_after_kill: int = 0  # group: stored by a member killed before it acked, also given to another
     out_of_order: int = 0  # ordered: handled (first time) after a message published later
+    state_errors: list[str] = field(default_factory=list)  # transaction: kv count != messages handled
     reported_lost: set[str] = field(default_factory=set)
     deadletters: set[str] = field(default_factory=set)
     repairs: int = 0
@@ -197,6 +205,7 @@ class Chaos:
         self.sub: Node = None  # type: ignore[assignment]
         self.pub: Node = None  # type: ignore[assignment]
         self.subs: list[Node] = []  # every subscriber process (two members for group-kill)
+        self.sink: Node | None = None  # transaction-kill: receives what the subscriber forwards
 
     # -- the workload --
 
@@ -212,8 +221,10 @@ class Chaos:
         else:
             pub_bind, sub_bind = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
             pub_prefix = sub_prefix = []
-        options: tuple[str, ...] = {"group-kill": ("--group", "workers"),
-                                    "ordered-kill": ("--ordered",)}.get(self.kind, ())
+        options: tuple[str, ...] = {
+            "group-kill": ("--group", "workers"), "ordered-kill": ("--ordered",),
+            "transaction-kill": ("--transact", "--kv-out", str(self.work / "kv-count")),
+        }.get(self.kind, ())
         self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"))
         self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=pub_bind, disk=disks.get("sub"),
                         options=options)
@@ -222,23 +233,29 @@ class Chaos:
             bind2 = sub_bind.rsplit(":", 1)[0] + f":{port + 2}"
             self.subs.append(Node("sub", self.work, bind2, sub_prefix, peer=pub_bind, name="sub2",
                                   options=options))
+        if self.kind == "transaction-kill":
+            bind3 = sub_bind.rsplit(":", 1)[0] + f":{port + 2}"
+            self.sink = Node("sink", self.work, bind3, sub_prefix, peer=sub_bind, handled="sink-handled")
         stack.callback(self._stop_all)
         self.pub.start(wait=False)
-        for sub in self.subs:
+        for sub in self.subs + ([self.sink] if self.sink else []):
             if not sub.start():
-                raise RuntimeError(f"the subscriber did not start:\n{sub.tail()}")
+                raise RuntimeError(f"the {sub.name} did not start:\n{sub.tail()}")
         if not self.pub.wait_ready():
             raise RuntimeError(f"the publisher did not start:\n{self.pub.tail()}")
 
+    @property
+    def nodes(self) -> list[Node]:
+        return [n for n in (self.pub, *self.subs, self.sink) if n is not None]
+
     def _stop_all(self) -> None:
-        for node in (self.pub, *self.subs):
-            if node is not None:
-                node.stop()
+        for node in self.nodes:
+            node.stop()
 
     def supervise(self) -> None:
         """A node that exited on its own (a store damaged while running, found after the
         fault) is repaired and restarted: what a careful operator would do."""
-        for node in (self.pub, *self.subs):
+        for node in self.nodes:
             if node.alive():
                 continue
             if node.proc.returncode == 3:
@@ -293,6 +310,11 @@ class Chaos:
 
     def fault_ordered_kill(self, i: int) -> None:
         node = (self.sub, self.pub)[i % 2]
+        node.kill()
+        self.restart(node)
+
+    def fault_transaction_kill(self, i: int) -> None:
+        node = self.rng.choice((self.sub, self.sub, self.sub, self.pub))  # mostly mid-transaction
         node.kill()
         self.restart(node)
 
@@ -376,10 +398,33 @@ class Chaos:
                     run.duplicated.append(mid)
         if self.kind == "ordered-kill":
             run.out_of_order = sum(1 for a, b in zip(order, order[1:]) if b < a)
+        if self.sink is not None:
+            self.count_effects(acked, handlings)
         if len(self.subs) > 1:  # proof that the group shared the work
             share = {sub.name: sum(1 for pids in handlings.values() if members.get(pids[0]) == sub.name)
                      for sub in self.subs}
             run.notes.append("first handled by member: " + ", ".join(f"{k} {v}" for k, v in share.items()))
+
+    def count_effects(self, acked: list[str], handlings: dict[str, list[int]]) -> None:
+        """A transacting handler's effects: one forwarded event per acknowledged message at the
+        sink (never killed, so any second one is a duplicate), and the stored count equal to
+        the distinct messages handled, whatever reruns a kill -9 caused."""
+        forwarded: dict[str, list[str]] = {}
+        if self.sink is not None and self.sink.handled.exists():
+            for line in self.sink.handled.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 3:
+                    forwarded.setdefault(parts[0], []).append(parts[1])
+        run = self.run
+        run.lost += [f"forward of {mid}" for mid in acked if mid in handlings and mid not in forwarded]
+        run.duplicated += [f"forward of {mid}" for mid, ids in forwarded.items() if len(ids) > 1]
+        counted = self.work / "kv-count"
+        stored = int(counted.read_text()) if counted.exists() else None
+        handled = len(handlings)
+        if stored != handled:
+            run.state_errors.append(f"kv count {stored} != {handled} messages handled")
+        run.notes.append(f"forwarded events at the sink: {len(forwarded)} for {handled} messages handled "
+                         f"({sum(len(p) - 1 for p in handlings.values())} handler reruns); kv count {stored}")
 
     def evidence(self) -> None:
         """What the buses themselves logged about the faults: proof they were real."""
@@ -405,6 +450,9 @@ class Chaos:
             # A group's members write to one file (appends of a line each are atomic).
             done = {line.split()[0] for line in self.sub.handled.read_text().splitlines() if line.strip()} \
                 if self.sub.handled.exists() else set()
+            if self.sink is not None:  # and what the handlers forwarded reached the sink
+                done &= {line.split()[0] for line in self.sink.handled.read_text().splitlines() if line.strip()} \
+                    if self.sink.handled.exists() else set()
             if acked <= done | self.run.reported_lost:
                 return
             time.sleep(0.5)
@@ -485,7 +533,7 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
                 chaos.inject(i)
             time.sleep(1.0)
             chaos.settle()
-            for node in (chaos.pub, *chaos.subs):
+            for node in chaos.nodes:  # the subscriber before the sink: it writes its count at stop
                 node.stop()
             chaos.count()
             chaos.evidence()
@@ -504,21 +552,22 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
 def table(runs: list[Run]) -> str:
     head = ("fault", "injected", "acknowledged", "handled", "lost", "duplicated",
             "reruns after kill -9", "group handovers after kill -9", "out of order",
-            "reported lost by repair", "dead letters", "seconds")
+            "reported lost by repair", "state errors", "dead letters", "seconds")
     rows = []
     for r in runs:
         if r.skipped:
-            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", "", "", ""))
+            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", "", "", "", ""))
             continue
         rows.append((r.kind, r.faults, r.acknowledged, r.handled, len(r.lost), len(r.duplicated),
                      r.reruns_after_kill, r.handovers_after_kill, r.out_of_order,
-                     len(r.reported_lost), len(r.deadletters), f"{r.seconds:.0f}"))
+                     len(r.reported_lost), len(r.state_errors), len(r.deadletters), f"{r.seconds:.0f}"))
     done = [r for r in runs if not r.skipped]
     rows.append(("total", sum(r.faults for r in done), sum(r.acknowledged for r in done),
                  sum(r.handled for r in done), sum(len(r.lost) for r in done),
                  sum(len(r.duplicated) for r in done), sum(r.reruns_after_kill for r in done),
                  sum(r.handovers_after_kill for r in done), sum(r.out_of_order for r in done),
-                 sum(len(r.reported_lost) for r in done), sum(len(r.deadletters) for r in done),
+                 sum(len(r.reported_lost) for r in done), sum(len(r.state_errors) for r in done),
+                 sum(len(r.deadletters) for r in done),
                  f"{sum(r.seconds for r in done):.0f}"))
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
     line = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
@@ -560,7 +609,9 @@ def main() -> int:
                 print(f"LOST ({r.kind}): {' '.join(r.lost[:20])}")
             if r.duplicated:
                 print(f"DUPLICATED ({r.kind}): {' '.join(r.duplicated[:20])}")
-    bad = any(r.lost or r.duplicated or r.out_of_order for r in runs)
+            for error in r.state_errors:
+                print(f"STATE ({r.kind}): {error}")
+    bad = any(r.lost or r.duplicated or r.out_of_order or r.state_errors for r in runs)
     return 1 if bad else 0
 
 

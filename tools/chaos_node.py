@@ -6,7 +6,12 @@ SIGKILL of this process), so the orchestrator never parses logs:
 - ``--ready FILE``: written once the bus is up;
 - publisher: each id whose ``publish_many`` returned is appended to ``--acks FILE`` (an
   acknowledged message: the bus promised it);
-- subscriber: each handler run appends ``<id> <pid>`` to ``--handled FILE``.
+- subscriber: each handler run appends ``<id> <pid>`` to ``--handled FILE``; with
+  ``--transact`` the handler also counts in ``message.kv`` and publishes a ``chaos.forwarded``
+  event naming the id, both committed with its completion (the count is written to
+  ``--kv-out FILE`` at a clean stop);
+- sink: subscribes to a transacting subscriber's ``chaos.forwarded`` and appends
+  ``<original id> <forwarded id> <pid>`` to ``--handled FILE`` for each.
 
 Exit codes: 0 after ``--stop FILE`` appears, 3 when the bus cannot go on (a damaged store
 found at open or while running): the message names the cause.
@@ -25,6 +30,7 @@ from pathlib import Path
 from servicebus import Bus, BusBrokenError, StoreError, StoreWriteError
 
 TOPIC = "chaos.event"
+FORWARDED = "chaos.forwarded"
 # Not time.sleep: it fails with EINVAL under libfaketime 0.9.10 with the monotonic clock left
 # alone (wolfcw/libfaketime#426), which is how the clock faults run these processes.
 pause = threading.Event().wait
@@ -36,7 +42,7 @@ def append(fd: int, text: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=("pub", "sub"), required=True)
+    ap.add_argument("--role", choices=("pub", "sub", "sink"), required=True)
     ap.add_argument("--bind", required=True)
     ap.add_argument("--datadir", required=True)
     ap.add_argument("--peer", help="subscriber: the publisher's address")
@@ -48,6 +54,9 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=500, help="messages per second (publisher)")
     ap.add_argument("--group", help="subscriber: join this subscriber group")
     ap.add_argument("--ordered", action="store_true", help="subscriber: an ordered subscription")
+    ap.add_argument("--transact", action="store_true",
+                    help="subscriber: count in message.kv and forward each event in the handler's transaction")
+    ap.add_argument("--kv-out", help="subscriber with --transact: write the kv count here at a clean stop")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()} {args.role}] %(asctime)s %(threadName)s %(message)s")
@@ -58,7 +67,7 @@ def main() -> int:
         return 3
     stop, quiet = Path(args.stop), Path(args.quiet) if args.quiet else None
     try:
-        if args.role == "sub":
+        if args.role in ("sub", "sink"):
             return run_subscriber(bus, args, stop)
         return run_publisher(bus, args, stop, quiet)
     except BusBrokenError as exc:
@@ -73,16 +82,37 @@ def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
     fd = os.open(args.handled, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     pid = os.getpid()
 
-    @bus.every(TOPIC)
-    def handler(payload, message):
-        append(fd, f"{message.id} {pid}\n")
+    if args.role == "sink":
+        @bus.every(FORWARDED)
+        def forwarded(payload, message):
+            append(fd, f"{payload['of']} {message.id} {pid}\n")
 
-    # Stored and retried: no need to wait here.
-    bus.subscribe(args.peer, TOPIC, group=args.group, ordered=args.ordered)
+        bus.subscribe(args.peer, FORWARDED)
+    else:
+        @bus.every(TOPIC)
+        def handler(payload, message):
+            if args.transact:  # both land with the completion, or neither does
+                message.kv.update("handled", lambda n: n + 1, 0)
+                message.publish(FORWARDED, {"of": message.id})
+            append(fd, f"{message.id} {pid}\n")
+            if args.transact:
+                pause(0.005)  # runs that last a moment: some kills land between staging and commit
+
     Path(args.ready).write_text(str(pid))
+    if args.role == "sub":
+        # What a handler forwards before the sink subscribed would go to nobody: a
+        # transacting subscriber takes events only once the sink is there (stored after).
+        deadline = time.monotonic() + 60
+        while args.transact and bus.status().subscriptions == 0 and time.monotonic() < deadline:
+            pause(0.05)
+        # Stored and retried: no need to wait here.
+        bus.subscribe(args.peer, TOPIC, group=args.group, ordered=args.ordered)
     while not stop.exists():
         pause(0.2)
         bus.status()  # BusBrokenError if the engine stopped (a store damaged while running)
+    if args.kv_out:
+        bus.drain(30)
+        Path(args.kv_out).write_text(str(bus.kv.get("handled", 0)))
     return 0
 
 

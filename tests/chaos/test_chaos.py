@@ -28,4 +28,5 @@ def test_nothing_acknowledged_is_lost_or_duplicated_under(kind):
     assert run["acknowledged"] > 0
     assert run["lost"] == [] and run["duplicated"] == [], (run, done.stderr[-3000:])
     assert run["out_of_order"] == 0, (run, done.stderr[-3000:])
+    assert run["state_errors"] == [], (run, done.stderr[-3000:])
     assert done.returncode == 0
