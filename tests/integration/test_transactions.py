@@ -206,3 +206,67 @@ def test_a_handler_killed_at_any_point_neither_loses_nor_repeats_its_transaction
         assert len(state.kv.items("n:")) == 300
     finally:
         state.close()
+
+
+def test_two_handlers_on_a_topic_each_commit_their_own_transaction_once(make_bus):
+    """The run that returned is recorded with its writes and not run again; the one that
+    failed is retried alone, and only its last attempt's writes land."""
+    pub = make_bus("pub")
+    sub = make_bus("sub", retry_initial=0.05)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    runs = Counter()
+
+    @sub.every(TOPIC, name="bill")
+    def bill(payload, message):
+        runs["bill"] += 1
+        message.kv.update("billed", lambda c: c + 1, 0)
+
+    @sub.every(TOPIC, name="ship")
+    def ship(payload, message):
+        runs["ship"] += 1
+        message.kv.update("shipped", lambda c: c + 1, 0)
+        if message.attempt < 3:
+            raise RuntimeError("not yet")
+
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: sub.kv.get("shipped") == 1, 20, message="the third attempt of ship")
+    assert sub.drain(10)
+    assert runs == Counter({"bill": 1, "ship": 3})
+    assert sub.kv.get("billed") == 1 and sub.kv.get("shipped") == 1
+
+
+def test_a_command_handlers_transaction_lands_with_its_reply(make_bus):
+    server = make_bus("server")
+    client = make_bus("client")
+
+    @server.handle("order.reserve")
+    def reserve(payload, message):
+        message.kv.update("reserved", lambda c: c + payload["qty"], 0)
+        return {"ok": True}
+
+    assert client.request(server.address, "order.reserve", {"qty": 2}, timeout=10) == {"ok": True}
+    assert client.request(server.address, "order.reserve", {"qty": 3}, timeout=10) == {"ok": True}
+    assert server.kv.get("reserved") == 5
+
+
+def test_a_run_past_its_timeout_leaves_nothing_it_staged(make_bus):
+    pub = make_bus("pub")
+    sub = make_bus("sub", retry_initial=0.05, max_attempts=2)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    release = threading.Event()
+
+    @sub.every(TOPIC, timeout=0.3)
+    def slow(payload, message):
+        message.kv.update("staged", lambda c: c + 1, 0)
+        message.publish(f"{TOPIC}.done", {"n": 1})
+        while not release.is_set():  # Python instructions: the time limit lands here
+            release.wait(0.01)
+
+    pub.publish(TOPIC, {"n": 1})
+    try:
+        wait_until(lambda: sub.deadletters(), 10, message="the dead letter after two timed-out runs")
+    finally:
+        release.set()
+    assert sub.drain(10)
+    assert sub.kv.get("staged") is None
+    assert sub.status().pending == 0 and sub.counters().get("published", 0) == 0
