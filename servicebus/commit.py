@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 from .store import Batch, Store
@@ -118,6 +119,13 @@ class GroupCommit:
         if error is not None:
             raise error
         return entry.result
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No batch is built and no group reported meanwhile: builds read state the engine
+        thread owns (who subscribes to what), and the engine rebuilds it under this."""
+        with self._mutex:
+            yield
 
     def _pass_lead(self) -> _Entry[Any] | None:
         """Under the mutex: the entry that leads next (queued during this write), marked so,

@@ -191,7 +191,9 @@ class Engine(threading.Thread):
                 if within and found is not None and found[0] != ids[0]:
                     self.submit(Supersede(found[0], topic))
                 return ids
-        if not self.core.streams.targets(topic):  # nobody subscribed: nothing to store
+        with self.committer.exclusive():  # not while the engine reloads who subscribes
+            nobody = not self.core.streams.targets(topic)
+        if nobody:  # nothing to store
             ids = self.ids.many(len(bodies)) if due is None else self.ids.delayed(len(bodies), due)
             with self._count_lock:
                 self.published += len(ids)
@@ -489,10 +491,15 @@ class Engine(threading.Thread):
         log.warning("the store can be written again (it had failed: %s); reloading delivery "
                     "state and going on", self._degraded)
         self._degraded = None
-        self._queue = deque(c for c in self._queue
-                            if not isinstance(c, (Published, QueueReply, QueueSend, Supersede)))
-        # As at a start: cursors, subscriptions, intents, stored replies ...
-        self._queue.extend(self.core.reload(self.store.batch()))
+        # Publishing threads (retrying since the store failed) write again from the moment
+        # it reopened. Reloading clears, then rebuilds, the subscriptions their writes go
+        # by: a publish in between would find nobody subscribed and store nothing. So no
+        # publish is built meanwhile; one reported before is in the store, read from it.
+        with self.committer.exclusive():
+            self._queue = deque(c for c in self._queue
+                                if not isinstance(c, (Published, QueueReply, QueueSend, Supersede)))
+            # As at a start: cursors, subscriptions, intents, stored replies ...
+            self._queue.extend(self.core.reload(self.store.batch()))
         # ... and the handlers get whatever is stored and not in memory, off this thread.
         threading.Thread(target=self.dispatcher.refill, name="servicebus-refill", daemon=True).start()
 

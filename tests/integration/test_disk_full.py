@@ -1,6 +1,7 @@
 """A full disk is an error, then a recovery (DESIGN.md section 3, rule 10): real ENOSPC on a
 small tmpfs, filled and freed while real buses run on it."""
 
+import time
 from collections import Counter
 
 import pytest
@@ -182,3 +183,77 @@ def test_a_finishing_write_dropped_with_a_failed_one_is_written_again_not_rerun(
     sub._dispatcher.refill()  # what the engine runs after it reopened the store
     wait_until(lambda: sub.status().incoming == 0, 10, message="the finishing write redone")
     assert sub.drain(5) and runs[mid] == 1
+
+
+def test_a_transaction_whose_commit_meets_a_full_disk_is_applied_once_when_space_returns(disk, make_bus):
+    """The disk fills inside a handler that staged a kv update and an event: its run is
+    not repeated and its writes land once, with those of the runs queued behind it. The
+    workers waiting to commit wake as the store is reopened, while the engine reloads its
+    subscriptions: a commit then found nobody subscribed and stored its event nowhere."""
+    pub = make_bus("pub")
+    sub = make_bus("sub", datadir=disk.path / "sub", journal=False, workers=4)
+    down = make_bus("down")
+    forwarded = counting_handler(down, f"{TOPIC}.done")
+    down.subscribe(sub.address, f"{TOPIC}.done", wait=10)
+    runs = Counter()
+
+    @sub.every(TOPIC)
+    def forward(payload, message):
+        runs[payload["n"]] += 1
+        message.kv.update("count", lambda c: c + 1, 0)
+        message.publish(f"{TOPIC}.done", {"n": payload["n"]})
+        if payload["n"] == 0:
+            disk.fill()  # full before this run's transaction is written
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish_many(TOPIC, [{"n": n, "pad": "x" * 2000} for n in range(100)])
+    wait_until(lambda: sub.status().store_error is not None, 20, message="the commit to fail")
+    disk.free()
+    wait_until(lambda: len(forwarded) == 100, 30,
+               message=lambda: f"forwards of {sorted(set(range(100)) - set(forwarded))}")
+    assert sub.drain(10) and down.drain(10)
+    assert set(runs.values()) == {1}, {n: c for n, c in runs.items() if c > 1}
+    assert set(forwarded.values()) == {1}
+    assert sub.kv.get("count") == 100
+
+
+def test_publishes_retried_through_a_full_disk_all_arrive_once_it_is_freed(disk, make_bus):
+    """Threads that retry their publish while the disk is full: each publish that returned
+    an id arrives. Retries that ran while the engine reloaded its subscriptions after the
+    store was reopened found nobody subscribed, returned ids and stored nothing."""
+    import threading
+
+    pub = make_bus("pub", datadir=disk.path / "pub", journal=False)
+    sub = make_bus("sub")
+    got = counting_handler(sub, TOPIC)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    returned: list[int] = []
+    filled, lock = threading.Event(), threading.Lock()
+
+    def publisher(base: int) -> None:
+        for n in range(base, base + 150):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    pub.publish(TOPIC, {"n": n, "pad": "x" * 1000})
+                    break
+                except StoreWriteError:
+                    filled.set()
+                    threading.Event().wait(0.0005)  # retry, as a service would
+            with lock:
+                returned.append(n)
+
+    threads = [threading.Thread(target=publisher, args=(k * 1000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(returned) >= 50, 20, message="publishes before the disk fills")
+        disk.fill()
+        wait_until(filled.is_set, 20, message="a publish to meet the full disk")
+    finally:
+        disk.free()
+        for t in threads:
+            t.join(60)
+    wait_until(lambda: set(got) >= set(returned), 30,
+               message=lambda: f"{len(set(returned) - set(got))} returned publishes not arrived")
+    assert set(got.values()) == {1}
