@@ -191,8 +191,10 @@ class Engine(threading.Thread):
                 if within and found is not None and found[0] != ids[0]:
                     self.submit(Supersede(found[0], topic))
                 return ids
-        with self.committer.exclusive():  # not while the engine reloads who subscribes
-            nobody = not self.core.streams.targets(topic)
+        nobody = not self.core.streams.targets(topic)
+        if nobody:  # asked again, not while the engine reloads who subscribes (_recover)
+            with self.committer.exclusive():
+                nobody = not self.core.streams.targets(topic)
         if nobody:  # nothing to store
             ids = self.ids.many(len(bodies)) if due is None else self.ids.delayed(len(bodies), due)
             with self._count_lock:
