@@ -145,7 +145,9 @@ class Core:
 
     def reload(self, batch: WriteBatch) -> list[QueueReply | QueueSend]:
         """Start over from the store, as at a start, after a write failed and the store
-        was reopened. Connections and callers waiting on intents are kept."""
+        was reopened. Connections and callers waiting on intents are kept. The caller holds
+        publishing off meanwhile: ``stream_peers`` is empty until the load rebuilt it, and a
+        publish reading it then would go to nobody."""
         s = self.s
         waiters = {key: intent for key, intent in s.intents.items() if intent.waiters}
         for peer in s.peers.values():
