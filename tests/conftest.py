@@ -117,8 +117,17 @@ class BusProcess:
             self.proc.wait(10)
             forget_moved_clock(self.proc.pid)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process keeps its sockets and answers nothing (a hung VM, a long GC
+        pause, a debugger)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a frozen one would not see SIGTERM
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(20)
