@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -408,3 +409,72 @@ def test_an_admin_directory_made_in_advance_by_another_user_is_refused(make_bus,
             make_bus("bus", datadir=datadir)
     finally:
         expected.rmdir()
+
+
+def _mutated_frames(count: int, seed: int, addr: str) -> list[list[bytes]]:
+    """Frames of every kind with header fields deleted, added, or replaced by values of
+    other types and sizes, kept only if they still decode: what passes the protocol's
+    checks and reaches the core. Subscribes name ``addr`` (a bus that answers pings, so
+    that they are stored with their odd options)."""
+    import random
+
+    rng = random.Random(seed)
+    env = P.Envelope("a" * 24, "user.signup", 1_700_000_000_000, P.encode_payload({"n": 1}),
+                     2, 5, "c", {"sb-key": "k", "traceparent": "x"})
+    goods = [P.encode_batch(kind, "n", addr, [env]) for kind in (P.Kind.EVENT, P.Kind.COMMAND, P.Kind.REPLY)]
+    goods += [P.encode_ack(["a" * 24]), P.encode_nack(["a" * 24], "x"), P.encode_ping("n", "b"),
+              P.encode_subscribe("i" * 24, "user.*", addr, "n", group="g", limit=5),
+              P.encode_subscribe("i" * 24, "user.>", addr, "n", ordered=True),
+              P.encode_subscribe("i" * 24, TOPIC, addr, "n", limit=3),
+              P.encode_unsubscribe("i" * 24, "t", addr, "n"), P.encode_pong("n", "b", 10, ("zstd",))]
+    values = [None, True, 0, -1, 2**63 - 1, 1.5, "", "x" * 300, b"\xff", [], [1, "a"], {"k": 1}]
+
+    def mutate(obj: object) -> object:
+        if isinstance(obj, dict) and obj:
+            key = rng.choice(list(obj))
+            if rng.random() < 0.2:
+                del obj[key]
+            else:
+                obj[key] = mutate(obj[key]) if rng.random() < 0.4 else rng.choice(values)
+            if rng.random() < 0.1:
+                obj[rng.choice(["group", "ordered", "limit", "now", "z", "max"])] = rng.choice(values)
+            return obj
+        if isinstance(obj, list) and obj:
+            i = rng.randrange(len(obj))
+            obj[i] = mutate(obj[i]) if rng.random() < 0.4 else rng.choice(values)
+            return obj
+        return rng.choice(values)
+
+    frames = []
+    while len(frames) < count:
+        good = rng.choice(goods)
+        header = mutate(msgpack.unpackb(good[2], raw=False, strict_map_key=False))
+        candidate = [good[0], good[1], msgpack.packb(header, use_bin_type=True), good[3]]
+        try:
+            P.decode(candidate, max_payload=1 << 20)
+        except Exception:  # noqa: BLE001 - only what decodes is of interest here
+            continue
+        frames.append(candidate)
+    return frames
+
+
+def test_frames_with_odd_but_well_formed_headers_do_not_stop_the_engine(make_bus, raw):
+    pub, sub, other = make_bus("pub"), make_bus("sub"), make_bus("other")
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p["n"]))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    socks = [raw(pub.address) for _ in range(4)]
+    frames = _mutated_frames(1500, seed=11, addr=other.address)
+    for i, frame in enumerate(frames):
+        socks[i % 4].send_multipart(frame)
+    for sock in socks:  # a ping last: its pong comes once the bus has read everything before it
+        sock.send_multipart(P.encode_ping("fuzz", "b"))
+        deadline = time.monotonic() + 20
+        while True:
+            assert sock.poll(max(0, int((deadline - time.monotonic()) * 1000))), "no pong: the bus stopped reading"
+            if sock.recv_multipart()[1] == bytes([P.Kind.PONG]):
+                break
+    assert pub.status().malformed + bus_refused(pub) > 0
+    pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
+    wait_until(lambda: sorted(got) == list(range(50)), 20, message=lambda: f"{len(got)} of 50 after the frames")
+    assert pub.status().running and pub.status().subscriptions >= 2  # some odd ones were stored
