@@ -27,6 +27,17 @@ def disk(tmp_path):
         yield small
 
 
+def fill_the_subscribers_disk(pub, sub, disk, handled, total: int) -> None:
+    """50 messages handled, then the subscriber's disk filled while the rest (up to
+    ``total``, padded) is published, until the subscriber notices it cannot store."""
+    pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
+    wait_until(lambda: handled() == 50, 10)
+    disk.fill()
+    for start in range(50, total, 100):
+        pub.publish_many(TOPIC, [{"n": n, "pad": "x" * 500} for n in range(start, start + 100)])
+    wait_until(lambda: sub.status().store_error is not None, 20, message="the subscriber to notice")
+
+
 def test_publish_on_a_full_disk_raises_and_the_bus_resumes_by_itself_when_space_returns(disk, make_bus):
     pub = make_bus("pub", datadir=disk.path / "pub", journal=False)
     sub = make_bus("sub")
@@ -58,12 +69,7 @@ def test_a_subscriber_on_a_full_disk_stops_acking_and_handles_everything_once_wh
     sub = make_bus("sub", datadir=disk.path / "sub", journal=False)
     got = counting_handler(sub, TOPIC)
     sub.subscribe(pub.address, TOPIC, wait=10)
-    pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
-    wait_until(lambda: len(got) == 50, 10)
-    disk.fill()
-    for start in range(50, 2050, 100):
-        pub.publish_many(TOPIC, [{"n": n, "pad": "x" * 500} for n in range(start, start + 100)])
-    wait_until(lambda: sub.status().store_error is not None, 20, message="the subscriber to notice")
+    fill_the_subscribers_disk(pub, sub, disk, lambda: len(got), 2050)
     assert pub.status().pending > 0  # it did not ack what it could not store
     disk.free()
     wait_until(lambda: len(got) == 2050, 30, message=lambda: f"{len(got)} of 2050 handled")
@@ -272,12 +278,7 @@ def test_an_ordered_subscription_keeps_its_order_through_a_full_disk_at_the_subs
             seen.append(payload["n"])
 
     sub.subscribe(pub.address, TOPIC, ordered=True, wait=10)
-    pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
-    wait_until(lambda: len(seen) == 50, 10)
-    disk.fill()
-    for start in range(50, 1050, 100):
-        pub.publish_many(TOPIC, [{"n": n, "pad": "x" * 500} for n in range(start, start + 100)])
-    wait_until(lambda: sub.status().store_error is not None, 20, message="the subscriber to notice")
+    fill_the_subscribers_disk(pub, sub, disk, lambda: len(seen), 1050)
     disk.free()
     wait_until(lambda: len(set(seen)) == 1050, 30, message=lambda: f"{len(set(seen))} of 1050 handled")
     assert seen == list(range(1050))  # in publish order, each once
