@@ -96,8 +96,11 @@ class AsyncBus:
             def run(payload: Any, message: Message) -> Any:
                 # On a worker thread: the coroutine runs on the loop; this thread waits,
                 # so the message is done only when the coroutine returned.
-                return asyncio.run_coroutine_threadsafe(
-                    _limited(fn(payload, message), timeout, label), loop).result()
+                try:
+                    return asyncio.run_coroutine_threadsafe(
+                        _contained(_limited(fn(payload, message), timeout, label)), loop).result()
+                except _Escaped as escaped:
+                    raise escaped.original from None  # a failed attempt (runner.py)
 
             # The time limit is the loop's (the coroutine is cancelled), not the worker's: an
             # exception raised in the waiting thread would land only after the coroutine ended.
@@ -116,6 +119,23 @@ class AsyncBus:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class _Escaped(Exception):
+    """Carries a ``SystemExit`` or ``KeyboardInterrupt`` an async handler raised past the
+    loop to the worker thread: asyncio re-raises those two out of the running loop, which
+    would end the service's ``asyncio.run`` for one message's handler."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(repr(original))
+        self.original = original
+
+
+async def _contained(coro: Coroutine[Any, Any, Any]) -> Any:
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Escaped(exc) from None
 
 
 async def _limited(coro: Coroutine[Any, Any, Any], seconds: float | None, name: str) -> Any:

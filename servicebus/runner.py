@@ -67,6 +67,21 @@ class Publisher(Protocol):
         """As a publish to ``topic`` would: wait for room, or raise ``BacklogFull``."""
 
 
+def _failed_text(exc: BaseException) -> str:
+    """The error recorded for a handler run that raised ``exc``.
+
+    Every exception a handler raises fails that attempt, ``BaseException`` included
+    (``SystemExit``, ``KeyboardInterrupt``): the message is retried, then dead-lettered,
+    like any other. Letting it through would not stop the process (raised on a worker
+    thread, Python only ends that thread) but would strand the message: neither done
+    nor retried, and its ordered lane let go. Ask for a stop another way (close the bus
+    from the main thread)."""
+    if not isinstance(exc, Exception):
+        log.error("a handler raised %s, which is not an Exception: that attempt failed; the bus "
+                  "does not end the process from a handler thread", type(exc).__name__)
+    return f"{type(exc).__name__}: {exc}"
+
+
 class _UpdateFailed(Exception):
     """A ``message.kv.update`` function raised at the commit: the run failed."""
 
@@ -351,8 +366,8 @@ class Runner:
                 log.info("handler %s asked to retry %s %s (attempt %d/%d): %s", name, topic,
                          mid, attempts, config.max_attempts, exc)
                 continue
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
+            except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
+                error = _failed_text(exc)
                 log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
                             mid, attempts, config.max_attempts, error)
                 continue
@@ -413,10 +428,10 @@ class Runner:
         self._txs[mid] = None
         try:
             reply: dict = {"ok": True, "value": handler(payload, message)}
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
             log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
             reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-            events.append(_event("handler_failed", item, message.attempt, f"{type(exc).__name__}: {exc}"))
+            events.append(_event("handler_failed", item, message.attempt, _failed_text(exc)))
         finally:
             tx = self._txs.pop(mid, None)
         if not reply["ok"]:

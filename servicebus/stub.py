@@ -196,7 +196,7 @@ class StubBus:
         message = self._message(_Queued(mid, Kind.COMMAND, command, body, headers, None, "stub"), 1)
         try:
             return self._call(handlers[0][1], decode_payload(body), message)
-        except Exception as exc:  # noqa: BLE001 - the caller gets it, as from a remote bus
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it, as from a remote bus
             raise RemoteError(type(exc).__name__, str(exc)) from exc
 
     # --- handlers and subscriptions -------------------------------------------------------
@@ -289,7 +289,7 @@ class StubBus:
             except Reject as exc:
                 self._dead(msg, "rejected", f"Reject: {exc}")
                 return
-            except Exception as exc:  # noqa: BLE001 - a handler's failure is a retry
+            except BaseException as exc:  # noqa: BLE001 - a failure, SystemExit too (as on a Bus)
                 failure = exc
                 after = exc.after if isinstance(exc, Retry) else None
                 continue

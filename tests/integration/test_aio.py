@@ -154,3 +154,26 @@ def test_an_async_handlers_own_timeout_error_is_a_plain_failure_not_the_time_lim
 
     letter = asyncio.run(main())
     assert letter.error.startswith("TimeoutError"), letter.error
+
+
+def test_an_async_handler_raising_system_exit_fails_its_attempt_and_leaves_the_loop_running(tmp_path):
+    async def main():
+        async with AsyncBus(free_address(), tmp_path / "pub") as pub, \
+                AsyncBus(free_address(), tmp_path / "sub", retry_initial=0.05, retry_max=0.05) as sub:
+            attempts = []
+            done = asyncio.Event()
+
+            @sub.every(TOPIC)
+            async def exits_once(payload, message):
+                attempts.append(message.attempt)
+                if message.attempt == 1:
+                    raise SystemExit("from a coroutine")
+                done.set()
+
+            await sub.subscribe(pub.address, TOPIC, wait=10)
+            await pub.publish(TOPIC, 1)
+            await asyncio.wait_for(done.wait(), 10)
+            assert await sub.drain(10)
+            return attempts, (await sub.status()).incoming
+
+    assert asyncio.run(main()) == ([1, 2], 0)

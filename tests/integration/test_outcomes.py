@@ -135,3 +135,95 @@ def test_a_timeout_that_is_not_positive_seconds_is_refused(make_bus, timeout):
     bus = make_bus("a")
     with pytest.raises(ValueError, match="timeout"):
         bus.every(TOPIC, lambda p, m: None, timeout=timeout)
+
+
+class Stop(BaseException):
+    """Neither an Exception nor SystemExit: the odd BaseException a library may raise."""
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), Stop("odd")],
+                         ids=["SystemExit", "KeyboardInterrupt", "BaseException"])
+def test_a_handler_raising_a_base_exception_has_failed_that_attempt_and_runs_again(make_bus, raised):
+    pub, sub = pair(make_bus, retry_initial=0.01, retry_max=0.02)
+    attempts = []
+
+    @sub.every(TOPIC)
+    def exits_once(payload, message):
+        attempts.append(message.attempt)
+        if message.attempt == 1:
+            raise raised
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: attempts == [1, 2], 10)
+    assert sub.drain(10)
+    status = sub.status()
+    assert (status.incoming, status.deadletters) == (0, 0)
+    assert attempts == [1, 2]
+
+
+def test_a_handler_that_always_raises_system_exit_becomes_a_dead_letter_naming_it(make_bus):
+    pub, sub = pair(make_bus, max_attempts=3, retry_initial=0.01, retry_max=0.02)
+    attempts = []
+
+    @sub.every(TOPIC)
+    def exits(payload, message):
+        attempts.append(message.attempt)
+        raise SystemExit("shutting down from a handler")
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    assert attempts == [1, 2, 3]
+    letter = sub.deadletters()[0]
+    assert (letter.reason, letter.error) == ("handler_failed", "SystemExit: shutting down from a handler")
+    assert sub.drain(5) and sub.status().incoming == 0
+
+
+def test_drain_waits_for_a_message_whose_handler_raised_system_exit(make_bus):
+    pub, sub = pair(make_bus, retry_initial=0.5, retry_max=0.5)
+    attempts = []
+
+    @sub.every(TOPIC)
+    def exits_once(payload, message):
+        attempts.append(message.attempt)
+        if message.attempt == 1:
+            raise SystemExit(1)
+
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, 1)
+    wait_until(lambda: attempts == [1], 10)
+    assert not sub.drain(0.1)  # its retry is still owed
+    assert sub.status().incoming == 1
+    assert sub.drain(10) and attempts == [1, 2]
+
+
+def test_an_ordered_lane_waits_for_a_message_whose_handler_raised_system_exit(make_bus):
+    pub, sub = pair(make_bus, retry_initial=0.05, retry_max=0.05)
+    order = []
+
+    @sub.every(TOPIC)
+    def record(payload, message):
+        if payload == 0 and message.attempt == 1:
+            raise SystemExit(1)
+        order.append(payload)
+
+    sub.subscribe(pub.address, TOPIC, wait=10, ordered=True)
+    pub.publish_many(TOPIC, list(range(10)))
+    wait_until(lambda: len(order) == 10, 10)
+    assert order == list(range(10))
+
+
+def test_a_request_handler_raising_system_exit_replies_with_a_remote_error(make_bus):
+    from servicebus import RemoteError
+
+    server = make_bus("server")
+    client = make_bus("client", free_address())
+
+    @server.handle("quote")
+    def quote(payload, message):
+        raise SystemExit("no quotes today")
+
+    with pytest.raises(RemoteError, match="SystemExit"):
+        client.request(server.address, "quote", {}, timeout=10)
+    assert server.drain(10) and server.status().incoming == 0

@@ -161,3 +161,21 @@ def test_message_kv_outside_a_running_handler_raises_on_the_stub(stub_bus):
     stub_bus.drain()
     with pytest.raises(TransactionError):
         kept[0].kv.get("x")
+
+
+def test_a_handler_raising_system_exit_fails_its_attempt_on_the_stub_as_on_a_bus():
+    bus = StubBus(max_attempts=2, retry_initial=1.0, retry_max=1.0)
+    runs = []
+
+    @bus.every("t")
+    def exits(payload, message):
+        runs.append(message.attempt)
+        raise SystemExit("from a handler")
+
+    bus.publish("t", 1)
+    bus.drain()
+    bus.advance(1.0)
+    bus.drain()
+    assert runs == [1, 2]
+    letter, = bus.deadletters()
+    assert (letter.reason, letter.error) == ("handler_failed", "SystemExit: from a handler")
