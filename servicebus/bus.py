@@ -22,6 +22,7 @@ from typing import Any
 
 
 from . import engine as E
+from . import forks
 from .sockets import Sockets
 from .config import BusConfig
 from .dispatch import Dispatcher
@@ -60,6 +61,8 @@ class Bus:
         validate_bind(bind, config.advertise)
         self.datadir = Path(datadir)
         self._closed = False
+        self._pid = os.getpid()
+        self._forked = False  # this is a fork()ed child's copy (forks.py)
         self.metrics_address: str | None = None  # with metrics_port: where they are served
         self._tracer: Any = None
         if self.config.tracing:
@@ -79,6 +82,7 @@ class Bus:
         # Everything opened is closed by this stack, in reverse: a failure at any step of
         # opening closes exactly what was opened before it, and close() is the same unwind.
         self._resources = ExitStack()
+        forks.watch(self)
         try:
             self._open(bind, self._resources)
         except BaseException:
@@ -136,7 +140,8 @@ class Bus:
             from .tracing import current_context
 
             runner.inject = current_context
-        self.kv = KeyValue(store, self._commit_kv, runner.kv_lock, self.config.max_payload)
+        self.kv = KeyValue(store, self._commit_kv, runner.kv_lock, self.config.max_payload,
+                           self._check_open)
         (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
         stack.callback(self._remove_endpoint_files)
         dispatcher.start()
@@ -207,7 +212,13 @@ class Bus:
 
     # --- plumbing ----------------------------------------------------------------------
 
+    def orphan(self) -> None:
+        """In a fork()ed child (forks.py): every call raises ``BusForkedError``."""
+        self._forked = True
+
     def _check_open(self) -> E.Engine:
+        if self._forked:
+            raise forks.forked_error("Bus", self._pid)
         engine = self._engine
         if self._closed or engine is None:
             raise BusClosedError("the bus is closed")
@@ -411,6 +422,7 @@ class Bus:
         command is still delivered (and handled) later; its late reply is logged and dropped.
         """
         check_seconds(timeout, "timeout")
+        self._check_open()  # before the requests' lock (after a fork it may be held)
         corr, future = self._requests.new(timeout, f"{command} at {address}")
         try:
             stored = self._send(address, command, payload, ttl=None, headers=headers,
@@ -632,6 +644,10 @@ class Bus:
     def close(self) -> None:
         """Stop taking work, let running handlers finish (up to ``close_timeout``), make
         everything durable, close the store and release the lock. Idempotent."""
+        if self._forked:
+            # The parent's to close: here its threads are gone and its locks may be held.
+            self._closed = True
+            return
         with self._close_lock:
             if self._closed:
                 return
@@ -651,5 +667,5 @@ class Bus:
         return f"<Bus {getattr(self, 'address', '?')} {self.datadir} {state}>"
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and not self._forked:
             log.warning("%r was never closed", self)

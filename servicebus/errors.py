@@ -13,6 +13,7 @@ __all__ = [
     "CorruptRecordError",
     "StoreWriteError",
     "BusBrokenError",
+    "BusForkedError",
     "LockedError",
     "TransportError",
     "ProtocolError",
@@ -61,6 +62,11 @@ class BusBrokenError(BusError):
     """The bus cannot go on (its engine stopped on an error it could not get past). Every
     call after that raises this, naming the cause; unlike ``BusClosedError``, nobody asked
     for it. Close the bus and open it again (after fixing the cause)."""
+
+
+class BusForkedError(BusError):
+    """A ``Bus`` (or its store) was used in a ``fork()``ed child. Its threads, sockets and
+    store handle stay with the parent; the child must open a bus of its own."""
 
 
 class LockedError(BusError):

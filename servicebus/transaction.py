@@ -94,11 +94,13 @@ class KeyValue(_KVBase):
     """``bus.kv``: the service's own state in the bus's store; every write fsynced."""
 
     def __init__(self, store: Any, commit: Callable[[Callable[[Any], None]], None],
-                 lock: threading.Lock, max_value: int) -> None:
+                 lock: threading.Lock, max_value: int,
+                 check: Callable[[], object] = lambda: None) -> None:
         self._store = store
         self._commit = commit  # a synced write shared with concurrent callers (commit.py)
         self._lock = lock  # shared with handlers' update(): one read-modify-write at a time
         self._max = max_value
+        self._check = check  # raises if the bus cannot be used (closed, a fork()ed child)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self._store.get_kv(check_key(key), default)
@@ -122,6 +124,7 @@ class KeyValue(_KVBase):
         """Set ``key`` to ``fn(current value or default)`` with no other ``update`` in between;
         returns the new value."""
         check_key(key)
+        self._check()  # before the lock: after a fork a parent thread may have held it
         with self._lock:
             value = fn(self._store.get_kv(key, default))
             data = encode_value(value, self._max)

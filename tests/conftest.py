@@ -175,3 +175,13 @@ def faketime(offset: str) -> dict[str, str]:
         pytest.skip("libfaketime is not installed (Debian package faketime; tools/test installs "
                     "it when run as root)")
     return moved_clock_env(offset)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session``): the
+    process and whatever it forked, whether it ended or not."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import plyvel
 
 from ..errors import LockedError, StoreError, StoreWriteError
+from ..forks import forked_error, keep_forever, watch
 from ..schema import REPAIR_HINT
 from .batch import Batch
 from .keys import FORMAT_VERSION, _H, _M
@@ -74,6 +75,8 @@ class _Guard:
 
     def __enter__(self) -> None:
         store = self._store
+        if store._forked:  # before the lock: a parent thread may have held it at the fork
+            raise forked_error("store", store._pid)
         with store._lock:  # the bare lock, not the Condition: this runs per plyvel call
             if store._closed:
                 raise StoreError("the store is closed")
@@ -119,8 +122,17 @@ class Store(Reads):
         self._unsynced = False  # an unsynced write was made since opening
         self._waiting = 0  # writes waiting for the outcome of others
         self.generation = 0  # bumped by reopen(): batches of an older handle are copied
+        self._pid = os.getpid()
+        self._forked = False  # this is a fork()ed child's copy (forks.py)
+        watch(self)
 
     # --- lifecycle ---------------------------------------------------------------------
+
+    def orphan(self) -> None:
+        """In a fork()ed child (forks.py): refuse every call; never close the handle."""
+        self._forked = True
+        if self._db is not None:
+            keep_forever(self._db)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, create: bool = True, compression: bool = True,
@@ -192,6 +204,8 @@ class Store(Reads):
             raise StoreError(f"repair of {path} failed: {exc}") from exc
 
     def close(self) -> None:
+        if self._forked:
+            return  # the parent's to close
         with self._cv:
             if self._closed:
                 return
@@ -278,6 +292,8 @@ class Store(Reads):
         every write still in LevelDB at that moment, and fails if any of them failed.
         Writes are not serialized in Python instead (measured: a fifth to a quarter of
         e2e-batch throughput): LevelDB's own queue groups concurrent writes without the GIL."""
+        if self._forked:
+            raise forked_error("store", self._pid)
         cv = self._write_cv
         with cv:
             if self._failure is not None:
