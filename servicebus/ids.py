@@ -6,15 +6,24 @@ command ids and writes them itself; ``publish`` makes event ids under the group-
 lock, in commit order), and delivery cursors compare them: an id that sorted below one a
 cursor has passed would never be delivered, and garbage collection would delete it.
 
-So the leading milliseconds are the wall clock only while it moves forward: they never go
-below the last id made, in this process or (``after``) in any earlier run whose ids the
-store still refers to. With the clock set back, ids keep counting up from there.
+So the leading milliseconds come from the **id clock**, not straight from the wall clock:
+at start it reads the wall clock, or one millisecond past the highest id the store refers
+to (``after``) if the wall clock is behind that (it was set back), and from then on it
+counts the bus's running time (the monotonic clock). It never goes back, in this process
+or across restarts, and a wall clock stepped either way while the bus runs does not move it.
+
+Delayed messages (``delay=``/``deliver_at=``) have ids made for their due time on this same
+clock, and the sender holds them until the id clock gets there (``State.not_due``): a
+delay counts the bus's running time from the publish, so a clock set back before or
+during a run never makes one early.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from .clock import wall_ms
 
@@ -22,23 +31,33 @@ __all__ = ["IdGenerator", "id_millis"]
 
 
 class IdGenerator:
-    def __init__(self, after: str | None = None) -> None:
+    def __init__(self, after: str | None = None, *, wall: Callable[[], int] = wall_ms,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         """``after``: the highest id made before (the store's ``highest_own_id``); every
-        id made here sorts above it."""
+        id made here sorts above it. ``wall``/``monotonic``: the clocks (tests fake them)."""
         self._boot = os.urandom(3).hex()
-        # One millisecond past ``after``: above it whatever the counter and boot parts.
-        self._last_ms = id_millis(after) + 1 if after else 0
+        self._wall = wall
+        self._monotonic = monotonic
+        floor = id_millis(after) + 1 if after else 0
+        self._origin = max(wall(), floor)  # the id clock at _t0
+        self._t0 = monotonic()
+        self._last_ms = floor
         self._counter = int.from_bytes(os.urandom(2), "big")
         self._lock = threading.Lock()
+
+    def now_ms(self) -> int:
+        """The id clock: the wall clock at start (or past the highest id, if the wall clock
+        was behind it), plus the running time since. Never goes back."""
+        return self._origin + int((self._monotonic() - self._t0) * 1000)
 
     def next(self) -> str:
         with self._lock:
             return self._next_locked()
 
     def _next_locked(self) -> str:
-        ms = wall_ms()
+        ms = self.now_ms()
         if ms < self._last_ms:
-            ms = self._last_ms  # the clock went back: keep counting from the last id
+            ms = self._last_ms  # the counter wrapped into a later millisecond (below)
         self._last_ms = ms
         self._counter = (self._counter + 1) & 0xFFFFFF
         if self._counter == 0:
@@ -50,24 +69,28 @@ class IdGenerator:
         return [self.next() for _ in range(count)]
 
     def delayed(self, count: int, due_ms: int) -> list[str]:
-        """Ids for messages to deliver at ``due_ms`` (wall clock): made for that time, so
-        they take their place in a stream among what is published then, and marked by a
-        25th character (``delivery.is_delayed``): the sender holds them until due, and
-        they do not move this generator's clock (``after`` skips them at a restart). Not
-        later than the last id made: plain ids, due now."""
+        """Ids for messages to deliver at ``due_ms`` (wall clock, as ``publish`` computed it
+        from ``delay``/``deliver_at``): made for that time on the id clock (the same
+        distance ahead of it as ``due_ms`` is ahead of the wall clock now), so they take
+        their place in a stream among what is published then, and marked by a 25th
+        character (``delivery.is_delayed``): the sender holds them until due, and they do
+        not move this generator's clock (``after`` skips them at a restart). Not in the
+        future: plain ids, due now."""
         with self._lock:
-            if due_ms <= max(wall_ms(), self._last_ms):
+            ahead = due_ms - self._wall()
+            at = self.now_ms() + ahead
+            if ahead <= 0 or at <= self._last_ms:
                 return [self._next_locked() for _ in range(count)]
             out = []
             for _ in range(count):
                 self._counter = (self._counter + 1) & 0xFFFFFF
-                out.append(f"{due_ms:012x}{self._counter:06x}{self._boot}~")
+                out.append(f"{at:012x}{self._counter:06x}{self._boot}~")
             return out
 
 
 def id_millis(message_id: str | None) -> int:
-    """The milliseconds encoded in an id (the sender's clock when it was made, unless that
-    clock was behind an earlier id); 0 if it is not one of ours."""
+    """The milliseconds encoded in an id (the id clock of the bus that made it: its wall
+    clock, unless that clock was behind an earlier id); 0 if it is not one of ours."""
     if message_id is None:
         return 0
     try:

@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--pad", type=int, default=200, help="payload padding bytes")
     ap.add_argument("--random-pad", action="store_true", help="incompressible padding")
     ap.add_argument("--kill-after-publish", action="store_true")
+    ap.add_argument("--delay", type=float, help="publish with this delay= (seconds)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--fail-first", action="store_true", help="the handler raises on attempt 1")
     ap.add_argument("--retry-initial", type=float, default=0.1)
@@ -125,7 +126,7 @@ def main() -> None:
             elif args.batch:
                 ids = bus.publish_many(args.publish, payloads)
             else:
-                ids = [bus.publish(args.publish, payloads[0])]
+                ids = [bus.publish(args.publish, payloads[0], delay=args.delay)]
             if args.ids:
                 append(args.ids, "\n".join(ids))
             n += len(ids)

@@ -322,7 +322,7 @@ class Core:
     def _timers(self, now: float) -> None:
         s = self.s
         if s.timers:
-            now_ms = s.wall()
+            now_ms = s.ids.now_ms()  # delayed ids are made on the id clock (ids.py)
             while s.timers and s.timers[0][0] <= now_ms:
                 _due, stream = heapq.heappop(s.timers)
                 for consumer in s.by_stream.get(stream, ()):

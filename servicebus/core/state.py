@@ -143,7 +143,7 @@ class State:
     tick_due: bool = True  # run the timers at the next turn, whatever the time
     new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon
     waiting_peers: bool = False  # some down peer has messages waiting
-    # Delayed messages are held until the wall clock passes their id's time (not_due).
+    # Delayed messages are held until the id clock passes their id's time (not_due).
     # Timers: (due ms, stream), a heap.
     # Event streams with a consumer at max_backlog (backlog.py). Replaced, never mutated:
     # publishing threads read it without a lock.
@@ -161,8 +161,9 @@ class State:
         return any(self.peers[m].up for m in consumer.members)
 
     def not_due(self, message_id: str) -> bool:
-        """A delayed message's id (ids.py) whose time has not come on the wall clock."""
-        return message_id > f"{self.wall() + 1:012x}"
+        """A delayed message's id (ids.py) whose time has not come on the id clock (the
+        clock its id was made on, which a wall clock set back does not move)."""
+        return message_id > f"{self.ids.now_ms() + 1:012x}"
 
     def wake(self, due_ms: int, stream: str) -> None:
         """Have the consumers of ``stream`` read it again at ``due_ms`` (a delayed message)."""

@@ -2,6 +2,7 @@
 snapshot) must not lose or duplicate anything: buses under libfaketime."""
 
 import json
+import time
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,21 @@ def test_a_retry_scheduled_before_a_restart_with_the_clock_set_back_waits_at_mos
     # still run within retry_max.
     wait_until(lambda: sub.done_counts() == Counter({1: 1}), 15,
                message=lambda: f"handled {dict(sub.done_counts())}")
+
+
+def test_a_delay_published_after_a_run_with_the_clock_ahead_is_not_sent_early(make_bus, bus_process):
+    # A run with the clock two days ahead leaves ids two days in the future in the store;
+    # back on the real clock, a publish(delay=5) must still wait 5 s, not go at once.
+    sub = make_bus("sub")
+    handled: dict[int, float] = {}
+    counting_handler(sub, TOPIC, lambda p, m: handled.__setitem__(p["n"], time.monotonic()))
+    pub = bus_process("pub", "--publish", TOPIC)
+    sub.subscribe(pub.address, TOPIC)
+    pub.start("--count", "3", env=faketime("+2d"))
+    wait_until(lambda: len(handled) == 3, 30, message=lambda: f"{len(handled)} of 3 handled")
+    pub.stop()
+
+    pub.start("--count", "1", "--first", "3", "--delay", "5")
+    ready = time.monotonic()  # the publish is made after the process said it was ready
+    wait_until(lambda: 3 in handled, 30, message="the delayed message")
+    assert handled[3] - ready >= 4.5, f"handled {handled[3] - ready:.2f} s after a 5 s delay"

@@ -2,7 +2,6 @@
 
 import time
 
-from servicebus import ids as ids_module
 from servicebus.clock import BusClock
 from servicebus.ids import IdGenerator, id_millis
 from servicebus.journal import Journal
@@ -10,19 +9,44 @@ from servicebus.store import Store
 from servicebus.testing import FakeClock
 
 
-def test_ids_made_with_the_clock_set_back_sort_after_every_earlier_id(monkeypatch):
+def test_ids_made_with_the_clock_set_back_sort_after_every_earlier_id():
     earlier = IdGenerator().many(10)
-    monkeypatch.setattr(ids_module, "wall_ms", lambda: int(time.time() * 1000) - 3_600_000)
-    later = IdGenerator(after=max(earlier)).many(10)
+    later = IdGenerator(after=max(earlier), wall=lambda: int(time.time() * 1000) - 3_600_000).many(10)
     assert min(later) > max(earlier)
     assert later == sorted(later)
 
 
-def test_ids_keep_increasing_when_the_clock_goes_back_while_running(monkeypatch):
-    gen = IdGenerator()
+def test_ids_keep_increasing_when_the_clock_goes_back_while_running():
+    clock = FakeClock()
+    gen = IdGenerator(wall=clock.wall_ms, monotonic=clock.monotonic)
     first = gen.many(5)
-    monkeypatch.setattr(ids_module, "wall_ms", lambda: int(time.time() * 1000) - 3_600_000)
+    clock.wall -= 3_600_000
+    clock.advance(0.001)
     assert min(gen.many(5)) > max(first)
+
+
+def test_a_delay_made_after_a_run_with_the_clock_ahead_counts_from_the_publish():
+    # A run two days ahead left ids two days in the future; back on the real clock, a
+    # 30 s delay is due 30 s of running time later, not at once (issue 26).
+    clock = FakeClock()
+    ahead = IdGenerator(wall=lambda: clock.wall + 2 * 86_400_000, monotonic=clock.monotonic).next()
+    gen = IdGenerator(after=ahead, wall=clock.wall_ms, monotonic=clock.monotonic)
+    delayed, = gen.delayed(1, clock.wall + 30_000)
+    assert delayed.endswith("~") and delayed > ahead
+    assert id_millis(delayed) - gen.now_ms() == 30_000
+    clock.advance(29.9)
+    assert delayed > f"{gen.now_ms() + 1:012x}"  # not due yet (State.not_due)
+    clock.advance(0.2)
+    assert delayed <= f"{gen.now_ms() + 1:012x}"
+
+
+def test_the_id_clock_does_not_follow_a_wall_clock_step_while_running():
+    clock = FakeClock()
+    gen = IdGenerator(wall=clock.wall_ms, monotonic=clock.monotonic)
+    delayed, = gen.delayed(1, clock.wall + 60_000)
+    clock.wall += 3_600_000  # stepped an hour forward: the delay still has its minute to go
+    clock.advance(1)
+    assert delayed > f"{gen.now_ms() + 1:012x}"
 
 
 def test_the_highest_own_id_outlives_the_messages_a_cursor_passed(store):
