@@ -47,9 +47,9 @@ class AsyncBus:
         return await asyncio.to_thread(self.bus.send, address, command, payload, **options)
 
     async def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
-                      headers: dict[str, Any] | None = None) -> Any:
+                      headers: dict[str, Any] | None = None, ttl: float | None = None) -> Any:
         """As ``Bus.request``, awaited without a thread: the reply arrives as a future."""
-        future = self.bus.request_async(address, command, payload, timeout, headers)
+        future = self.bus.request_async(address, command, payload, timeout, headers, ttl)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout + 1.0)
         except asyncio.TimeoutError:

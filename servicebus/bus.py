@@ -414,19 +414,27 @@ class Bus:
         return self._register(Kind.COMMAND, command, handler, name, timeout)
 
     def request_async(self, address: str, command: str, payload: Any,
-                      timeout: float = 30.0, headers: dict[str, Any] | None = None) -> Future:
+                      timeout: float = 30.0, headers: dict[str, Any] | None = None,
+                      ttl: float | None = None) -> Future:
         """Send ``command`` as a request; the returned ``concurrent.futures.Future`` gets the
         handler's return value, or raises ``RemoteError`` / ``RequestTimeout``.
 
-        The command itself is durable: if no reply comes in time the future fails, but the
-        command is still delivered (and handled) later; its late reply is logged and dropped.
+        The command is durable and expires with the request: one not started by
+        ``timeout`` seconds after this call (``ttl`` seconds, if given) never runs; it is
+        dropped where it is (counted as ``requests_expired``, journaled as ``dropped``), not
+        dead-lettered, since its caller was told. So ``RequestTimeout`` means the handler
+        did not run and will not start, or it was already running at the deadline (its
+        reply is then logged and dropped). A ``ttl`` longer than ``timeout`` lets the
+        command run later anyway.
         """
         check_seconds(timeout, "timeout")
+        if ttl is not None:
+            check_seconds(ttl, "ttl")
         self._check_open()  # before the requests' lock (after a fork it may be held)
         corr, future = self._requests.new(timeout, f"{command} at {address}")
         try:
-            stored = self._send(address, command, payload, ttl=None, headers=headers,
-                                correlation_id=corr, wait=False)
+            stored = self._send(address, command, payload, ttl=timeout if ttl is None else ttl,
+                                headers=headers, correlation_id=corr, wait=False)
         except BaseException as exc:
             self._requests.fail(corr, exc)
             raise
@@ -440,9 +448,10 @@ class Bus:
         return future
 
     def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
-                headers: dict[str, Any] | None = None) -> Any:
-        """Send ``command`` to ``address`` and wait for the reply (see ``request_async``)."""
-        future = self.request_async(address, command, payload, timeout, headers)
+                headers: dict[str, Any] | None = None, ttl: float | None = None) -> Any:
+        """Send ``command`` to ``address`` and wait for the reply (see ``request_async``:
+        a command not started within ``timeout``, or ``ttl`` if given, never runs)."""
+        future = self.request_async(address, command, payload, timeout, headers, ttl)
         try:
             # The engine fails the future at the deadline; the extra second only guards
             # against an engine that stopped.

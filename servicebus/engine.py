@@ -605,6 +605,7 @@ class Engine(threading.Thread):
         counters["published"] += self.published
         if self.backlog_refused:
             counters["backlog_refused"] += self.backlog_refused
+        counters["requests_expired"] += self.dispatcher.runner.requests_expired
         snap["counters"] = dict(counters)
         snap["store_error"] = self._degraded or self.store.failure
         return snap

@@ -51,6 +51,8 @@ ROLES = {
     "handler_failed": ("handler_failed", "receiver"), "retried": ("retried", "receiver"),
     "deadlettered": ("deadlettered", "receiver"), "expired": ("expired", "receiver"),
     "replayed": ("replayed", "receiver"),
+    # a request that expired before it ran: its caller was told RequestTimeout
+    "dropped": ("dropped", "receiver"),
 }
 FLUSH_INTERVAL = 1.0
 RETENTION_CHECK = 60.0

@@ -114,6 +114,7 @@ class Runner:
         self._tls = threading.local()
         # message id -> its handler's transaction while the handler runs (None: nothing staged)
         self._txs: dict[str, Transaction | None] = {}
+        self.requests_expired = 0  # requests dropped here unrun: past their caller's timeout
         self.publisher: Publisher | None = None  # the engine, once made
         self.kv_lock = threading.Lock()  # one kv update() at a time (shared with bus.kv)
         self.inject: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None  # tracing
@@ -298,7 +299,10 @@ class Runner:
         expires = record.expires
         now_ms = wall_ms()
         if expires is not None and now_ms > expires:
-            self._deadletter(item, "expired", last_error, attempts)
+            if kind == Kind.COMMAND and record.correlation_id is not None:
+                self._drop_request(item, attempts)
+            else:
+                self._deadletter(item, "expired", last_error, attempts)
             return None, False
         handlers = self._handlers.get((kind, topic))
         if not handlers:
@@ -463,6 +467,17 @@ class Runner:
         self._on_reply(item.id, reply_record)
         return premarked
 
+    def _drop_request(self, item: Incoming, attempts: int) -> None:
+        """A request not started before it expired: its caller got ``RequestTimeout``, so it
+        never runs (DESIGN.md rule 13). Taken out as handled (a resend is not stored again)
+        and journaled as dropped; not a dead letter: there is nobody to replay it for."""
+        log.info("request %s %s expired before it ran: dropped (its caller was told "
+                 "RequestTimeout)", item.record.topic, item.id)
+        with self._lock:
+            self.requests_expired += 1
+        self.record(self._completion(item.id, _event("dropped", item, attempts, "request_expired")),
+                    item.id)
+
     def _run_reply(self, item: Incoming) -> None:
         record = item.record
         corr = record.correlation_id
@@ -474,13 +489,11 @@ class Runner:
             self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", 0)
             return None
         if not self._requests.resolve(corr, reply):
-            if not self._requests.is_ours(corr):
-                # For an earlier run of this service: nobody can take it. It stays stored
-                # (and visible to operators); it does not count as pending work.
-                log.warning("reply %s to request %s of an earlier run of this bus: kept in "
-                            "the incoming store", item.id, corr)
-                return None
-            log.warning("reply %s to request %s came after its timeout: dropped", item.id, corr)
+            # After its timeout, or for an earlier run of this bus (a caller's wait is not
+            # durable): nobody can take it, now or later.
+            late = "came after its timeout" if self._requests.is_ours(corr) else \
+                "was for an earlier run of this bus"
+            log.warning("reply %s to request %s %s: dropped", item.id, corr, late)
         self.record(self._completion(item.id, _event("handled", item, 1)), item.id)
         return None
 

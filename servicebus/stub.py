@@ -33,7 +33,7 @@ from .config import BusConfig
 from .errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
 from .handlers import Handler, Handlers, handler_name
 from .protocol import Kind, decode_payload, encode_payload, validate_address
-from .outgoing import check_ttl_headers, due_ms, prepare_command, prepare_event
+from .outgoing import check_seconds, check_ttl_headers, due_ms, prepare_command, prepare_event
 from .records import DeadLetter, Message
 from .topics import validate_pattern, validate_topic
 from .transaction import KeyValue, Transaction
@@ -180,10 +180,13 @@ class StubBus:
         return mid
 
     def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
-                headers: dict[str, Any] | None = None) -> Any:
+                headers: dict[str, Any] | None = None, ttl: float | None = None) -> Any:
         """As ``Bus.request``, answered at once by this stub's handler for ``command`` (a
         fake of the remote service, registered with ``handle``): its return value, or
-        ``RemoteError`` if it raised."""
+        ``RemoteError`` if it raised. ``timeout`` and ``ttl`` are checked, never reached."""
+        check_seconds(timeout, "timeout")
+        if ttl is not None:
+            check_seconds(ttl, "ttl")
         validate_address(address)
         validate_topic(command, "command")
         body = self._encode(payload)

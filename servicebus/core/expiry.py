@@ -43,10 +43,19 @@ class Expiry:
         return record.expires < (self.s.wall() if now_ms is None else now_ms)
 
     def expire(self, consumer: Consumer, mid: str, record: OutgoingRecord, attempt: int) -> None:
-        """A message whose TTL passed before its receiver acked it: a dead letter here."""
+        """A message whose TTL passed before its receiver acked it: a dead letter here; a
+        request is dropped instead (its caller got ``RequestTimeout``: nothing to replay)."""
         s = self.s
         peer = consumer.journal_peer(mid)  # before settling: that forgets a group's member
         consumer.settle(mid)
+        if record.kind == Kind.COMMAND and record.correlation_id is not None:
+            s.counters["requests_expired"] += 1
+            if s.journal_on and peer is not None:
+                s.journal("dropped_at_sender", s.wall(), mid, record.topic, "command", peer,
+                          attempt, "request_expired")
+            log.info("request %s to %s expired before it was acknowledged: dropped (its caller "
+                     "was told RequestTimeout)", mid, consumer.peer)
+            return
         s.out.batch.put_deadletter(mid, outgoing_letter("expired", None, record, consumer.peer,
                                                         consumer.stream))
         s.counters["expired"] += 1
