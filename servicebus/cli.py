@@ -27,7 +27,8 @@ from .errors import BusError, LockedError, StoreError
 from .lockfile import LOCK_NAME, DataDirLock, probe
 from .clitable import age as _age, emit as _emit, err, out, progress as _progress
 from .clitable import short as _short, when as _when
-from .store import Store
+from .store import MARK_NAME, Store
+from .store.mark import MarkFile
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT = 0, 1, 2, 3, 4
 
@@ -375,9 +376,21 @@ def _check(datadir: Path, repair: bool) -> list[R.Problem]:
     path = datadir / "store"
     store: Store | None = None
     try:
+        if _store_missing(datadir):
+            if not repair:
+                return [R.Problem("*", "store", f"the store is missing, but {MARK_NAME} says it had "
+                                  "made writes durable", "")]
+            store = Store.open(path, create=True, check_format=False)
+            rows = [R.Problem("*", "store", "the store was missing", "a new empty store was made")]
+            with _progress("reading the journal", None) as step:
+                return rows + R.lost_writes(store, datadir, step)
         store = Store.open(path, create=False, check_format=False)
         with _progress("checking", None) as step:
-            return R.check(store, repair, step, datadir)
+            rows = R.check(store, repair, step, datadir)
+        if repair and store.mark_behind() is not None:
+            with _progress("reading the journal", None) as step:
+                rows += R.lost_writes(store, datadir, step)
+        return rows
     except LockedError as exc:  # a live process has the store open: never repair under it
         raise CliError(f"{exc}; stop it first", EXIT_LOCKED) from None
     except StoreError as exc:
@@ -395,10 +408,19 @@ def _check(datadir: Path, repair: bool) -> list[R.Problem]:
         if owed.events == 0:
             rows.append(R.Problem("*", "journal", "no delivery journal to compare the repaired store with",
                                   "messages lost in the repair cannot be listed by id"))
-        return rows + R.lost_in_repair(store, owed)
+        rows += R.lost_in_repair(store, owed)
+        store.accept_marks()  # what it lost is reported: the repaired store is the truth
+        return rows
     finally:
         if store is not None and not store.closed:
             store.close()
+
+
+def _store_missing(datadir: Path) -> bool:
+    """No store at all where the data directory's high-water mark says one had data."""
+    path = datadir / "store"
+    return not (path / "CURRENT").exists() and not any(path.glob("*.l*")) and \
+        bool(MarkFile(datadir / MARK_NAME).read())
 
 
 @app.command()

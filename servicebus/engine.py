@@ -43,7 +43,7 @@ from .ids import IdGenerator
 from .journal import Journal
 from .requests import PendingRequests
 from .sockets import Sockets
-from .store import Batch, Store
+from .store import MARK_INTERVAL, Batch, Store
 from .stored import OutboxSend
 from .transaction import StagedEvent
 
@@ -101,6 +101,7 @@ class Engine(threading.Thread):
         sockets.watch(self._wake_fd)
 
         self._degraded: str | None = None  # why the store cannot be written, if it cannot
+        self._next_mark = 0.0  # the store's next high-water mark (store/mark.py)
         self._next_recover = 0.0
         self._drains: list[Future] = []
         self._dedupe_lock = threading.Lock()  # publishes with a dedupe key, one at a time
@@ -384,6 +385,12 @@ class Engine(threading.Thread):
         self._send_frames(now)
         if self._drains:
             self._check_drains()
+        if now >= self._next_mark:
+            self._next_mark = now + MARK_INTERVAL
+            try:
+                self.store.mark()  # what synced writes made durable, outside the store too
+            except StoreError:
+                pass  # the store refuses writes now: the next turn degrades (as for any write)
 
     def _read(self, events: dict, now: float) -> None:
         sockets = self.sockets

@@ -30,10 +30,10 @@ from .delivery import command_stream, event_stream, group_peer, is_command_strea
 from .errors import CorruptRecordError
 from .journal import FLUSH_CHUNK, ROLES
 from .letters import outgoing_letter
-from .store import FORMAT_VERSION, KEYSPACES, SEP, Store
+from .store import FORMAT_VERSION, KEYSPACES, MARK_NAME, SEP, Store
 from .clock import wall_ms
 
-__all__ = ["Problem", "check", "repair_files", "journal_owed", "lost_in_repair", "Owed"]
+__all__ = ["Problem", "check", "repair_files", "journal_owed", "lost_in_repair", "lost_writes", "Owed"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -154,7 +154,27 @@ def check(store: Store, repair: bool, progress: Progress = None,
         _collect(seen, name, key, record)
     _cross_check(store, seen, report, fix, datadir)
     fix.close()
+    behind = store.mark_behind()
+    if behind is not None:
+        held, recorded = behind
+        report("meta", "hwm", f"store behind its high-water mark, it lost writes: it holds "
+               f"{'none' if held is None else held}, {MARK_NAME} "
+               f"says {recorded}: a log file was deleted, zeroed or cut, or the store put back "
+               "from an older copy", "what it lost is listed by id from the journal; the store "
+               "is accepted as it is now")
     return problems
+
+
+def lost_writes(store: Store, datadir: Path, progress: Progress = None) -> list[Problem]:
+    """After a store lost writes it had made durable (its mark is behind, or it is gone):
+    every message the journal says was owed and the store no longer holds, then the store
+    is accepted as it is (its mark catches up)."""
+    rows = lost_in_repair(store, journal_owed(datadir, progress))
+    if not (datadir / "journal").is_dir():
+        rows.append(Problem("*", "journal", "no delivery journal to compare the store with",
+                            "the messages lost cannot be listed by id"))
+    store.accept_marks()
+    return rows
 
 
 def _collect(seen: _Seen, name: str, key: bytes, record: object) -> None:

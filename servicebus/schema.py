@@ -178,6 +178,7 @@ META: dict[str, Callable[[bytes], Any]] = {
     "node": _node,
     "address": lambda v: v.decode("utf-8"),
     "sync": _empty,
+    "hwm": _decimal,  # the high-water mark (store/mark.py)
 }
 
 VALUES: dict[str, Callable[[bytes], Any]] = {

@@ -19,6 +19,9 @@ atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
     j/<seq, 8 bytes>               delivery journal records not yet moved to segment files
     g/<segment file name>          when (bus-clock ms) a journal segment was written (retention)
 
+Beside the store, ``DATADIR/store.hwm`` holds its high-water mark (``mark.py``): a store
+found holding less than it had made durable (a lost or cut log) is refused.
+
 Outgoing messages are stored once per stream, however many subscribers there are; each
 subscriber's delivery state is a cursor into the stream (see ``delivery.py``). That keeps a
 fan-out to ten subscribers at one write per message.
@@ -27,5 +30,6 @@ fan-out to ten subscribers at one write per message.
 from .batch import Batch
 from .db import Store
 from .keys import FORMAT_VERSION, KEYSPACES, SEP
+from .mark import MARK_INTERVAL, MARK_NAME
 
-__all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION", "SEP"]
+__all__ = ["Store", "Batch", "KEYSPACES", "FORMAT_VERSION", "SEP", "MARK_INTERVAL", "MARK_NAME"]

@@ -17,6 +17,7 @@ from ..forks import forked_error, keep_forever, watch
 from ..schema import REPAIR_HINT
 from .batch import Batch
 from .keys import FORMAT_VERSION, _H, _M
+from .mark import MARK_NAME, MarkFile
 from .reads import Reads
 
 __all__ = ["Store"]
@@ -125,6 +126,11 @@ class Store(Reads):
         self._pid = os.getpid()
         self._forked = False  # this is a fork()ed child's copy (forks.py)
         watch(self)
+        self._marks: MarkFile | None = None  # DATADIR/store.hwm, set by open()
+        self._mark_lock = threading.Lock()
+        self._mark_value: int | None = None  # the last mark made (read at the first)
+        self._synced_since_mark = False
+        self._mark_failing = False
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -158,10 +164,18 @@ class Store(Reads):
             bloom_filter_bits=10,
             compression="snappy" if compression else None,
         )
+        marks = MarkFile(path.parent / MARK_NAME)
+        recorded = marks.read()
+        if not has_current and recorded and check_format:
+            raise StoreError(f"store {path} is missing, but {marks.path} says it had made writes "
+                             f"durable (mark {recorded}): it lost writes; it is not replaced with "
+                             f"an empty one; {REPAIR_HINT}")
         store = cls(_open_db(path, create_if_missing=not has_current, **options), path, options)
+        store._marks = marks
         if not check_format:
             return store
         try:
+            store.check_mark()
             version = store.meta("format")
             if version is None:
                 batch = store.batch()
@@ -176,6 +190,59 @@ class Store(Reads):
             store.close()
             raise
         return store
+
+    # --- the high-water mark (mark.py) -------------------------------------------------
+
+    def mark_behind(self) -> tuple[int | None, int] | None:
+        """(the store's mark, the data directory's) if the store holds less than it had
+        made durable: a lost, cut or older log (mark.py); else None."""
+        recorded = self._marks.read() if self._marks is not None else None
+        if not recorded:
+            return None
+        held = self.meta("hwm")
+        return None if held is not None and held >= recorded else (held, recorded)
+
+    def check_mark(self) -> None:
+        """``StoreError`` if the store lost writes it had made durable (mark.py)."""
+        behind = self.mark_behind()
+        if behind is not None:
+            held, recorded = behind
+            raise StoreError(
+                f"store {self.path} lost writes it had made durable: it holds mark "
+                f"{'none' if held is None else held}, "
+                f"{MARK_NAME} says {recorded} (a log file deleted, zeroed or cut, or the store "
+                f"put back from an older copy); {REPAIR_HINT}")
+
+    def mark(self, force: bool = False) -> None:
+        """Make a new high-water mark durable, in the store then in its file, if synced
+        writes were made since the last one (or ``force``). Call it every MARK_INTERVAL
+        (the engine does) and at close. ``StoreWriteError`` as for any write; a mark file
+        that cannot be written is logged (the store itself is fine)."""
+        if self._marks is None or self._forked or not (self._synced_since_mark or force):
+            return
+        with self._mark_lock:  # marks in increasing order, in the store as in the file
+            self._synced_since_mark = False
+            if self._mark_value is None:
+                self._mark_value = max(self.meta("hwm") or 0, self._marks.read() or 0)
+            value = self._mark_value + 1
+            batch = self.batch()
+            batch.put_meta("hwm", str(value).encode())
+            self._writing([batch], True, marking=True)
+            self._mark_value = value
+            try:
+                self._marks.write(value)
+            except OSError as exc:
+                if not self._mark_failing:  # once, not every second of a full disk
+                    log.error("cannot write the store's high-water mark %s: %s (a lost log "
+                              "would go unnoticed until it can)", self._marks.path, exc)
+                self._mark_failing = True
+            else:
+                self._mark_failing = False
+
+    def accept_marks(self) -> None:
+        """After a repair reported what was lost: the store as it is now is the truth."""
+        self._mark_value = None
+        self.mark(force=True)
 
     def _upgrade_from_1(self) -> None:
         """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
@@ -206,6 +273,11 @@ class Store(Reads):
     def close(self) -> None:
         if self._forked:
             return  # the parent's to close
+        if self.writable:
+            try:
+                self.mark()  # what the last synced writes made durable, once more
+            except StoreError as exc:
+                log.error("the last high-water mark at close failed: %s", exc)
         with self._cv:
             if self._closed:
                 return
@@ -279,7 +351,7 @@ class Store(Reads):
                     self._reopening = False
                     self._cv.notify_all()
 
-    def _writing(self, batches: list[Batch], sync: bool) -> None:
+    def _writing(self, batches: list[Batch], sync: bool, marking: bool = False) -> None:
         """Apply ``batches`` atomically in one LevelDB write; ``StoreWriteError`` if it may
         not survive, and for every write after a failed one until ``reopen``.
 
@@ -353,6 +425,8 @@ class Store(Reads):
         if lost:
             raise StoreWriteError(f"a write at the same time failed ({self._failure}): this one "
                                   "may be dropped with it when the store is reopened, so it does not count")
+        if sync and not marking:
+            self._synced_since_mark = True
 
     @property
     def closed(self) -> bool:

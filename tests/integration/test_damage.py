@@ -16,6 +16,7 @@ import pytest
 
 from servicebus import Bus, StoreError
 from servicebus.lockfile import probe
+from servicebus.store import Store
 from servicebus.testing import free_address, wait_until
 
 TOPIC = "user.signup"
@@ -252,3 +253,54 @@ def test_a_damaged_journal_record_is_set_aside_and_the_journal_goes_on(tmp_path)
         wait_until(lambda: list((datadir / "journal").glob("*.damaged")), 10)
     lines = [json.loads(line) for p in (datadir / "journal").glob("*.jsonl") for line in p.read_text().splitlines()]
     assert [e["event"] for e in lines].count("published") == 2
+
+
+# --- a lost or cut LevelDB log -----------------------------------------------------------------
+
+
+def _damage_log(store: Path, how: str) -> None:
+    (log,) = sorted(store.glob("*.log"))
+    if how == "deleted":
+        log.unlink()
+    elif how == "zeroed":
+        log.write_bytes(bytes(log.stat().st_size))
+    else:  # cut in half
+        data = log.read_bytes()
+        log.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("how", ["deleted", "zeroed", "cut"])
+def test_a_store_whose_log_was_lost_or_cut_is_refused_and_repair_reports_every_lost_id(tmp_path, how):
+    # 3,000 messages owed, all in the log (the memtable was never written to a table): the
+    # store would open with none, or some, of them, and nothing would say so (issue 26).
+    pub_address, sub_address, ids = publisher_with_backlog(tmp_path, n=3000)
+    _damage_log(tmp_path / "pub" / "store", how)
+    with pytest.raises(StoreError, match=r"lost writes.*servicebus check --repair"):
+        Bus(pub_address, tmp_path / "pub")
+    assert not probe(tmp_path / "pub")[1]
+    checked = cli("check", tmp_path / "pub", "--json")
+    assert checked.returncode == 4, checked.stdout + checked.stderr
+    assert any("lost writes" in json.loads(line)["problem"] for line in checked.stdout.splitlines())
+    repaired = cli("check", tmp_path / "pub", "--repair", "--json")
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    rows = [json.loads(line) for line in repaired.stdout.splitlines()]
+    lost = {row["key"] for row in rows if row["problem"].startswith("lost")}
+    store = Store.open(tmp_path / "pub" / "store", create=False)
+    try:
+        kept = set(store.stream_ids("e:" + TOPIC))
+    finally:
+        store.close()
+    assert not kept & lost and kept | lost == set(ids), (
+        f"{len(lost)} reported lost, {len(kept)} kept, of {len(ids)}")
+    assert cli("check", tmp_path / "pub").returncode == 0
+    with Bus(pub_address, tmp_path / "pub") as pub:
+        assert pub.status().outgoing == len(kept)
+
+
+def test_a_data_directory_whose_store_was_deleted_is_refused_not_started_empty(tmp_path):
+    pub_address, _sub_address, _ids = publisher_with_backlog(tmp_path, n=10)
+    import shutil
+
+    shutil.rmtree(tmp_path / "pub" / "store")
+    with pytest.raises(StoreError, match=r"servicebus check --repair"):
+        Bus(pub_address, tmp_path / "pub")
