@@ -196,3 +196,87 @@ def test_a_pong_says_which_codecs_its_bus_decodes():
     header = msgpack.packb({"sender": "n", "boot": "b", "z": "zstd"})
     with pytest.raises(ProtocolError):
         P.decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
+
+
+# --- decompression limits: what one frame may carry, and not a byte more -----------------------
+
+
+def zstd_frame(data: bytes, *, declared: bool) -> bytes:
+    """``data`` zstd-compressed, with its size in the frame or (as a stream) without."""
+    return zstandard.ZstdCompressor(level=1, write_content_size=declared).compress(data)
+
+
+def zeros_without_size(n_mib: int) -> bytes:
+    """``n_mib`` MiB of zeros as one zstd frame that does not declare its size (a few KB)."""
+    comp = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    chunk = bytes(1 << 20)
+    return b"".join([*(comp.compress(chunk) for _ in range(n_mib)), comp.flush()])
+
+
+def body_of_exactly(size: int) -> bytes:
+    """A well-formed batch body of two payloads (each a valid msgpack bin32: ``size`` of at
+    least 256 KiB) ``size`` bytes long."""
+    first = (size - 11) // 2  # array (1 byte), two bin32 payloads (5 + 5 bytes of headers)
+    payloads = [P.encode_payload(b"y" * (n - 5)) for n in (first, size - 11 - first)]
+    body = msgpack.packb(payloads, use_bin_type=True)
+    assert len(body) == size
+    return body
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["size declared", "size not declared"])
+def test_a_compressed_frame_is_read_up_to_what_one_frame_may_carry_and_refused_one_byte_past_it(declared):
+    cap = P.frame_body_limit(2, LIMIT)
+    assert cap < LIMIT + (1 << 16)  # one frame's worth, not one max_payload per message
+    at_cap = P.decode(compressed_frames(zstd_frame(body_of_exactly(cap), declared=declared), n=2),
+                      max_payload=LIMIT)
+    assert len(at_cap.messages) == 2
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(zstd_frame(body_of_exactly(cap + 1), declared=declared), n=2),
+                 max_payload=LIMIT)
+    assert err.value.reason == "bad_compression"
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["size declared", "size not declared"])
+def test_declaring_thousands_of_messages_does_not_raise_what_a_frame_may_decompress_to(declared):
+    body = zstd_frame(bytes(8 << 20), declared=declared)  # 8 MiB: eight frames' worth
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(body, n=P.MAX_BATCH), max_payload=LIMIT)
+    assert err.value.reason == "bad_compression"
+
+
+def test_a_bomb_without_a_declared_size_is_refused_while_streaming_never_holding_more_than_the_cap():
+    import tracemalloc
+
+    bomb = zeros_without_size(1024)  # 1 GiB of zeros in ~32 KB
+    assert len(bomb) < 64 << 10
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as err:
+            P.decode(compressed_frames(bomb, n=P.MAX_BATCH), max_payload=LIMIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "bad_compression"
+    assert peak < 2 * P.frame_body_limit(P.MAX_BATCH, LIMIT) + (4 << 20), f"peak {peak >> 20} MiB"
+
+
+def test_a_frame_that_asks_the_decoder_for_a_huge_window_is_refused():
+    # 256 KiB of data, but a stream whose window (the decoder's buffer) is 128 MiB.
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27, write_content_size=0)
+    comp = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    body = comp.compress(body_of_exactly(1 << 18)) + comp.flush()
+    assert zstandard.get_frame_parameters(body).window_size == 1 << 27
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(body, n=2), max_payload=LIMIT)
+    assert err.value.reason == "bad_compression"
+
+
+def test_frames_compressed_by_a_sender_at_any_level_still_decode():
+    msgs = big_batch(n=4, size=200_000)
+    plain = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5)
+    for level in (1, 3, 19):
+        body = zstandard.ZstdCompressor(level=level).compress(plain[3])
+        header = msgpack.unpackb(plain[2], raw=False)
+        header["z"] = "zstd"
+        frames = [plain[0], plain[1], msgpack.packb(header, use_bin_type=True), body]
+        assert P.decode(frames, max_payload=LIMIT) == P.decode(plain, max_payload=LIMIT)
