@@ -56,11 +56,18 @@ __all__ = [
     "encode_payload",
     "decode_payload",
     "MAX_BATCH",
+    "FRAME_BYTES",
+    "frame_body_limit",
 ]
 
 MAGIC = b"SB1"
 COMPRESS_MIN = 1024  # bytes of packed payloads below which a frame is sent as it is
 MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
+# Payload bytes a sender puts in one batch frame, at most; one message alone may be bigger
+# (up to max_payload). The sender cuts frames by it (core/sender.py) and a receiver bounds
+# what a compressed frame may decompress to by it (frame_body_limit).
+FRAME_BYTES = 1 << 20
+_BIN_HEADER = 5  # bytes msgpack puts before a payload (bin 32), at most; the array's alike
 MAX_ID_LEN = 64
 MAX_NAME_LEN = 64
 MAX_ADDRESS_LEN = 512
@@ -464,9 +471,24 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     return Pong(sender, boot, None if limit is None else _int(limit, "max", 1), tuple(z))
 
 
+def frame_body_limit(count: int, max_payload: int) -> int:
+    """The most bytes the body of a batch frame of ``count`` messages may hold once
+    decompressed: what a sender puts in one frame (FRAME_BYTES of payload, or one message
+    of up to ``max_payload``) plus msgpack's framing. Not ``count`` payloads' worth: a frame
+    may declare 10,000 messages in a few KB of header."""
+    return max(FRAME_BYTES, max_payload) + _BIN_HEADER * (count + 1)
+
+
+_READ = 1 << 18  # bytes decompressed per step of a stream: the cap is never overshot by more
+
+
 def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
-    """A compressed body, never more than ``limit`` bytes: what a frame declares is
-    checked before anything is allocated (a small frame may claim gigabytes)."""
+    """A compressed body, never more than ``limit`` bytes (rule 12: a frame of a few KB
+    may hold gigabytes). A frame that declares more is refused before anything is
+    allocated; one that declares its size is decompressed into a buffer of that size,
+    which zstd refuses to write past; one that does not (a stream) is decompressed step by
+    step and refused the moment it passes ``limit``. The window zstd allocates for it is
+    bounded too: a frame may ask for 2 GiB."""
     zstd = _zstd()
     if codec != "zstd" or zstd is None:
         raise ProtocolError("bad_compression", f"codec {str(codec)[:16]!r} is not one this bus decodes")
@@ -474,7 +496,24 @@ def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
         declared = zstd.frame_content_size(data)
         if declared > limit:
             raise ProtocolError("bad_compression", f"declares {declared} bytes, more than {limit}")
-        return bytes(zstd.ZstdDecompressor().decompress(data, max_output_size=limit))
+        # No window larger than the frame may be: a power of two >= limit (zstd's unit).
+        dctx = zstd.ZstdDecompressor(max_window_size=1 << max(10, (limit - 1).bit_length()))
+        if declared >= 0:  # what our senders make (encode_batch); "did not decompress full frame" if it lies
+            return bytes(dctx.decompress(data, max_output_size=declared))
+        reader = dctx.stream_reader(data)
+        parts = []
+        size = 0
+        while True:
+            part = reader.read(_READ)
+            if not part:
+                break
+            size += len(part)
+            if size > limit:
+                raise ProtocolError("bad_compression", f"decompresses to more than {limit} bytes")
+            parts.append(part)
+        # A stream cut short reads as its first part: the msgpack body then ends in the
+        # middle (or exactly at its end, when nothing is missing), and unpacking it tells.
+        return b"".join(parts)
     except zstd.ZstdError as exc:
         raise ProtocolError("bad_compression", str(exc)[:200]) from exc
 
@@ -492,7 +531,7 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
     if sent_at is not None:
         sent_at = _int(sent_at, "now")
     if "z" in header:
-        body_b = _decompress(header["z"], body_b, len(metas) * (max_payload + 64) + 64)
+        body_b = _decompress(header["z"], body_b, frame_body_limit(len(metas), max_payload))
     bodies = _unpack(body_b, "body")
     if not isinstance(bodies, list) or len(bodies) != len(metas):
         raise ProtocolError("bad_body", "body must be a list with one payload per message")

@@ -126,3 +126,19 @@ def test_zstd_bombs_from_a_raw_dealer_do_not_grow_a_bus_and_it_goes_on_deliverin
     wait_until(lambda: probe()["handled"] == [0, 1], 30)
     assert probe()["malformed"] == {"bad_compression": 6}
     assert pub.drain(30)
+
+
+def test_a_subscriber_with_a_small_max_payload_takes_the_full_frames_of_a_publisher_with_a_large_max_batch(make_bus):
+    # ~5,000 payloads of ~200 bytes make a frame of 1 MiB of payload and 10 KB of framing:
+    # past what the subscriber's sockets took (2 x max_payload + 1 MiB), so libzmq dropped
+    # the connection, and the messages arrived only once resends happened to cut them into
+    # other frames (12,000 resends for 6,000 messages, 6.5 s).
+    pub = make_bus("pub", max_batch=10_000, window=10_000, ack_timeout=30)
+    sub = make_bus("sub", max_payload=1000)
+    got: set[int] = set()
+    sub.every(TOPIC, lambda payload, message: got.add(payload["n"]))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish_many(TOPIC, [{"n": n, "pad": "x" * 180} for n in range(6000)])
+    wait_until(lambda: len(got) == 6000, 20, message=lambda: f"{len(got)} of 6000 handled")
+    assert pub.drain(10)
+    assert pub.counters().get("resent", 0) == 0

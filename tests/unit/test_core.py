@@ -338,3 +338,12 @@ def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_
     assert receiver.payloads() == [{"n": 1}]
     assert sender.store.sends == {}
     assert sender.core.s.counters["commands_sent"] == 1
+
+
+def test_a_max_batch_larger_than_any_receiver_takes_in_one_frame_is_refused_when_the_bus_is_configured():
+    # A receiver drops a frame of more than MAX_BATCH messages whole: the publisher would
+    # resend the same frames for ever.
+    from servicebus.config import BusConfig
+    assert BusConfig(max_batch=P.MAX_BATCH).max_batch == P.MAX_BATCH
+    with pytest.raises(ValueError, match="max_batch"):
+        BusConfig(max_batch=P.MAX_BATCH + 1)
