@@ -4,7 +4,6 @@ bus under attack runs in its own process, so that its memory is its own to measu
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -79,6 +78,8 @@ def victim(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def peak_rss_mib(pid: int) -> float:
