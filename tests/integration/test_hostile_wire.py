@@ -1,9 +1,13 @@
-"""What a peer that reaches a bus's port can send it, speaking our protocol from a raw
-ZeroMQ DEALER: frames that decompress to gigabytes, messages no receiver can decode. The
-bus under attack runs in its own process, so that its memory is its own to measure."""
+"""What crosses the wire, and what a bus makes of it. A peer that reaches a bus's port can
+send it, from a raw ZeroMQ DEALER speaking our protocol, frames that decompress to gigabytes
+or messages no receiver can decode; an older publisher can send the latter too. A bus under
+attack runs in its own process where its memory is measured."""
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -143,3 +147,163 @@ def test_a_subscriber_with_a_small_max_payload_takes_the_full_frames_of_a_publis
     wait_until(lambda: len(got) == 6000, 20, message=lambda: f"{len(got)} of 6000 handled")
     assert pub.drain(10)
     assert pub.counters().get("resent", 0) == 0
+
+
+# --- a message no receiver can decode: a dead letter for that message alone ----------------------
+
+UNDECODABLE = msgpack.packb({(1, 2): 3})  # a map keyed by an array: unhashable once decoded
+
+
+def journal_events(datadir: Path) -> list[dict]:
+    lines: list[dict] = []
+    for path in sorted((datadir / "journal").glob("*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_alone_and_the_lane_goes_on(make_bus, raw):
+    from servicebus import admin as A
+    from servicebus.delivery import ORDER_HEADER
+
+    bus = make_bus("sub")
+    handled: list[int] = []
+    bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
+    ids = [f"{k:024x}" for k in range(1, 8)]
+    bodies = [P.encode_payload({"n": n}) for n in range(7)]
+    bodies[3] = UNDECODABLE
+    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, body, 1, None, None, {ORDER_HEADER: "stream-1"})
+            for mid, body in zip(ids, bodies)]
+    frame = P.encode_batch(P.Kind.EVENT, "hostile", "tcp://127.0.0.1:9", envs)
+    dealer = raw(bus.address)
+    acked: set[str] = set()
+
+    def read_acks() -> set[str]:
+        while dealer.poll(0):
+            reply = P.decode(dealer.recv_multipart(), max_payload=1 << 20)
+            assert isinstance(reply, P.Ack), reply
+            acked.update(reply.ids)
+        return acked
+
+    dealer.send_multipart(frame)
+    wait_until(lambda: read_acks() == set(ids), 10, message=lambda: f"acked {sorted(acked)}")
+    wait_until(lambda: len(handled) == 6, 10, message=lambda: f"handled {handled}")
+    assert handled == [0, 1, 2, 4, 5, 6]  # in order, past the one that cannot be read
+    [letter] = bus.deadletters()
+    assert (letter.id, letter.origin, letter.reason, letter.topic) == (ids[3], "incoming", "undecodable", TOPIC)
+    assert "unhashable" in (letter.error or "")
+    [row] = A.query_live(bus.datadir, "deadletters", {})
+    assert row["payload"] == {"undecodable": base64.b64encode(UNDECODABLE).decode()}  # its raw bytes
+    assert bus.status().malformed == 0
+
+    acked.clear()
+    dealer.send_multipart(frame)  # resent (its acks lost): acked again, nothing twice
+    wait_until(lambda: read_acks() == set(ids), 10)
+    assert bus.drain(10)
+    assert handled == [0, 1, 2, 4, 5, 6] and len(bus.deadletters()) == 1
+
+
+OLD_PUBLISHER = textwrap.dedent("""
+    import sys
+    from servicebus import Bus, outgoing
+    from servicebus.packer import pack
+    from servicebus.testing import wait_until
+
+    outgoing.encode_payload = pack  # as a publisher that did not check what receivers decode
+    address, datadir = sys.argv[1:3]
+    bus = Bus(address, datadir)
+    wait_until(lambda: bus.status().subscriptions == 1, 30)
+    bus.publish({topic!r}, {{"n": 0}})
+    bus.publish({topic!r}, {{(1, 2): 3}})
+    bus.publish_many({topic!r}, [{{"n": n}} for n in range(1, 21)])
+    print("drained" if bus.drain(30) else "not drained", flush=True)
+    sys.stdin.read()
+    bus.close()
+""").format(topic=TOPIC)
+
+
+def test_an_undecodable_message_from_another_process_does_not_stop_an_ordered_subscription(make_bus, tmp_path):
+    address = free_address()
+    proc = subprocess.Popen([sys.executable, "-c", OLD_PUBLISHER, address, str(tmp_path / "old")],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        sub = make_bus("sub")
+        handled: list[int] = []
+        sub.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
+        sub.subscribe(address, TOPIC, ordered=True, wait=30)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "drained"  # every message acked, none owed
+        wait_until(lambda: len(handled) == 21, 10, message=lambda: f"handled {handled}")
+        assert handled == list(range(21))
+        [letter] = sub.deadletters()
+        assert letter.reason == "undecodable" and letter.origin == "incoming"
+        sub.close()
+        events = [e for e in journal_events(tmp_path / "sub") if e["id"] == letter.id]
+        assert [e["event"] for e in events] == ["received", "deadlettered"]  # not lost to the audit
+    finally:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+
+
+# --- what every way in accepts, every receiver decodes (DESIGN rule 11) ---------------------------
+
+BAD = [1, {"a": {(1, 2): 3}}]
+WHERE = r'payload\[1\]\["a"\]: map key \(1, 2\) is a tuple; a receiver cannot decode it'
+
+
+def test_every_way_to_publish_or_send_refuses_what_no_receiver_can_decode(make_bus, tmp_path):
+    from servicebus.stub import StubBus
+
+    bus = make_bus("bus")
+    other = make_bus("other")
+    doors = {
+        "publish": lambda: bus.publish(TOPIC, BAD),
+        "publish_many": lambda: bus.publish_many(TOPIC, [1, BAD]),
+        "send": lambda: bus.send(other.address, "cmd", BAD),
+        "request": lambda: bus.request(other.address, "cmd", BAD, timeout=1),
+        "headers": lambda: bus.publish(TOPIC, 1, headers={"h": {1: 2}}),
+        "kv": lambda: bus.kv.__setitem__("k", BAD),
+        "StubBus.publish": lambda: StubBus().publish(TOPIC, BAD),
+        "StubBus.send": lambda: StubBus().send(other.address, "cmd", BAD),
+    }
+    for name, door in doors.items():
+        with pytest.raises(TypeError, match=WHERE if name != "headers" else r'headers\["h"\]: map key 1'):
+            door()
+    refused: list[str] = []
+
+    @bus.every("in")
+    def handler(payload, message):
+        for name, door in (("message.publish", lambda: message.publish(TOPIC, BAD)),
+                           ("message.send", lambda: message.send(other.address, "cmd", BAD))):
+            try:
+                door()
+            except TypeError as exc:
+                refused.append(f"{name}: {exc}")
+
+    bus.publish("in", 1)
+    wait_until(lambda: len(refused) == 2, 10)
+    assert all(re.search(WHERE, r) for r in refused), refused
+    assert bus.drain(10) and bus.status().outgoing == 0 and bus.status().deadletters == 0
+
+
+def test_a_sql_outbox_refuses_what_no_receiver_can_decode(make_bus, tmp_path):
+    sa = pytest.importorskip("sqlalchemy", reason="the sql extra (SQLAlchemy) is not installed")
+    from servicebus.sql import SqlOutbox
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'svc.db'}")
+    outbox = SqlOutbox(make_bus("svc"), engine)
+    outbox.create_table()
+    try:
+        with engine.begin() as conn:
+            with pytest.raises(TypeError, match=WHERE):
+                outbox.publish(conn, TOPIC, BAD)
+            with pytest.raises(TypeError, match=WHERE):
+                outbox.send(conn, "tcp://127.0.0.1:9", "cmd", BAD)
+    finally:
+        outbox.stop()
+        engine.dispose()
