@@ -66,7 +66,8 @@ def test_malformed_frames_raise_protocol_errors_with_a_reason():
     assert reason([good[0], good[1], msgpack.packb([1]), good[3]]) == "bad_header"
     assert reason([good[0], good[1], msgpack.packb({"sender": "n"}), good[3]]) == "missing_field"
     assert reason([good[0], good[1], good[2], msgpack.packb([b"1", b"2"])]) == "bad_body"
-    assert reason([good[0], good[1], good[2], msgpack.packb([b"\xc1"])]) == "bad_payload"
+    junk = P.decode([good[0], good[1], good[2], msgpack.packb([b"\xc1"])], max_payload=LIMIT)
+    assert junk.messages == () and len(junk.undecodable) == 1  # that message alone, not the frame
     ack = P.encode_ack(["a"])
     assert reason([ack[0], ack[1], ack[2], b"extra"]) == "bad_body"
 
@@ -306,7 +307,8 @@ class Hashable(dict):
 
 
 @pytest.mark.parametrize("payload, where", [
-    ([0, 1, 2, {"a": {(1, 2): 3}}], r'payload\[3\]\["a"\]: map key \(1, 2\) is a tuple; a receiver cannot decode it'),
+    ([0, 1, 2, {"a": {(1, 2): 3}}],
+     r'payload\[3\]\["a"\]: map key \(1, 2\) is a tuple; a receiver cannot decode it'),
     ({(): 1}, r"payload: map key \(\) is a tuple; a receiver cannot decode it"),
     ({"k": {((1,), "x"): 1}}, r'payload\["k"\]: map key \(\(1,\), .x.\) is a tuple'),
     ({"k": [{Hashable(a=1): 2}]}, r'payload\["k"\]\[0\]: map key \{.a.: 1\} is a Hashable \(a map\)'),
@@ -345,15 +347,20 @@ def odd_values(rng, depth=0):
     """A random value of the kinds users put in payloads, and of kinds they should not:
     hypothesis-style, from a seeded generator (no extra dependency)."""
     scalars = [
-        lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2**70, 2**70),
+        lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2**70, 2**70) >> rng.choice([0, 60]),
         lambda: rng.choice([2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 0, -1]),
-        lambda: rng.choice([0.0, -0.0, 1.5, float("inf"), float("nan"), 1e-310]),
-        lambda: "".join(chr(rng.choice([0x61, 0xE9, 0x1F600, 0xD800, 0xDFFF, 0])) for _ in range(rng.randint(0, 4))),
+        lambda: rng.choice([0.0, -0.0, 1.5, float("inf"), 1e-310]),
+        lambda: float("nan"),
+        lambda: "".join(chr(rng.choice([0x61, 0xE9, 0x1F600, 0xD800, 0xDFFF, 0]))
+                        for _ in range(rng.randint(0, 4))),
         lambda: bytes(rng.randrange(256) for _ in range(rng.randint(0, 4))),
-        lambda: object(), lambda: {1, 2}, lambda: msgpack.ExtType(rng.randrange(128), b"\x00" * rng.choice([0, 3, 8])),
+        lambda: object(), lambda: {1, 2},
+        lambda: msgpack.ExtType(rng.randrange(128), b"\x00" * rng.choice([0, 3, 8])),
     ]
-    keys = scalars[:7] + [lambda: tuple(odd_values(rng, 9) for _ in range(rng.randint(0, 2))),
-                          lambda: frozenset(), lambda: Hashable(a=1)]
+    # Keys: the hashable ones (a path cannot be followed through a nan key: nan != nan).
+    keys = [make for i, make in enumerate(scalars) if i not in (5, 9)] + [
+        lambda: tuple(odd_values(rng, 9) for _ in range(rng.randint(0, 2))),
+        lambda: frozenset(), lambda: Hashable(a=1)]
     if depth > 5 or rng.random() < 0.4:
         return rng.choice(scalars)()
     kind = rng.randrange(3)
@@ -388,7 +395,7 @@ def test_fuzzed_payloads_are_accepted_exactly_when_a_receiver_decodes_them_and_r
             where = str(err.value).split(": ", 1)[0]
             assert where.startswith("payload"), err.value
             # The path names a place that exists in the value (eval'ed: keys print as literals).
-            eval(where, {"payload": value, "inf": float("inf")})  # noqa: S307
+            eval(where, {"payload": value, "inf": float("inf"), "ExtType": msgpack.ExtType})  # noqa: S307
             refused += 1
     assert accepted > 3000 and refused > 3000, (accepted, refused)
 
@@ -397,7 +404,8 @@ def test_headers_are_refused_unless_a_receiver_reads_them_with_its_stricter_rule
     from servicebus.outgoing import check_ttl_headers
 
     check_ttl_headers(None, {"a": {"b": [1, (2, 3)]}, "c": {b"k": None}})
-    with pytest.raises(TypeError, match=r'headers\["a"\]: map key 1 is an int; a receiver reads header maps with str or bytes keys only'):
+    with pytest.raises(TypeError, match=r'headers\["a"\]: map key 1 is an int; a receiver reads '
+                                        r'header maps with str or bytes keys only'):
         check_ttl_headers(None, {"a": {1: 2}})
     with pytest.raises(TypeError, match=r'headers\["a"\]\[0\]: map key \(1, 2\) is a tuple'):
         check_ttl_headers(None, {"a": [{(1, 2): 3}]})
