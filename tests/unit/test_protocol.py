@@ -422,3 +422,19 @@ def test_an_undecodable_payload_is_set_apart_and_the_rest_of_its_frame_decodes()
     assert [m.id for m in frame.messages] == [msgs[0].id, msgs[-1].id]
     assert [(e, type(why)) for e, why in frame.undecodable] == [(m, str) for m in msgs[1:-1]]
     assert "unhashable" in frame.undecodable[0][1]
+
+
+def test_a_body_holding_more_payloads_than_its_header_declares_is_refused_before_they_are_built():
+    import tracemalloc
+
+    header = msgpack.packb({"sender": "s", "reply_to": ADDR, "msgs": [["i", "t", 1, 1, None, None, {}]]})
+    body = msgpack.packb([b"ab"] * 1_000_000)  # 4 MB: a million payloads, ~45 MB as objects
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as err:
+            P.decode([P.MAGIC, bytes([Kind.EVENT]), header, body], max_payload=LIMIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "bad_body"
+    assert peak < 1 << 20, f"peak {peak >> 20} MiB"
