@@ -656,7 +656,14 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
         sent_at = _int(sent_at, "now")
     if "z" in header:
         body_b = _decompress(header["z"], body_b, frame_body_limit(len(metas), max_payload))
-    bodies = _unpack(body_b, "body")
+    try:
+        # An array of len(metas) bins and nothing else, checked as msgpack reads the
+        # lengths: a body of a million tiny payloads is refused before it is 50 MB of objects.
+        bodies = _unpackb(body_b, raw=False, max_array_len=len(metas), max_map_len=0,
+                          max_str_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
+        raise ProtocolError("bad_body", f"body must be an array of {len(metas)} payloads: "
+                            f"{type(exc).__name__}") from exc
     if not isinstance(bodies, list) or len(bodies) != len(metas):
         raise ProtocolError("bad_body", "body must be a list with one payload per message")
     out = []
