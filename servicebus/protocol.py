@@ -178,9 +178,9 @@ _unpackb = msgpack.unpackb
 _CHECKED = (TypeError, ValueError, OverflowError)  # what msgpack raises on what it refuses
 
 
-def encode_payload(payload: Any) -> bytes:
+def encode_payload(payload: Any, what: str = "payload") -> bytes:
     """msgpack-encode a user payload that every receiver decodes, or raise ``TypeError``
-    saying where in it the problem is (DESIGN rule 11). The check is the receiver's own
+    saying where in it (``what`` names its root) the problem is (DESIGN rule 11). The check is the receiver's own
     decode (msgpack's C unpacker, ~0.5 us for a small payload): what it refuses is what a
     receiver would refuse, e.g. a map keyed by a tuple (an array, unhashable once
     decoded). A walk through the payload, in Python, runs only to explain a refusal."""
@@ -188,7 +188,7 @@ def encode_payload(payload: Any) -> bytes:
         body = pack(payload)
         _unpackb(body, raw=False, strict_map_key=False)
     except _CHECKED as exc:
-        raise TypeError(_refusal(payload, "payload", exc, strict_keys=False)) from exc
+        raise TypeError(_refusal(payload, what, exc, strict_keys=False)) from exc
     return body
 
 
@@ -612,7 +612,7 @@ def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
     allocated; one that declares its size is decompressed into a buffer of that size,
     which zstd refuses to write past; one that does not (a stream) is decompressed step by
     step and refused the moment it passes ``limit``. The window zstd allocates for it is
-    bounded too: a frame may ask for 2 GiB."""
+    bounded by ``limit`` too: a frame may ask for far more than it holds."""
     zstd = _zstd()
     if codec != "zstd" or zstd is None:
         raise ProtocolError("bad_compression", f"codec {str(codec)[:16]!r} is not one this bus decodes")
@@ -622,7 +622,7 @@ def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
             raise ProtocolError("bad_compression", f"declares {declared} bytes, more than {limit}")
         # No window larger than the frame may be: a power of two >= limit (zstd's unit).
         dctx = zstd.ZstdDecompressor(max_window_size=1 << max(10, (limit - 1).bit_length()))
-        if declared >= 0:  # what our senders make (encode_batch); "did not decompress full frame" if it lies
+        if declared >= 0:  # what encode_batch makes; a frame that holds more than it says fails
             return bytes(dctx.decompress(data, max_output_size=declared))
         reader = dctx.stream_reader(data)
         parts = []
