@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from .policy import parse_allow
-from .protocol import codecs
+from .protocol import MAX_BATCH, codecs
 
 __all__ = ["BusConfig"]
 
@@ -33,7 +33,7 @@ class BusConfig:
     dedupe_window: float = 7 * 24 * 3600.0
     #: unacknowledged messages in flight per subscriber per topic
     window: int = 1000
-    #: messages per ZeroMQ frame
+    #: messages per ZeroMQ frame (at most 10,000: a receiver refuses a larger frame whole)
     max_batch: int = 200
     #: largest encoded payload accepted for sending or off the wire
     max_payload: int = 1 << 20
@@ -142,6 +142,9 @@ class BusConfig:
                      "max_peers", *(("max_backlog",) if self.max_backlog is not None else ())):
             if not isinstance(getattr(self, name), int):
                 raise TypeError(f"option {name} must be an int")
+        if self.max_batch > MAX_BATCH:
+            raise ValueError(f"option max_batch must be at most {MAX_BATCH} (what a receiver "
+                             f"takes in one frame), got {self.max_batch}")
         if self.retry_max < self.retry_initial:
             raise ValueError("option retry_max must be >= retry_initial")
         if self.peer_timeout <= self.heartbeat:

@@ -54,13 +54,21 @@ __all__ = [
     "decode",
     "validate_address",
     "encode_payload",
+    "encode_headers",
     "decode_payload",
     "MAX_BATCH",
+    "FRAME_BYTES",
+    "frame_body_limit",
 ]
 
 MAGIC = b"SB1"
 COMPRESS_MIN = 1024  # bytes of packed payloads below which a frame is sent as it is
 MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
+# Payload bytes a sender puts in one batch frame, at most; one message alone may be bigger
+# (up to max_payload). The sender cuts frames by it (core/sender.py) and a receiver bounds
+# what a compressed frame may decompress to by it (frame_body_limit).
+FRAME_BYTES = 1 << 20
+_BIN_HEADER = 5  # bytes msgpack puts before a payload (bin 32), at most; the array's alike
 MAX_ID_LEN = 64
 MAX_NAME_LEN = 64
 MAX_ADDRESS_LEN = 512
@@ -108,6 +116,10 @@ class Batch(NamedTuple):
     # Ids of messages whose payload exceeds the receiver's max_payload: not in
     # ``messages``; the receiver NACKs them (the rest of the frame is fine).
     oversize: tuple[str, ...] = ()
+    # Messages whose payload no receiver can decode (from an older or hostile publisher),
+    # with msgpack's error: not in ``messages``; the receiver acks each and keeps it as a
+    # dead letter, raw bytes and all (the rest of the frame is fine; DESIGN rule 11).
+    undecodable: tuple[tuple[Envelope, str], ...] = ()
 
 
 class Ack(NamedTuple):
@@ -162,17 +174,136 @@ _tuple = tuple.__new__
 
 # --- payloads ------------------------------------------------------------------------------
 
+_unpackb = msgpack.unpackb
+_CHECKED = (TypeError, ValueError, OverflowError)  # what msgpack raises on what it refuses
 
-def encode_payload(payload: Any) -> bytes:
-    """msgpack-encode a user payload; raise ``TypeError`` naming the type that cannot be."""
+
+def encode_payload(payload: Any, what: str = "payload") -> bytes:
+    """msgpack-encode a user payload that every receiver decodes, or raise ``TypeError``
+    saying where in it (``what`` names its root) the problem is (DESIGN rule 11). The check is the receiver's own
+    decode (msgpack's C unpacker, ~0.5 us for a small payload): what it refuses is what a
+    receiver would refuse, e.g. a map keyed by a tuple (an array, unhashable once
+    decoded). A walk through the payload, in Python, runs only to explain a refusal."""
     try:
-        return pack(payload)
-    except (TypeError, OverflowError, ValueError) as exc:
-        raise TypeError(f"payload cannot be encoded with msgpack: {exc}") from exc
+        body = pack(payload)
+        _unpackb(body, raw=False, strict_map_key=False)
+    except _CHECKED as exc:
+        raise TypeError(_refusal(payload, what, exc, strict_keys=False)) from exc
+    return body
+
+
+def encode_headers(headers: dict[str, Any]) -> bytes:
+    """msgpack-encode a message's user headers as a receiver reads them (in the frame's
+    header, where every map must have str or bytes keys), or raise ``TypeError`` saying
+    where the problem is: a frame a receiver cannot read is dropped whole, and resent."""
+    try:
+        body = pack(headers)
+        _unpackb(body, raw=False, strict_map_key=True)
+    except _CHECKED as exc:
+        raise TypeError(_refusal(headers, "headers", exc, strict_keys=True)) from exc
+    return body
 
 
 def decode_payload(body: bytes) -> Any:
-    return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    """A payload as every receiver decodes it (and ``encode_payload`` checks)."""
+    return _unpackb(body, raw=False, strict_map_key=False)
+
+
+# Containers msgpack nests, at most (its C packer and unpacker; measured on msgpack 1.x).
+_MAX_NESTING = 1024
+_INT_RANGE = "-2**63 to 2**64 - 1"
+
+
+def _refusal(value: Any, root: str, exc: Exception, *, strict_keys: bool) -> str:
+    """Why ``value`` cannot be sent, and where: the first problem msgpack meets."""
+    try:
+        found = _first_problem(value, root, strict_keys)
+    except RecursionError:
+        found = None
+    # Should the walk miss what msgpack refused, msgpack's own words still say what.
+    return found or f"{root} cannot be sent: {type(exc).__name__}: {exc}"
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _step(key: Any) -> str:
+    """``[key]`` as a path shows it: str keys in double quotes, as most people write them."""
+    text = repr(key)
+    if isinstance(key, str) and text.startswith("'") and '"' not in text:
+        text = f'"{text[1:-1]}"'
+    return f"[{text if len(text) <= 80 else text[:77] + '...'}]"
+
+
+def _scalar_problem(value: Any, key: bool) -> str | None:
+    """Why msgpack cannot pack a non-container (its checks, in its order), or None; worded
+    to follow ``map key <value>`` (``key``) or ``<path>:``."""
+    if value is None or isinstance(value, (bool, float, bytes, bytearray, memoryview)):
+        return None
+    if isinstance(value, int):
+        if -(2**63) <= value < 2**64:
+            return None
+        where = "is an int" if key else f"int {_show(value)} is"
+        return f"{where} out of msgpack's range ({_INT_RANGE})"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = "is a str with" if key else f"str {_show(value)} has"
+            return (f"{where} a lone surrogate ({value[exc.start]!r} at {exc.start}), which "
+                    "cannot be encoded as UTF-8")
+        return None
+    if isinstance(value, msgpack.ExtType) or type(value) is msgpack.Timestamp:
+        return None
+    kind = _a(type(value).__name__)
+    return f"is {kind}, which cannot be encoded with msgpack" if key else \
+        f"{kind} cannot be encoded with msgpack"
+
+
+def _key_problem(key: Any, strict_keys: bool) -> str | None:
+    if isinstance(key, dict):  # a dict subclass with a __hash__: a plain dict once decoded
+        return f"is {_a(type(key).__name__)} (a map); a receiver cannot decode it"
+    if isinstance(key, tuple) and not isinstance(key, msgpack.ExtType):
+        kind = "a tuple" if type(key) is tuple else f"{_a(type(key).__name__)} (a tuple)"
+        return f"is {kind}; a receiver cannot decode it"  # an array: a list once decoded
+    problem = _scalar_problem(key, True)
+    if problem is None and strict_keys and not isinstance(key, (str, bytes)):
+        return f"is {_a(type(key).__name__)}; a receiver reads header maps with str or bytes keys only"
+    return problem
+
+
+def _first_problem(value: Any, root: str, strict_keys: bool) -> str | None:
+    """Walk ``value`` as msgpack packs it (depth first, in order) to the first thing it
+    or a receiver refuses: ``path: what``. Iterative: payloads nest up to 1,024 deep."""
+    stack: list[tuple[Any, str, int]] = [(value, root, 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                problem = _key_problem(key, strict_keys)
+                if problem is not None:
+                    return f"{path}: map key {_show(key)} {problem}"
+                children.append((child, path + _step(key)))
+        elif isinstance(item, (list, tuple)) and not isinstance(item, msgpack.ExtType):
+            children = [(child, f"{path}[{i}]") for i, child in enumerate(item)]
+        else:
+            problem = _scalar_problem(item, False)
+            if problem is None:
+                continue
+            return f"{path}: {problem}"
+        if depth >= _MAX_NESTING:
+            path = path if len(path) <= 200 else f"{path[:100]}...{path[-100:]}"
+            return (f"{path}: nested more than {_MAX_NESTING} deep (or a container holds "
+                    "itself); msgpack refuses it")
+        stack.extend((child, where, depth + 1) for child, where in reversed(children))
+    return None
 
 
 # --- addresses -----------------------------------------------------------------------------
@@ -464,9 +595,24 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     return Pong(sender, boot, None if limit is None else _int(limit, "max", 1), tuple(z))
 
 
+def frame_body_limit(count: int, max_payload: int) -> int:
+    """The most bytes the body of a batch frame of ``count`` messages may hold once
+    decompressed: what a sender puts in one frame (FRAME_BYTES of payload, or one message
+    of up to ``max_payload``) plus msgpack's framing. Not ``count`` payloads' worth: a frame
+    may declare 10,000 messages in a few KB of header."""
+    return max(FRAME_BYTES, max_payload) + _BIN_HEADER * (count + 1)
+
+
+_READ = 1 << 18  # bytes decompressed per step of a stream: the cap is never overshot by more
+
+
 def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
-    """A compressed body, never more than ``limit`` bytes: what a frame declares is
-    checked before anything is allocated (a small frame may claim gigabytes)."""
+    """A compressed body, never more than ``limit`` bytes (rule 12: a frame of a few KB
+    may hold gigabytes). A frame that declares more is refused before anything is
+    allocated; one that declares its size is decompressed into a buffer of that size,
+    which zstd refuses to write past; one that does not (a stream) is decompressed step by
+    step and refused the moment it passes ``limit``. The window zstd allocates for it is
+    bounded by ``limit`` too: a frame may ask for far more than it holds."""
     zstd = _zstd()
     if codec != "zstd" or zstd is None:
         raise ProtocolError("bad_compression", f"codec {str(codec)[:16]!r} is not one this bus decodes")
@@ -474,7 +620,24 @@ def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
         declared = zstd.frame_content_size(data)
         if declared > limit:
             raise ProtocolError("bad_compression", f"declares {declared} bytes, more than {limit}")
-        return bytes(zstd.ZstdDecompressor().decompress(data, max_output_size=limit))
+        # No window larger than the frame may be: a power of two >= limit (zstd's unit).
+        dctx = zstd.ZstdDecompressor(max_window_size=1 << max(10, (limit - 1).bit_length()))
+        if declared >= 0:  # what encode_batch makes; a frame that holds more than it says fails
+            return bytes(dctx.decompress(data, max_output_size=declared))
+        reader = dctx.stream_reader(data)
+        parts = []
+        size = 0
+        while True:
+            part = reader.read(_READ)
+            if not part:
+                break
+            size += len(part)
+            if size > limit:
+                raise ProtocolError("bad_compression", f"decompresses to more than {limit} bytes")
+            parts.append(part)
+        # A stream cut short reads as its first part: the msgpack body then ends in the
+        # middle (or exactly at its end, when nothing is missing), and unpacking it tells.
+        return b"".join(parts)
     except zstd.ZstdError as exc:
         raise ProtocolError("bad_compression", str(exc)[:200]) from exc
 
@@ -492,12 +655,20 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
     if sent_at is not None:
         sent_at = _int(sent_at, "now")
     if "z" in header:
-        body_b = _decompress(header["z"], body_b, len(metas) * (max_payload + 64) + 64)
-    bodies = _unpack(body_b, "body")
+        body_b = _decompress(header["z"], body_b, frame_body_limit(len(metas), max_payload))
+    try:
+        # An array of len(metas) bins and nothing else, checked as msgpack reads the
+        # lengths: a body of a million tiny payloads is refused before it is 50 MB of objects.
+        bodies = _unpackb(body_b, raw=False, max_array_len=len(metas), max_map_len=0,
+                          max_str_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
+        raise ProtocolError("bad_body", f"body must be an array of {len(metas)} payloads: "
+                            f"{type(exc).__name__}") from exc
     if not isinstance(bodies, list) or len(bodies) != len(metas):
         raise ProtocolError("bad_body", "body must be a list with one payload per message")
     out = []
     oversize = []
+    undecodable = []
     for meta, body in zip(metas, bodies):
         if not isinstance(meta, list) or len(meta) != 7:
             raise ProtocolError("bad_field", "each message header must be a 7-item array")
@@ -509,12 +680,7 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
             continue
         if headers is not None and not isinstance(headers, dict):
             raise ProtocolError("bad_field", "headers must be a map")
-        try:
-            # Payloads are checked here so that junk never reaches a handler.
-            msgpack.unpackb(body, raw=False, strict_map_key=False)
-        except Exception as exc:
-            raise ProtocolError("bad_payload", type(exc).__name__) from exc
-        out.append(_tuple(Envelope, (  # per message: skips the NamedTuple's keyword parsing
+        env = _tuple(Envelope, (  # per message: skips the NamedTuple's keyword parsing
             _str(mid, "id", MAX_ID_LEN),
             _topic(topic),
             _int(sent, "sent"),
@@ -523,5 +689,14 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
             None if expires is None else _int(expires, "expires"),
             _opt_str(corr, "correlation_id", MAX_ID_LEN),
             headers or None,
-        )))
-    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize))
+        ))
+        try:
+            # Payloads are checked here so that junk never reaches a handler; decode_payload.
+            _unpackb(body, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises many types on junk
+            # Set apart, not the frame refused: a frame dropped is resent for ever, and an
+            # ordered subscription waits behind it.
+            undecodable.append((env, f"{type(exc).__name__}: {exc}"[:MAX_REASON_LEN]))
+            continue
+        out.append(env)
+    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize), tuple(undecodable))

@@ -23,11 +23,23 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .config import BusConfig
 from .errors import TransportError
+from .protocol import FRAME_BYTES
 from .trust import Keys
 
 __all__ = ["Sockets"]
 
 log = logging.getLogger("servicebus")
+
+
+def max_part_bytes(max_payload: int) -> int:
+    """ZMQ_MAXMSGSIZE: the largest part of a ZeroMQ message libzmq takes (a larger one
+    drops the connection before Python sees it). Above the largest body a sender makes
+    (``protocol.frame_body_limit``: FRAME_BYTES of payload, or one message of
+    ``max_payload``, and framing for up to MAX_BATCH messages) with room for a frame's
+    header (its messages' ids, topics and headers): a frame refused here is resent the
+    same way, for ever. The limit of what a compressed body may decompress to is
+    ``frame_body_limit``, checked as it is decompressed."""
+    return 2 * max(FRAME_BYTES, max_payload) + (1 << 20)
 
 
 def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
@@ -36,7 +48,7 @@ def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-    sock.setsockopt(zmq.MAXMSGSIZE, config.max_payload * 2 + (1 << 20))
+    sock.setsockopt(zmq.MAXMSGSIZE, max_part_bytes(config.max_payload))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, 100_000)
 

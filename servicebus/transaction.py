@@ -42,7 +42,7 @@ def check_key(key: object) -> str:
 
 
 def encode_value(value: Any, limit: int) -> bytes:
-    data = encode_payload(value)
+    data = encode_payload(value, "value")  # read back with decode_payload: the same rules
     if len(data) > limit:
         raise ValueError(f"kv value is {len(data)} bytes encoded; max_payload is {limit}")
     return data

@@ -2,17 +2,23 @@
 
 A message is acked only once it is durable here: stored as incoming in this turn's batch
 (which is then fsynced) or already stored, handled or dead-lettered (a resend: acked
-again, not handled again). Handled ids are remembered for ``dedupe_window``, counted on
-the bus clock (clock.py), then pruned.
+again, not handled again). One whose payload does not decode (from an older or hostile
+publisher) is stored as a dead letter instead, with its raw bytes, and acked the same way:
+it alone, not its frame, is refused (DESIGN rule 11). Handled ids are remembered for
+``dedupe_window``, counted on the bus clock (clock.py), then pruned.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from .. import protocol as P
+from ..letters import incoming_letter
 from ..protocol import KIND_NAMES
 from .state import Incoming, State, incoming_record
+
+log = logging.getLogger("servicebus")
 
 __all__ = ["Receiver", "PRUNE_BATCH"]
 
@@ -33,16 +39,22 @@ class Receiver:
             reason = s.address_refused(frame.reply_to, source, user) if frame.reply_to else None
             if reason is not None:
                 s.count_refused(reason, frame.reply_to, source)
-                ids = [env.id for env in frame.messages] + list(frame.oversize)
+                ids = [env.id for env in frame.messages] + list(frame.oversize) + [
+                    env.id for env, _ in frame.undecodable]
                 s.out.to_router.append((ident, P.encode_nack(ids, (
                     f"reply address {frame.reply_to[:200]!r} refused: {reason}"))))
                 return
             entry = s.entry_of(user)
-            if entry is not None and not all(entry.may_send(env.topic) for env in frame.messages):
-                denied = [env.id for env in frame.messages if not entry.may_send(env.topic)]
-                s.counters["refused_command_not_allowed"] += len(denied)
-                s.out.to_router.append((ident, P.encode_nack(denied, "command not allowed for this key")))
-                frame = frame._replace(messages=tuple(e for e in frame.messages if entry.may_send(e.topic)))
+            if entry is not None:
+                allowed = entry.may_send
+                denied = [env.id for env in frame.messages if not allowed(env.topic)]
+                denied += [env.id for env, _ in frame.undecodable if not allowed(env.topic)]
+                if denied:
+                    s.counters["refused_command_not_allowed"] += len(denied)
+                    s.out.to_router.append((ident, P.encode_nack(denied, "command not allowed for this key")))
+                    frame = frame._replace(
+                        messages=tuple(e for e in frame.messages if allowed(e.topic)),
+                        undecodable=tuple(u for u in frame.undecodable if allowed(u[0].topic)))
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
         stored = False
@@ -73,9 +85,42 @@ class Receiver:
             stored = True
             if jon:
                 jev.append(("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt, None))
-        s.counters["received"] += len(frame.messages)
+        if frame.undecodable:
+            stored = self._undecodable(frame, acks) or stored
+        s.counters["received"] += len(frame.messages) + len(frame.undecodable)
         if stored:
             batch.sync = True  # the acks leave only after the fsync
+
+    def _undecodable(self, frame: P.Batch, acks: list[str]) -> bool:
+        """Messages of ``frame`` whose payload does not decode: each a dead letter
+        (``undecodable``, its raw bytes and msgpack's error kept), journaled as received
+        and dead-lettered, and acked once that is fsynced, so that its sender stops
+        resending it and an ordered subscription goes on past it. True if any was stored."""
+        s = self.s
+        kind = int(frame.kind)
+        known = s.store.seen_many([env.id for env, _ in frame.undecodable])
+        stored = False
+        for (env, error), was_seen in zip(frame.undecodable, known):
+            mid = env.id
+            acks.append(mid)
+            if was_seen or mid in s.turn_ids:
+                s.counters["duplicates"] += 1
+                continue
+            s.turn_ids.add(mid)
+            record = incoming_record(kind, frame.sender, frame.reply_to, env)
+            s.out.batch.put_deadletter(mid, incoming_letter("undecodable", error, 0, record))
+            stored = True
+            if s.journal_on:
+                ts, kname = s.wall(), KIND_NAMES[kind]
+                peer = frame.reply_to
+                s.out.journal.append(("received", ts, mid, env.topic, kname, peer, env.attempt, None))
+                s.out.journal.append(("deadlettered", ts, mid, env.topic, kname, peer, 0,
+                                      f"undecodable: {error}"))
+            total = s.tally(s.counters, "undecodable", "undecodable")
+            if total is not None:
+                log.error("dead letter: %s %s from %s: its payload does not decode (%s); %d so far",
+                          env.topic, mid, frame.reply_to, error, total)
+        return stored
 
     def prune_publish_keys(self) -> bool:
         """Forget publish dedupe keys older than ``publish_dedupe_window`` (bus clock, from

@@ -15,7 +15,7 @@ from .. import protocol as P
 from ..delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
                         is_command_stream, is_delayed, stream_target)
 from ..ids import id_millis
-from ..protocol import KIND_NAMES, Kind
+from ..protocol import FRAME_BYTES, KIND_NAMES, Kind
 from collections.abc import Iterable
 from .expiry import Expiry
 from .state import Peer, State
@@ -23,8 +23,6 @@ from .state import Peer, State
 __all__ = ["Sender", "FRAME_BYTES"]
 
 log = logging.getLogger("servicebus")
-
-FRAME_BYTES = 1 << 20  # payload bytes per frame, at most (one message alone may be bigger)
 
 
 def _stream_topic(stream: str) -> tuple[str | None, str]:

@@ -338,3 +338,29 @@ def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_
     assert receiver.payloads() == [{"n": 1}]
     assert sender.store.sends == {}
     assert sender.core.s.counters["commands_sent"] == 1
+
+
+def test_a_max_batch_larger_than_any_receiver_takes_in_one_frame_is_refused_when_the_bus_is_configured():
+    # A receiver drops a frame of more than MAX_BATCH messages whole: the publisher would
+    # resend the same frames for ever.
+    from servicebus.config import BusConfig
+    assert BusConfig(max_batch=P.MAX_BATCH).max_batch == P.MAX_BATCH
+    with pytest.raises(ValueError, match="max_batch"):
+        BusConfig(max_batch=P.MAX_BATCH + 1)
+
+
+def test_an_undecodable_message_is_kept_as_a_dead_letter_and_the_rest_of_its_frame_is_handled():
+    net = Network()
+    sub = net.node("tcp://127.0.0.1:2001")
+    raw = b"\x81\x92\x01\x02\x03"  # {[1, 2]: 3}: a key no receiver can hash
+    envs = [P.Envelope(f"m{i}", TOPIC, 1, body, 1, None, None, {})
+            for i, body in enumerate([P.encode_payload(0), raw, P.encode_payload(2)])]
+    frame = P.decode(P.encode_batch(P.Kind.EVENT, "old", "tcp://127.0.0.1:2002", envs), max_payload=1 << 20)
+    for _ in range(2):  # and once more, as a resend: nothing twice
+        sub.core.on_router(b"x", frame, 0.0)
+        net.run(seconds=0.1)
+    assert sub.payloads() == [0, 2] and sorted(sub.store.handled) == ["m0", "m2"]
+    letter = sub.store.letters["m1"]
+    assert (letter["reason"], letter["origin"], letter["record"].body) == ("undecodable", "incoming", raw)
+    assert "unhashable" in letter["error"]
+    assert sub.core.s.counters["undecodable"] == 1 and sub.core.s.counters["duplicates"] == 3

@@ -66,7 +66,8 @@ def test_malformed_frames_raise_protocol_errors_with_a_reason():
     assert reason([good[0], good[1], msgpack.packb([1]), good[3]]) == "bad_header"
     assert reason([good[0], good[1], msgpack.packb({"sender": "n"}), good[3]]) == "missing_field"
     assert reason([good[0], good[1], good[2], msgpack.packb([b"1", b"2"])]) == "bad_body"
-    assert reason([good[0], good[1], good[2], msgpack.packb([b"\xc1"])]) == "bad_payload"
+    junk = P.decode([good[0], good[1], good[2], msgpack.packb([b"\xc1"])], max_payload=LIMIT)
+    assert junk.messages == () and len(junk.undecodable) == 1  # that message alone, not the frame
     ack = P.encode_ack(["a"])
     assert reason([ack[0], ack[1], ack[2], b"extra"]) == "bad_body"
 
@@ -196,3 +197,244 @@ def test_a_pong_says_which_codecs_its_bus_decodes():
     header = msgpack.packb({"sender": "n", "boot": "b", "z": "zstd"})
     with pytest.raises(ProtocolError):
         P.decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
+
+
+# --- decompression limits: what one frame may carry, and not a byte more -----------------------
+
+
+def zstd_frame(data: bytes, *, declared: bool) -> bytes:
+    """``data`` zstd-compressed, with its size in the frame or (as a stream) without."""
+    return zstandard.ZstdCompressor(level=1, write_content_size=declared).compress(data)
+
+
+def zeros_without_size(n_mib: int) -> bytes:
+    """``n_mib`` MiB of zeros as one zstd frame that does not declare its size (a few KB)."""
+    comp = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    chunk = bytes(1 << 20)
+    return b"".join([*(comp.compress(chunk) for _ in range(n_mib)), comp.flush()])
+
+
+def body_of_exactly(size: int) -> bytes:
+    """A well-formed batch body of two payloads (each a valid msgpack bin32: ``size`` of at
+    least 256 KiB) ``size`` bytes long."""
+    first = (size - 11) // 2  # array (1 byte), two bin32 payloads (5 + 5 bytes of headers)
+    payloads = [P.encode_payload(b"y" * (n - 5)) for n in (first, size - 11 - first)]
+    body = msgpack.packb(payloads, use_bin_type=True)
+    assert len(body) == size
+    return body
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["size declared", "size not declared"])
+def test_a_compressed_frame_is_read_up_to_what_one_frame_may_carry_and_refused_one_byte_past_it(declared):
+    cap = P.frame_body_limit(2, LIMIT)
+    assert cap < LIMIT + (1 << 16)  # one frame's worth, not one max_payload per message
+    at_cap = P.decode(compressed_frames(zstd_frame(body_of_exactly(cap), declared=declared), n=2),
+                      max_payload=LIMIT)
+    assert len(at_cap.messages) == 2
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(zstd_frame(body_of_exactly(cap + 1), declared=declared), n=2),
+                 max_payload=LIMIT)
+    assert err.value.reason == "bad_compression"
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["size declared", "size not declared"])
+def test_declaring_thousands_of_messages_does_not_raise_what_a_frame_may_decompress_to(declared):
+    body = zstd_frame(bytes(8 << 20), declared=declared)  # 8 MiB: eight frames' worth
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(body, n=P.MAX_BATCH), max_payload=LIMIT)
+    assert err.value.reason == "bad_compression"
+
+
+def test_a_bomb_without_a_declared_size_is_refused_while_streaming_never_holding_more_than_the_cap():
+    import tracemalloc
+
+    bomb = zeros_without_size(1024)  # 1 GiB of zeros in ~32 KB
+    assert len(bomb) < 64 << 10
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as err:
+            P.decode(compressed_frames(bomb, n=P.MAX_BATCH), max_payload=LIMIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "bad_compression"
+    assert peak < 2 * P.frame_body_limit(P.MAX_BATCH, LIMIT) + (4 << 20), f"peak {peak >> 20} MiB"
+
+
+def test_a_frame_that_asks_the_decoder_for_a_huge_window_is_refused():
+    # 256 KiB of data, but a stream whose window (the decoder's buffer) is 128 MiB.
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27, write_content_size=0)
+    comp = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    body = comp.compress(body_of_exactly(1 << 18)) + comp.flush()
+    assert zstandard.get_frame_parameters(body).window_size == 1 << 27
+    with pytest.raises(ProtocolError) as err:
+        P.decode(compressed_frames(body, n=2), max_payload=LIMIT)
+    assert err.value.reason == "bad_compression"
+
+
+def test_frames_compressed_by_a_sender_at_any_level_still_decode():
+    msgs = big_batch(n=4, size=200_000)
+    plain = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5)
+    for level in (1, 3, 19):
+        body = zstandard.ZstdCompressor(level=level).compress(plain[3])
+        header = msgpack.unpackb(plain[2], raw=False)
+        header["z"] = "zstd"
+        frames = [plain[0], plain[1], msgpack.packb(header, use_bin_type=True), body]
+        assert P.decode(frames, max_payload=LIMIT) == P.decode(plain, max_payload=LIMIT)
+
+
+# --- what publish accepts, every receiver decodes (DESIGN rule 11) ------------------------------
+
+
+def receiver_decodes(value) -> bool:
+    """The oracle: msgpack as a publisher packs and as a receiver unpacks (no bus code)."""
+    try:
+        body = msgpack.packb(value, use_bin_type=True)
+    except Exception:  # noqa: BLE001 - cannot even be sent
+        return False
+    try:
+        msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - sent, and refused by every receiver
+        return False
+    return True
+
+
+class Hashable(dict):
+    """A dict that can be a key: msgpack packs it as a map, which decodes to a plain dict."""
+
+    def __hash__(self):
+        return id(self)
+
+
+@pytest.mark.parametrize("payload, where", [
+    ([0, 1, 2, {"a": {(1, 2): 3}}],
+     r'payload\[3\]\["a"\]: map key \(1, 2\) is a tuple; a receiver cannot decode it'),
+    ({(): 1}, r"payload: map key \(\) is a tuple; a receiver cannot decode it"),
+    ({"k": {((1,), "x"): 1}}, r'payload\["k"\]: map key \(\(1,\), .x.\) is a tuple'),
+    ({"k": [{Hashable(a=1): 2}]}, r'payload\["k"\]\[0\]: map key \{.a.: 1\} is a Hashable \(a map\)'),
+    ({"x": {1, 2}}, r'payload\["x"\]: a set cannot be encoded with msgpack'),
+    ([object()], r"payload\[0\]: an object cannot be encoded with msgpack"),
+    ({b"k": [1, 2**64]}, r"payload\[b'k'\]\[1\]: int 18446744073709551616 is out of msgpack's range"),
+    ({"s": ["ok", "a\ud800b"]}, r'payload\["s"\]\[1\]: str .* lone surrogate'),
+    ({frozenset(): 1}, r"payload: map key frozenset\(\) is a frozenset, which cannot be encoded"),
+])
+def test_publish_refuses_what_no_receiver_can_decode_saying_where_in_the_payload(payload, where):
+    assert not receiver_decodes(payload)
+    with pytest.raises(TypeError, match=where):
+        P.encode_payload(payload)
+
+
+def nested(depth: int, leaf=1):
+    value = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"d": value}
+    return value
+
+
+@pytest.mark.parametrize("payload", [
+    {None: 1, True: 2, False: 3, 1.5: 4, -7: 5, b"\xff": 6, "": 7},
+    {"t": (1, (2, (3,))), "f": [float("nan"), float("inf"), -0.0, 1e308]},
+    [2**64 - 1, -(2**63), 0], bytearray(b"\x00\x01"), memoryview(b"abc"),
+    {"ext": msgpack.ExtType(5, b"x"), "ts": msgpack.Timestamp(1, 2)},
+    nested(500), "é" * 1000, "\U0001f600",
+])
+def test_publish_accepts_odd_but_decodable_payloads_and_a_receiver_reads_them_back(payload):
+    body = P.encode_payload(payload)
+    assert P.pack(P.decode_payload(body)) == body  # what was sent, read back the same
+
+
+def odd_values(rng, depth=0):
+    """A random value of the kinds users put in payloads, and of kinds they should not:
+    hypothesis-style, from a seeded generator (no extra dependency)."""
+    scalars = [
+        lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2**70, 2**70) >> rng.choice([0, 60]),
+        lambda: rng.choice([2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 0, -1]),
+        lambda: rng.choice([0.0, -0.0, 1.5, float("inf"), 1e-310]),
+        lambda: float("nan"),
+        lambda: "".join(chr(rng.choice([0x61, 0xE9, 0x1F600, 0xD800, 0xDFFF, 0]))
+                        for _ in range(rng.randint(0, 4))),
+        lambda: bytes(rng.randrange(256) for _ in range(rng.randint(0, 4))),
+        lambda: object(), lambda: {1, 2},
+        lambda: msgpack.ExtType(rng.randrange(128), b"\x00" * rng.choice([0, 3, 8])),
+    ]
+    # Keys: the hashable ones (a path cannot be followed through a nan key: nan != nan).
+    keys = [make for i, make in enumerate(scalars) if i not in (5, 9)] + [
+        lambda: tuple(odd_values(rng, 9) for _ in range(rng.randint(0, 2))),
+        lambda: frozenset(), lambda: Hashable(a=1)]
+    if depth > 5 or rng.random() < 0.4:
+        return rng.choice(scalars)()
+    kind = rng.randrange(3)
+    if kind == 0:
+        return [odd_values(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if kind == 1:
+        return tuple(odd_values(rng, depth + 1) for _ in range(rng.randint(0, 3)))
+    out = {}
+    for _ in range(rng.randint(0, 4)):
+        key = rng.choice(keys)()
+        try:
+            out[key] = odd_values(rng, depth + 1)
+        except TypeError:  # an unhashable key: not a payload anyone can build
+            pass
+    return out
+
+
+def test_fuzzed_payloads_are_accepted_exactly_when_a_receiver_decodes_them_and_refusals_say_where():
+    import random
+
+    rng = random.Random(20)
+    accepted = refused = 0
+    for _ in range(20_000):
+        value = odd_values(rng)
+        if receiver_decodes(value):
+            body = P.encode_payload(value)
+            assert P.pack(P.decode_payload(body)) == body
+            accepted += 1
+        else:
+            with pytest.raises(TypeError) as err:
+                P.encode_payload(value)
+            where = str(err.value).split(": ", 1)[0]
+            assert where.startswith("payload"), err.value
+            # The path names a place that exists in the value (eval'ed: keys print as literals).
+            eval(where, {"payload": value, "inf": float("inf"), "ExtType": msgpack.ExtType})  # noqa: S307
+            refused += 1
+    assert accepted > 3000 and refused > 3000, (accepted, refused)
+
+
+def test_headers_are_refused_unless_a_receiver_reads_them_with_its_stricter_rules():
+    from servicebus.outgoing import check_ttl_headers
+
+    check_ttl_headers(None, {"a": {"b": [1, (2, 3)]}, "c": {b"k": None}})
+    with pytest.raises(TypeError, match=r'headers\["a"\]: map key 1 is an int; a receiver reads '
+                                        r'header maps with str or bytes keys only'):
+        check_ttl_headers(None, {"a": {1: 2}})
+    with pytest.raises(TypeError, match=r'headers\["a"\]\[0\]: map key \(1, 2\) is a tuple'):
+        check_ttl_headers(None, {"a": [{(1, 2): 3}]})
+
+
+# --- a message no receiver can decode: a dead letter for that message alone --------------------
+
+
+def test_an_undecodable_payload_is_set_apart_and_the_rest_of_its_frame_decodes():
+    bad = [P.encode_payload(1)[:0] + b"\x81\x92\x01\x02\x03",  # {[1, 2]: 3}: an unhashable key
+           b"\xc1", P.encode_payload("x")[:-1] + b"\xd4", b"\x01\x02"]  # junk, cut short, extra data
+    msgs = [env(0)] + [env(i + 1, body=body) for i, body in enumerate(bad)] + [env(9)]
+    frame = roundtrip(P.encode_batch(Kind.EVENT, "n", ADDR, msgs))
+    assert [m.id for m in frame.messages] == [msgs[0].id, msgs[-1].id]
+    assert [(e, type(why)) for e, why in frame.undecodable] == [(m, str) for m in msgs[1:-1]]
+    assert "unhashable" in frame.undecodable[0][1]
+
+
+def test_a_body_holding_more_payloads_than_its_header_declares_is_refused_before_they_are_built():
+    import tracemalloc
+
+    header = msgpack.packb({"sender": "s", "reply_to": ADDR, "msgs": [["i", "t", 1, 1, None, None, {}]]})
+    body = msgpack.packb([b"ab"] * 1_000_000)  # 4 MB: a million payloads, ~45 MB as objects
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as err:
+            P.decode([P.MAGIC, bytes([Kind.EVENT]), header, body], max_payload=LIMIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "bad_body"
+    assert peak < 1 << 20, f"peak {peak >> 20} MiB"
