@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER
-from .protocol import encode_headers, encode_payload, validate_address
+from .protocol import MAX_HEADERS, encode_headers, encode_payload, validate_address
 from .stored import OutboxSend
 from .topics import validate_topic
 
@@ -31,7 +31,10 @@ def check_ttl_headers(ttl: float | None, headers: dict[str, Any] | None) -> None
         reserved = [k for k in headers if k.startswith("sb-")]
         if reserved:
             raise ValueError(f"header names starting with 'sb-' are the bus's own: {reserved[0]!r}")
-        encode_headers(headers)  # TypeError now, rather than a frame no receiver can read
+        size = len(encode_headers(headers))  # TypeError now, rather than a frame no receiver can read
+        if size > MAX_HEADERS:
+            raise ValueError(f"headers are {size} bytes encoded; at most {MAX_HEADERS} (they travel "
+                             "in each frame's header, which has a size limit at the receiver)")
 
 
 def due_ms(delay: float | None, deliver_at: float | datetime | None) -> int | None:

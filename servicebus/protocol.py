@@ -58,6 +58,8 @@ __all__ = [
     "decode_payload",
     "MAX_BATCH",
     "FRAME_BYTES",
+    "MAX_HEADERS",
+    "header_bytes",
     "frame_body_limit",
 ]
 
@@ -68,6 +70,9 @@ MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
 # (up to max_payload). The sender cuts frames by it (core/sender.py) and a receiver bounds
 # what a compressed frame may decompress to by it (frame_body_limit).
 FRAME_BYTES = 1 << 20
+# Encoded headers of one message, at most: they travel in the frame's header part, which
+# must stay under the receiver's ZeroMQ message size limit (sockets.py) with the rest.
+MAX_HEADERS = 64 << 10
 _BIN_HEADER = 5  # bytes msgpack puts before a payload (bin 32), at most; the array's alike
 MAX_ID_LEN = 64
 MAX_NAME_LEN = 64
@@ -202,6 +207,12 @@ def encode_headers(headers: dict[str, Any]) -> bytes:
     except _CHECKED as exc:
         raise TypeError(_refusal(headers, "headers", exc, strict_keys=True)) from exc
     return body
+
+
+def header_bytes(headers: dict[str, Any] | None) -> int:
+    """What a message's headers take in a frame's header part (0 for none): the sender
+    counts them with its payload when it cuts frames."""
+    return len(pack(headers)) if headers else 0
 
 
 def decode_payload(body: bytes) -> Any:

@@ -15,7 +15,7 @@ from .. import protocol as P
 from ..delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
                         is_command_stream, is_delayed, stream_target)
 from ..ids import id_millis
-from ..protocol import FRAME_BYTES, KIND_NAMES, Kind
+from ..protocol import FRAME_BYTES, KIND_NAMES, Kind, header_bytes
 from collections.abc import Iterable
 from .expiry import Expiry
 from .state import Peer, State
@@ -139,7 +139,7 @@ class Sender:
         if self.expiry.too_large(consumer, mid, record, peer):
             return 0
         self._queue(consumer, peer, record, mid, flight.attempt)
-        return len(record.body)
+        return len(record.body) + header_bytes(record.headers)
 
     def _queue(self, consumer: Consumer, peer: Peer, record: OutgoingRecord, mid: str,
                attempt: int) -> None:
@@ -316,18 +316,19 @@ class Sender:
 
     def _frames(self, envs: list[P.Envelope]) -> list[list[P.Envelope]]:
         """Split into frames of at most ``max_batch`` messages and FRAME_BYTES of payload
-        (one message alone may be bigger): a frame above the receiver's ZeroMQ message
-        size limit would make libzmq drop the connection, and only resends recover."""
+        and headers (one message alone may be bigger): a frame above the receiver's ZeroMQ
+        message size limit would make libzmq drop the connection, and only resends recover."""
         count = self.s.config.max_batch
         chunks: list[list[P.Envelope]] = []
         chunk: list[P.Envelope] = []
         size = 0
         for env in envs:
-            if chunk and (len(chunk) >= count or size + len(env.body) > FRAME_BYTES):
+            n = len(env.body) + (header_bytes(env.headers) if env.headers else 0)
+            if chunk and (len(chunk) >= count or size + n > FRAME_BYTES):
                 chunks.append(chunk)
                 chunk, size = [], 0
             chunk.append(env)
-            size += len(env.body)
+            size += n
         if chunk:
             chunks.append(chunk)
         return chunks
