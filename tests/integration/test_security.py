@@ -392,23 +392,68 @@ def test_a_killed_bus_with_a_long_data_path_leaves_no_admin_directory_behind_for
     assert not left.exists()
 
 
-def test_an_admin_directory_made_in_advance_by_another_user_is_refused(make_bus, tmp_path):
-    from servicebus import TransportError
+def _expected_admin_folder(datadir: Path) -> Path:
+    """Where a bus on ``datadir`` puts its admin socket (the folder itself is not made)."""
     from servicebus.sockets import private_folder
 
+    folder, _ = private_folder(datadir)  # makes it, as a bus would: undone here
+    folder.rmdir()
+    return folder
+
+
+def _cli(*args: object) -> tuple[subprocess.CompletedProcess, float]:
+    """The real console script, and how long it took."""
+    started = time.monotonic()
+    result = subprocess.run([str(Path(os.sys.executable).parent / "servicebus"), *map(str, args)],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("taken_as", ["a directory", "a symlink to a directory"])
+def test_a_bus_whose_admin_folder_was_taken_by_another_user_starts_without_admin(
+        make_bus, tmp_path, caplog, taken_as):
     if os.geteuid() != 0:
-        pytest.skip("needs root, to make a directory owned by another user")
+        pytest.skip("needs root, to make a folder owned by another user")
     datadir = tmp_path / ("d" * 120) / "bus"
     datadir.mkdir(parents=True)
-    expected, _ = private_folder(datadir)  # where the bus will put it
-    expected.rmdir()
-    expected.mkdir(mode=0o777)
-    os.chown(expected, 65534, 65534)  # someone else got there first, to catch the socket
+    folder = _expected_admin_folder(datadir)
+    trap = tmp_path / "trap"  # where another user would like the bus's socket to land
+    trap.mkdir(mode=0o777)
+    os.chown(trap, NOBODY, NOBODY)
+    if taken_as == "a directory":
+        folder.mkdir(mode=0o777)
+        os.chown(folder, NOBODY, NOBODY)
+    else:
+        folder.symlink_to(trap, target_is_directory=True)
+        os.lchown(folder, NOBODY, NOBODY)
     try:
-        with pytest.raises(TransportError, match="not a directory of this user"):
-            make_bus("bus", datadir=datadir)
+        with caplog.at_level("WARNING", logger="servicebus"):
+            bus = make_bus("bus", datadir=datadir)
+        warnings = [r.getMessage() for r in caplog.records if "admin endpoint" in r.getMessage()]
+        assert len(warnings) == 1 and str(folder) in warnings[0] and "nobody" in warnings[0], caplog.text
+        status = bus.status()
+        assert status.running and status.admin_endpoint is None
+        assert status.admin_off_reason is not None and str(folder) in status.admin_off_reason
+        assert "nobody" in status.admin_off_reason
+        assert not (datadir / A.ENDPOINT_FILE).exists()
+        sub = make_bus("sub")  # the bus itself works as ever
+        got = []
+        sub.every(TOPIC, lambda p, m: got.append(p))
+        sub.subscribe(bus.address, TOPIC, wait=10)
+        bus.publish(TOPIC, {"n": 1})
+        wait_until(lambda: got == [{"n": 1}], 10)
+        assert not any(trap.iterdir()) and (taken_as != "a directory" or not any(folder.iterdir()))
+        result, took = _cli("status", datadir)  # the operator is told why, at once
+        assert result.returncode == 3, result.stderr
+        assert "admin endpoint is off" in result.stderr and str(folder) in result.stderr
+        assert "Traceback" not in result.stderr and took < 20
+        bus.close()
+        assert folder.is_symlink() or folder.is_dir()  # another user's: left as it was
     finally:
-        expected.rmdir()
+        if folder.is_symlink():
+            folder.unlink()
+        elif folder.exists():
+            shutil.rmtree(folder)
 
 
 def _mutated_frames(count: int, seed: int, addr: str) -> list[list[bytes]]:
