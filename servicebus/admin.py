@@ -2,8 +2,9 @@
 
 The same functions serve the ``servicebus`` CLI reading a stopped bus's store directly and a
 live bus answering the CLI over its admin endpoint (``admin.endpoint`` in the data
-directory names it: ``ipc://DATADIR/admin.sock``, or loopback TCP where a Unix socket path
-would be too long). Every view returns plain JSON-able rows, so both paths print the same.
+directory names it: a Unix socket in ``DATADIR/run`` or, for a long path, in a private
+folder under $XDG_RUNTIME_DIR or /tmp; ``admin.off`` instead says why a live bus runs
+without one). Every view returns plain JSON-able rows, so both paths print the same.
 
 Admin protocol (msgpack over ZeroMQ DEALER -> the bus's admin ROUTER): request
 ``{"view": name, "args": {...}}``, reply ``{"ok": true, "rows": [...]}`` or
@@ -35,10 +36,11 @@ from .store import Store
 
 __all__ = [
     "ConsumerView", "consumers", "VIEWS", "run_view", "jsonable", "payload_of",
-    "ENDPOINT_FILE", "query_live", "AdminUnavailable", "live_status",
+    "ENDPOINT_FILE", "OFF_FILE", "query_live", "AdminUnavailable", "live_status",
 ]
 
-ENDPOINT_FILE = "admin.endpoint"
+ENDPOINT_FILE = "admin.endpoint"  # the live bus's admin endpoint
+OFF_FILE = "admin.off"  # instead, when it runs without one: why
 
 
 def jsonable(value: Any) -> Any:
@@ -376,6 +378,15 @@ def admin_endpoint(datadir: Path) -> str | None:
         return None
 
 
+def admin_off(datadir: Path) -> str | None:
+    """Why the live bus on ``datadir`` runs without its admin endpoint (``admin.off``), or None."""
+    try:
+        reason = (datadir / OFF_FILE).read_text().strip()
+    except OSError:
+        return None
+    return f"the live bus on {datadir} cannot answer: {reason}"
+
+
 class _AdminClient:
     """One connection to a live bus's admin endpoint, for one call or many (an export's
     pages share it: a ZeroMQ context per page cost ~1,000 context setups per million rows)."""
@@ -385,7 +396,7 @@ class _AdminClient:
 
         endpoint = admin_endpoint(datadir)
         if endpoint is None:
-            raise AdminUnavailable(f"the live bus on {datadir} has no admin endpoint")
+            raise AdminUnavailable(admin_off(datadir) or f"the live bus on {datadir} has no admin endpoint")
         self.datadir, self.endpoint, self.timeout = datadir, endpoint, timeout
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -432,7 +443,7 @@ def live_export(datadir: Path, timeout: float = 30.0) -> Iterator[dict]:
 
 
 def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir: str,
-                running: bool, lock: dict) -> BusStatus:
+                running: bool, lock: dict, admin: tuple[str | None, str | None] = (None, None)) -> BusStatus:
     """``Bus.status()``: the engine's snapshot (``snap``) and counts read from the store.
     A count the store cannot give right now is -1; ``store_error`` says why."""
     def count(keyspace: str) -> int:
@@ -470,4 +481,6 @@ def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir
         lock=lock,
         store_error=snap["store_error"],
         backlog_full=snap.get("backlog_full", ()),
+        admin_endpoint=admin[0],
+        admin_off_reason=admin[1],
     )

@@ -394,11 +394,9 @@ def test_a_killed_bus_with_a_long_data_path_leaves_no_admin_directory_behind_for
 
 def _expected_admin_folder(datadir: Path) -> Path:
     """Where a bus on ``datadir`` puts its admin socket (the folder itself is not made)."""
-    from servicebus.sockets import private_folder
+    from servicebus.sockets import admin_folder
 
-    folder, _ = private_folder(datadir)  # makes it, as a bus would: undone here
-    folder.rmdir()
-    return folder
+    return admin_folder(datadir)[0]
 
 
 def _cli(*args: object) -> tuple[subprocess.CompletedProcess, float]:
@@ -454,6 +452,37 @@ def test_a_bus_whose_admin_folder_was_taken_by_another_user_starts_without_admin
             folder.unlink()
         elif folder.exists():
             shutil.rmtree(folder)
+
+
+def test_the_admin_socket_is_bound_in_the_folder_that_was_checked_even_if_that_is_swapped_after(
+        make_bus, tmp_path, monkeypatch):
+    from servicebus import sockets as S
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("binds through /proc/self/fd (Linux)")
+    datadir = tmp_path / ("d" * 120) / "bus"
+    folder = _expected_admin_folder(datadir)
+    checked, elsewhere = tmp_path / "checked", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real_open = S.open_private_folder
+
+    def open_then_swap(path: Path) -> int:
+        fd = real_open(path)
+        os.rename(path, checked)  # the folder that passed the checks moves away, and a
+        path.symlink_to(elsewhere)  # symlink to somewhere else takes its name
+        return fd
+
+    monkeypatch.setattr(S, "open_private_folder", open_then_swap)
+    try:
+        bus = make_bus("bus", datadir=datadir)
+        assert stat.S_ISSOCK(os.lstat(checked / "admin.sock").st_mode)
+        assert not any(elsewhere.iterdir())
+        bus.close()
+        assert not (checked / "admin.sock").exists()  # its socket is removed, ...
+        assert folder.is_symlink() and elsewhere.is_dir()  # ... what took the name is not touched
+    finally:
+        folder.unlink(missing_ok=True)
+        shutil.rmtree(checked, ignore_errors=True)
 
 
 def _mutated_frames(count: int, seed: int, addr: str) -> list[list[bytes]]:
