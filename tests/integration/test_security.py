@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,6 +123,108 @@ def test_a_subscriber_refused_by_the_publisher_gets_the_reason(make_bus):
         sub2.subscribe(pub.address, TOPIC, wait=10)
     sub.subscribe(pub.address, TOPIC, wait=10)  # loopback: its own source host
     assert pub.status().subscriptions == 1
+
+
+# --- a bus never subscribes itself ----------------------------------------------------------
+
+
+def _own_aliases(tmp_path: Path, kind: str) -> tuple[str, dict, str, str]:
+    """(bind, options, an alias of that bus's address, where a raw client connects)."""
+    port = free_address().rsplit(":", 1)[1]
+    if kind == "its address":
+        return f"tcp://127.0.0.1:{port}", {}, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}"
+    if kind == "localhost for 127.0.0.1":
+        return f"tcp://127.0.0.1:{port}", {}, f"tcp://localhost:{port}", f"tcp://127.0.0.1:{port}"
+    if kind == "another loopback address, bound on every interface":
+        return (f"tcp://0.0.0.0:{port}", {"advertise": f"tcp://127.0.0.1:{port}"},
+                f"tcp://127.0.0.2:{port}", f"tcp://127.0.0.1:{port}")
+    assert kind == "its ipc path through a symlinked folder"
+    real = Path(tempfile.mkdtemp(prefix="sb-own-"))  # short: a socket path is at most ~100 bytes
+    alias = Path(tempfile.mkdtemp(prefix="sb-alias-"))
+    alias.rmdir()
+    alias.symlink_to(real)
+    return f"ipc://{real}/bus.sock", {}, f"ipc://{alias}/bus.sock", f"ipc://{real}/bus.sock"
+
+
+OWN_ALIASES = ["its address", "localhost for 127.0.0.1", "another loopback address, bound on every interface",
+               "its ipc path through a symlinked folder"]
+
+
+@pytest.fixture
+def own_alias(request, tmp_path):
+    bind, options, alias, connect = _own_aliases(tmp_path, request.param)
+    yield bind, options, alias, connect
+    if bind.startswith("ipc://"):
+        link = Path(alias[len("ipc://"):]).parent
+        link.unlink()
+        shutil.rmtree(Path(bind[len("ipc://"):]).parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("own_alias", OWN_ALIASES, indirect=True)
+def test_a_forged_subscribe_naming_the_bus_s_own_address_is_refused_and_nothing_is_stored_twice(
+        make_bus, raw, own_alias):
+    bind, options, alias, connect = own_alias
+    bus = make_bus("bus", address=bind, **options)
+    forger = raw(connect)
+    forger.send_multipart(P.encode_subscribe("x1", TOPIC, alias, "forger"))
+    assert forger.poll(35_000), "no answer to the forged subscribe"
+    answer = P.decode(forger.recv_multipart(), max_payload=1 << 20)
+    assert isinstance(answer, P.Nack) and "own_address" in answer.reason, answer
+    assert bus.counters().get("refused_own_address") == 1
+    assert bus.status().refused_by_reason == {"own_address": 1}
+    bus.publish_many(TOPIC, [{"n": n} for n in range(10)])
+    status = bus.status()
+    assert status.subscriptions == 0 and status.outgoing == 0 and status.incoming == 0
+    assert bus.drain(5) and bus.status().incoming == 0
+
+
+def test_a_bus_asked_to_subscribe_to_itself_raises_value_error_and_stores_nothing(make_bus):
+    bus = make_bus("bus")
+    for alias in (bus.address, bus.address.replace("127.0.0.1", "localhost")):
+        with pytest.raises(ValueError, match="itself"):
+            bus.subscribe(alias, TOPIC)
+    bus.unsubscribe(bus.address, TOPIC)  # allowed: it may end what an older version stored
+    assert bus.drain(5)
+    assert bus.status().intents == 0 and bus.status().subscriptions == 0
+
+
+def test_a_bus_asked_to_subscribe_to_an_alias_of_itself_finds_out_and_keeps_nothing(make_bus, tmp_path):
+    real = Path(tempfile.mkdtemp(prefix="sb-own-"))
+    alias = Path(tempfile.mkdtemp(prefix="sb-alias-"))
+    alias.rmdir()
+    alias.symlink_to(real)
+    try:
+        bus = make_bus("bus", address=f"ipc://{real}/bus.sock")
+        with pytest.raises(SubscribeRefused, match="itself"):
+            bus.subscribe(f"ipc://{alias}/bus.sock", TOPIC, wait=30)
+        bus.publish(TOPIC, {"n": 1})
+        wait_until(lambda: bus.status().intents == 0, 10)
+        assert bus.status().subscriptions == 0 and bus.status().incoming == 0
+    finally:
+        alias.unlink()
+        shutil.rmtree(real, ignore_errors=True)
+
+
+def test_a_subscription_to_itself_stored_by_an_older_version_is_dropped_at_start(make_bus, tmp_path, caplog):
+    from servicebus.store import Store
+
+    address = free_address()
+    bus = make_bus("bus", address=address)
+    bus.close()
+    store = Store.open(tmp_path / "bus" / "store")
+    try:
+        batch = store.batch()
+        batch.put_subscription(address, TOPIC, {"since": "0" * 24, "created": 1, "node": "forged"})
+        store.write(batch, sync=True)
+    finally:
+        store.close()
+    with caplog.at_level("WARNING", logger="servicebus"):
+        again = make_bus("again", address=address, datadir=tmp_path / "bus")
+    assert "its own address" in caplog.text
+    again.publish_many(TOPIC, [{"n": n} for n in range(10)])
+    assert again.drain(5)
+    status = again.status()
+    assert status.subscriptions == 0 and status.outgoing == 0 and status.incoming == 0
 
 
 # --- the admin endpoint ----------------------------------------------------------------------
