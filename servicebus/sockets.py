@@ -157,6 +157,7 @@ class Sockets:
         # Addresses peers.toml lists several keys for (a key switch): the only ones to retry.
         self.switchable = tuple(p.address for p in keys.peers if len(p.keys) > 1) if keys else ()
         self.router: zmq.Socket | None = None
+        self.bound: tuple[str, ...] = ()  # the ROUTER's bind address and the endpoint bound
         self.admin: zmq.Socket | None = None
         self.admin_off: str | None = None  # why the bus runs without its admin endpoint
         self._admin_fd: int | None = None  # the admin socket's folder, as checked
@@ -198,7 +199,9 @@ class Sockets:
             raise TransportError(f"cannot bind {bind}: {exc}") from exc
         self.router = router
         self.poller.register(router, zmq.POLLIN)
-        return router.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound = (bind, endpoint)
+        return endpoint
 
     def bind_admin(self, datadir: Path) -> str | None:
         """Bind the admin endpoint: a Unix socket in a directory only this user can enter
