@@ -3,8 +3,11 @@ by real buses (most of them killed with SIGKILL)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import plyvel
@@ -12,6 +15,8 @@ import pytest
 
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
+
+from ..conftest import BusProcess
 
 TOPIC = "user.signup"
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -295,3 +300,63 @@ def test_export_of_a_live_bus_pages_through_every_message(make_bus, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     outgoing = [r["id"] for r in rows if r["type"] == "outgoing"]
     assert sorted(outgoing) == sorted(ids)  # none missing, none twice
+
+
+# --- run by another user ---------------------------------------------------------------------
+
+NOBODY = 65534
+
+
+def cli_as(uid: int, *args) -> tuple[subprocess.CompletedProcess, float]:
+    """The console script run as ``uid`` (setpriv: no capabilities, no groups of ours), and
+    how long it took."""
+    started = time.monotonic()
+    result = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", CLI,
+                             *map(str, args)], capture_output=True, text=True, timeout=120, cwd="/",
+                            env={**os.environ, "COLUMNS": "80"})
+    return result, time.monotonic() - started
+
+
+@pytest.fixture
+def walkable_dir():
+    """A directory every user may walk into (pytest's own are root's alone), removed after."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv, to run the CLI as another user")
+    probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                            sys.executable, "-c", "import servicebus.cli"], capture_output=True,
+                           text=True, timeout=60, cwd="/", env=os.environ)
+    if probe.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot run this venv's python and import servicebus from "
+                    f"{os.environ.get('PYTHONPATH') or 'the venv'}: {probe.stderr.strip()[-200:]}")
+    path = Path(tempfile.mkdtemp(prefix="servicebus-walkable-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("private", ["its admin folder", "its data directory"])
+def test_status_run_by_another_user_against_a_live_bus_says_permission_denied_at_once(
+        walkable_dir, private):
+    node = BusProcess(walkable_dir, "node", free_address())
+    try:
+        node.start()
+        if private == "its data directory":
+            node.datadir.chmod(0o700)
+        result, took = cli_as(NOBODY, "status", node.datadir)
+        assert result.returncode == 3, result.stdout + result.stderr
+        assert "permission denied" in result.stderr.lower(), result.stderr
+        assert "run it as root" in result.stderr, result.stderr  # the bus's user, named
+        assert "did not answer" not in result.stderr and "Traceback" not in result.stderr
+        assert took < 10, f"took {took:.1f}s"
+        assert cli("status", node.datadir).returncode == 0  # its own user is served as ever
+    finally:
+        node.kill()
+
+
+def test_status_run_by_another_user_against_a_stopped_bus_says_permission_denied(walkable_dir):
+    with Bus(free_address(), walkable_dir / "node"):
+        pass
+    result, _took = cli_as(NOBODY, "status", walkable_dir / "node")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "permission denied" in result.stderr.lower() and "run it as root" in result.stderr, result.stderr
+    assert "--repair" not in result.stderr and "Traceback" not in result.stderr
