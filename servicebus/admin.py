@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ import msgpack
 
 from .clock import wall_ms
 from .delivery import event_stream, group_peer, is_command_stream, stream_target, unpack_outgoing
-from .errors import AdminUnavailable
+from .errors import AdminDenied, AdminUnavailable
 from .ids import id_millis
 from .lockfile import probe
 from .protocol import KIND_NAMES
@@ -36,7 +37,7 @@ from .store import Store
 
 __all__ = [
     "ConsumerView", "consumers", "VIEWS", "run_view", "jsonable", "payload_of",
-    "ENDPOINT_FILE", "OFF_FILE", "query_live", "AdminUnavailable", "live_status",
+    "ENDPOINT_FILE", "OFF_FILE", "query_live", "AdminUnavailable", "AdminDenied", "live_status",
 ]
 
 ENDPOINT_FILE = "admin.endpoint"  # the live bus's admin endpoint
@@ -387,6 +388,30 @@ def admin_off(datadir: Path) -> str | None:
     return f"the live bus on {datadir} cannot answer: {reason}"
 
 
+def _check_reachable(datadir: Path, endpoint: str) -> None:
+    """Fail at once where ZeroMQ would retry in silence until the timeout: a Unix socket
+    this user may not connect to (the bus's folder is 0700: ``AdminDenied``), or that
+    nothing listens on. One plain connection, closed at once: the bus sees a client that
+    left before its greeting."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except PermissionError as exc:
+        raise AdminDenied(f"{path}, the admin endpoint of the live bus on {datadir}, cannot be "
+                          "reached", os.path.dirname(path)) from exc
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        raise AdminUnavailable(f"the live bus on {datadir} does not listen on its admin endpoint "
+                               f"{endpoint} ({exc.strerror}): it may be starting, stopping or "
+                               "hung; try again") from exc
+    except OSError:
+        pass  # something only ZeroMQ knows how to reach: let it try
+    finally:
+        probe.close()
+
+
 class _AdminClient:
     """One connection to a live bus's admin endpoint, for one call or many (an export's
     pages share it: a ZeroMQ context per page cost ~1,000 context setups per million rows)."""
@@ -398,6 +423,7 @@ class _AdminClient:
         if endpoint is None:
             raise AdminUnavailable(admin_off(datadir) or f"the live bus on {datadir} has no admin endpoint")
         self.datadir, self.endpoint, self.timeout = datadir, endpoint, timeout
+        _check_reachable(datadir, endpoint)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -3,12 +3,16 @@
 Read-only commands work on a stopped bus (reading its store) and on a live one (asking it
 over its admin endpoint); both print the same. Commands that write refuse while a live
 process holds the lock. Exit codes: 0 ok, 1 usage, 2 no such / not a data directory,
-3 locked by a live process, 4 corruption found. Errors are one line, never a traceback.
+3 locked by a live process, 4 corruption found, 5 permission denied (run it as the bus's
+user). Errors are one line, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +33,7 @@ from .clitable import age as _age, emit as _emit, err, out, progress as _progres
 from .clitable import short as _short, when as _when
 from .store import Store
 
-EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT, EXIT_DENIED = 0, 1, 2, 3, 4, 5
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Inspect, unlock, replay and repair servicebus data directories.")
@@ -42,7 +46,8 @@ class CliError(Exception):
         self.code = code
 
 
-DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True)
+# readable=False: whether this user may read it is ours to check, to say what to do.
+DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True, readable=False)
 JSON = typer.Option(False, "--json", help="one JSON object per line")
 FULL = typer.Option(False, "--full", help="show payloads whole")
 LIMIT = typer.Option(100, "--limit", help="at most this many rows (0: all)")
@@ -51,9 +56,49 @@ LIMIT = typer.Option(100, "--limit", help="at most this many rows (0: all)")
 # --- plumbing ------------------------------------------------------------------------------
 
 
+def _owner(path: Path) -> str:
+    """The user owning ``path`` (or the nearest parent this user can see), as a name that
+    ``sudo -u`` takes."""
+    for candidate in (path, *path.absolute().parents):
+        try:
+            uid = candidate.stat().st_uid
+        except OSError:
+            continue
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return f"#{uid}"
+    return "the bus's user"
+
+
+def _denied(path: Path, what: str) -> CliError:
+    """Permission denied, and what to do: run the same command as the bus's user."""
+    owner = _owner(path)
+    me = _owner_name(os.getuid())
+    again = shlex.join(["servicebus", *sys.argv[1:]])
+    who = "root" if owner == "root" else f"the bus's user ({owner}) and root"
+    return CliError(f"permission denied: {what}; only {who} may, and this runs as {me}. "
+                    f"Run it as {owner}: sudo -u {owner} {again}", EXIT_DENIED)
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
 def _datadir(path: Path) -> Path:
+    try:
+        path.stat()
+    except PermissionError:
+        raise _denied(path, f"{path} cannot be reached") from None
+    except OSError:
+        pass
     if not path.is_dir():
         raise CliError(f"{path}: no such data directory", EXIT_NO_DATADIR)
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise _denied(path, f"{path} cannot be read")
     if not (path / "store").is_dir():
         raise CliError(f"{path}: not a servicebus data directory (no store/)", EXIT_NO_DATADIR)
     return path
@@ -65,6 +110,9 @@ def _holding_lock(path: Path, command: str) -> Iterator[None]:
     """Hold DATADIR/LOCK for a whole maintenance command, so that no bus starts on the data
     directory while it is being changed (a bus that tries gets LockedError naming this
     command). A stale lock left by a crashed bus is put back afterwards, as it was."""
+    lock_file = path / LOCK_NAME
+    if not os.access(path, os.W_OK | os.X_OK) or (lock_file.exists() and not os.access(lock_file, os.W_OK)):
+        raise _denied(path, f"{path} cannot be written")
     try:
         lock = DataDirLock.acquire(path, address=f"servicebus {command}")
     except LockedError as exc:
@@ -93,6 +141,10 @@ def _offline_store(path: Path, *, writing: bool, command: str = "") -> Iterator[
 
 @contextmanager
 def _open_store(path: Path) -> Iterator[Store]:
+    if not os.access(path / "store", os.R_OK | os.W_OK | os.X_OK):
+        # LevelDB writes its LOCK and LOG files even to read: told as what it is, not as
+        # a store in use or a damaged one.
+        raise _denied(path / "store", f"{path / 'store'} cannot be written (LevelDB needs to, even to read it)")
     try:
         store = Store.open(path / "store", create=False)
     except StoreError as exc:
@@ -110,6 +162,8 @@ def _view(path: Path, name: str, args: dict) -> list[dict]:
     if alive:
         try:
             return A.query_live(path.resolve(), name, args)
+        except A.AdminDenied as exc:
+            raise _denied(Path(exc.path), str(exc)) from None
         except A.AdminUnavailable as exc:
             raise CliError(str(exc), EXIT_LOCKED) from None
     with _offline_store(path, writing=False) as store:
@@ -225,6 +279,8 @@ def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar
         try:
             with _progress("exporting", None) as step:
                 n = A.write_rows(A.live_export(datadir.resolve()), out_file, step)
+        except A.AdminDenied as exc:
+            raise _denied(Path(exc.path), str(exc)) from None
         except A.AdminUnavailable as exc:
             raise CliError(str(exc), EXIT_LOCKED) from None
         err.print(f"exported {n} records to {out_file} (served by the live bus)")
@@ -456,6 +512,11 @@ def main() -> None:
     except StoreError as exc:
         err.print(f"servicebus: {exc}")
         sys.exit(EXIT_CORRUPT)
+    except PermissionError as exc:  # a file of the data directory this user may not use
+        where = Path(exc.filename) if exc.filename else Path(".")
+        denied = _denied(where, f"{exc.filename or 'a file'}: {exc.strerror}")
+        err.print(f"servicebus: {denied}")
+        sys.exit(denied.code)
     except BusError as exc:
         err.print(f"servicebus: {exc}")
         sys.exit(EXIT_USAGE)
