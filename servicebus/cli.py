@@ -50,7 +50,8 @@ class CliError(Exception):
 DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True, readable=False)
 JSON = typer.Option(False, "--json", help="one JSON object per line")
 FULL = typer.Option(False, "--full", help="show payloads whole")
-LIMIT = typer.Option(100, "--limit", help="at most this many rows (0: all)")
+LIMIT = typer.Option(100, "--limit", min=0, help="at most this many rows (0: all); a cut listing says how many there are")
+ALL = typer.Option(False, "--all", help="every row (as --limit 0)")
 
 
 # --- plumbing ------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def _open_store(path: Path) -> Iterator[Store]:
         store.close()
 
 
-def _view(path: Path, name: str, args: dict) -> list[dict]:
+def _view(path: Path, name: str, args: dict) -> A.Rows:
     """Rows of a read-only view: from the live bus if one holds the data directory."""
     path = _datadir(path)
     _owner, alive = probe(path)
@@ -231,42 +232,45 @@ def subscribers(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
 def outgoing(datadir: Path = DATADIR,
              subscriber: Optional[str] = typer.Option(None, "--subscriber", help="only owed to this address"),
              topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
-             limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+             limit: int = LIMIT, all_: bool = ALL, as_json: bool = JSON, full: bool = FULL) -> None:
     """Messages not yet acknowledged by everyone they are owed to."""
-    rows = _view(datadir, "outgoing", {"subscriber": subscriber, "topic": topic, "limit": limit or None})
+    limit_ = None if all_ else limit or None
+    rows = _view(datadir, "outgoing", {"subscriber": subscriber, "topic": topic, "limit": limit_})
     _emit(rows, as_json, [
         ("id", lambda r: r["id"]), ("topic", lambda r: r["topic"]), ("age", lambda r: _age(r["age_s"])),
         ("tries", lambda r: r["attempts"]), ("owed by", lambda r: "\n".join(r["owed_by"])),
         ("payload", lambda r: _short(r["payload"], full)),
-    ], "pending outgoing messages")
+    ], "pending outgoing messages", rows.total, limit_)
 
 
 @app.command()
 def incoming(datadir: Path = DATADIR,
              topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
-             limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+             limit: int = LIMIT, all_: bool = ALL, as_json: bool = JSON, full: bool = FULL) -> None:
     """Received messages not handled yet, with attempts and last error."""
-    rows = _view(datadir, "incoming", {"topic": topic, "limit": limit or None})
+    limit_ = None if all_ else limit or None
+    rows = _view(datadir, "incoming", {"topic": topic, "limit": limit_})
     _emit(rows, as_json, [
         ("id", lambda r: r["id"]), ("kind", lambda r: r["kind"]), ("topic", lambda r: r["topic"]),
         ("age", lambda r: _age(r["age_s"])), ("tries", lambda r: r["attempts"]),
         ("last error", lambda r: _short(r["last_error"] or "-", full, 24)),
         ("payload", lambda r: _short(r["payload"], full, 24)),
-    ], "incoming messages not handled")
+    ], "incoming messages not handled", rows.total, limit_)
 
 
 @app.command()
 def deadletters(datadir: Path = DATADIR,
                 topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
-                limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+                limit: int = LIMIT, all_: bool = ALL, as_json: bool = JSON, full: bool = FULL) -> None:
     """Dead letters and why: handler error, expired, subscriber removed."""
-    rows = _view(datadir, "deadletters", {"topic": topic, "limit": limit or None})
+    limit_ = None if all_ else limit or None
+    rows = _view(datadir, "deadletters", {"topic": topic, "limit": limit_})
     _emit(rows, as_json, [
         ("id", lambda r: r["id"]), ("topic", lambda r: r["topic"]),
         ("reason", lambda r: r["reason"] + (f" ({r['peer']})" if r.get("peer") else "")),
         ("error", lambda r: _short(r["error"] or "-", full, 28)),
         ("payload", lambda r: _short(r["payload"], full, 20)),
-    ], "dead letters")
+    ], "dead letters", rows.total, limit_)
 
 
 @app.command()
