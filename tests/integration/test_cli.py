@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -318,8 +317,8 @@ def cli_as(uid: int, *args) -> tuple[subprocess.CompletedProcess, float]:
 
 
 @pytest.fixture
-def walkable_dir():
-    """A directory every user may walk into (pytest's own are root's alone), removed after."""
+def as_nobody(walkable_dir):
+    """``walkable_dir``, where the CLI can be run as uid nobody (else the test is skipped)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv, to run the CLI as another user")
     probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
@@ -328,16 +327,13 @@ def walkable_dir():
     if probe.returncode != 0:
         pytest.skip(f"uid {NOBODY} cannot run this venv's python and import servicebus from "
                     f"{os.environ.get('PYTHONPATH') or 'the venv'}: {probe.stderr.strip()[-200:]}")
-    path = Path(tempfile.mkdtemp(prefix="servicebus-walkable-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    return walkable_dir
 
 
 @pytest.mark.parametrize("private", ["its admin folder", "its data directory"])
 def test_status_run_by_another_user_against_a_live_bus_says_permission_denied_at_once(
-        walkable_dir, private):
-    node = BusProcess(walkable_dir, "node", free_address())
+        as_nobody, private):
+    node = BusProcess(as_nobody, "node", free_address())
     try:
         node.start()
         if private == "its data directory":
@@ -353,10 +349,10 @@ def test_status_run_by_another_user_against_a_live_bus_says_permission_denied_at
         node.kill()
 
 
-def test_status_run_by_another_user_against_a_stopped_bus_says_permission_denied(walkable_dir):
-    with Bus(free_address(), walkable_dir / "node"):
+def test_status_run_by_another_user_against_a_stopped_bus_says_permission_denied(as_nobody):
+    with Bus(free_address(), as_nobody / "node"):
         pass
-    result, _took = cli_as(NOBODY, "status", walkable_dir / "node")
+    result, _took = cli_as(NOBODY, "status", as_nobody / "node")
     assert result.returncode == 5, result.stdout + result.stderr
     assert "permission denied" in result.stderr.lower() and "run it as root" in result.stderr.lower(), result.stderr
     assert "--repair" not in result.stderr and "Traceback" not in result.stderr

@@ -261,9 +261,18 @@ def reach_as(uid: int, endpoint: str) -> str:
 
 
 @pytest.mark.parametrize("long_path", [False, True], ids=["short datadir", "datadir over 100 bytes"])
-def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, tmp_path, long_path):
-    datadir = tmp_path / ("d" * 120 if long_path else "d") / "bus"
-    os.chmod(tmp_path, 0o755)  # another user may walk to the data directory ...
+def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, walkable_dir, long_path):
+    import socket
+
+    datadir = walkable_dir / ("d" * 120 if long_path else "d") / "bus"
+    open_socket = socket.socket(socket.AF_UNIX)  # another user may walk to the data directory
+    try:  # and connect to a socket there that lets it ...
+        open_socket.bind(str(walkable_dir / "open.sock"))
+        open_socket.listen()
+        os.chmod(walkable_dir / "open.sock", 0o777)
+        assert reach_as(NOBODY, f"ipc://{walkable_dir / 'open.sock'}") == "connected"
+    finally:
+        open_socket.close()
     bus = make_bus("bus", datadir=datadir)
     endpoint = A.admin_endpoint(datadir)
     assert endpoint is not None and endpoint.startswith("ipc://")
@@ -271,7 +280,7 @@ def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, tmp_path
     mode = folder.stat()
     assert stat.S_IMODE(mode.st_mode) == 0o700 and mode.st_uid == os.getuid()
     assert A.query_live(datadir, "status", {})[0]["node_id"] == bus.node_id  # ... its user can
-    assert reach_as(NOBODY, endpoint).startswith("refused")  # ... another cannot connect
+    assert reach_as(NOBODY, endpoint) == "refused 13"  # ... but not to the bus's (EACCES)
     bus.close()
     assert not folder.exists() or not any(folder.iterdir())  # nothing left behind
 
