@@ -416,3 +416,28 @@ def test_a_listing_from_a_bus_that_does_not_say_its_total_says_there_may_be_more
     assert cut_notice(100, None, 100)["note"].startswith("100 shown, the limit: there may be more")
     assert cut_notice(40, None, 100) is None  # under its limit: the whole listing
     assert cut_notice(100, 100, 100) is None  # exactly all of them
+
+
+# --- what came off the wire, printed -------------------------------------------------------
+
+
+def test_a_listing_prints_what_came_off_the_wire_as_text_never_as_markup_or_terminal_control(make_bus, tmp_path):
+    """Anyone who reaches a bus's port chooses topics, payloads and, through a handler that
+    raises, error texts: the operator's terminal must show them, not obey them."""
+    hostile = "[/bold] [link=https://example.invalid]x[/link] \x1b]52;c;cHduZWQ=\x07 \x1b[2J"
+    server = make_bus("server", max_attempts=1)
+
+    def fail(payload, message):
+        raise ValueError(hostile)
+
+    server.handle("work", fail)
+    client = make_bus("client")
+    client.send(server.address, "work", {"x": hostile})
+    wait_until(lambda: server.status().deadletters == 1, 20)
+    for args in ((), ("--full",)):
+        table = cli("deadletters", server.datadir, *args)
+        assert table.returncode == 0 and "Traceback" not in table.stderr, table.stderr[-500:]
+        assert "[/bold]" in table.stdout and "[link=" in table.stdout  # as written
+        assert "\x1b" not in table.stdout and "\x07" not in table.stdout  # no terminal control
+    rows = cli_json("deadletters", server.datadir)
+    assert rows[0]["error"] == f"ValueError: {hostile}" and rows[0]["payload"] == {"x": hostile}
