@@ -30,7 +30,7 @@ from .journal import flush_datadir
 from .errors import BusError, LockedError, StoreError
 from .lockfile import LOCK_NAME, DataDirLock, probe
 from .clitable import age as _age, emit as _emit, err, out, progress as _progress
-from .clitable import short as _short, when as _when
+from .clitable import safe as _safe, short as _short, when as _when
 from .store import Store
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT, EXIT_DENIED = 0, 1, 2, 3, 4, 5
@@ -188,17 +188,17 @@ def status(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
     else:
         state = "ALIVE" if lock["alive"] else "STALE (owner is gone; `servicebus unlock` removes it)"
         lock_text = f"{state}: pid {lock['pid']} on {lock['host']}, {lock['address']}, started {_when(lock['started'])}"
-    table = Table(title=f"servicebus {datadir} (node {row['node_id']})", title_justify="left",
+    table = Table(title=_safe(f"servicebus {datadir} (node {row['node_id']})"), title_justify="left",
                   show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
-    table.add_row("lock", lock_text)
+    table.add_row("lock", _safe(lock_text))
     for key, label in (("subscriptions", "subscriptions"), ("intents", "subscribe intents"),
                        ("intents_unconfirmed", "  unconfirmed"), ("outgoing", "outgoing messages"),
                        ("pending", "pending deliveries")):
         table.add_row(label, str(row[key]))
     for peer, n in sorted(row["pending_by_peer"].items()):
-        table.add_row(f"  to {peer}", str(n))
+        table.add_row(_safe(f"  to {peer}"), str(n))  # an address a subscribe named
     table.add_row("oldest pending", _age(row["oldest_pending_age_s"]))
     for key, label in (("incoming", "incoming (not handled)"), ("deadletters", "dead letters"),
                        ("handled", "handled ids (dedupe)"), ("replies_waiting", "replies to queue"),
@@ -335,7 +335,7 @@ def unlock(datadir: Path = DATADIR,
         err.print("warning: removing the lock of a LIVE process; two buses on one data "
                   "directory will corrupt delivery state")
     (datadir / LOCK_NAME).unlink(missing_ok=True)
-    out.print(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}")
+    out.print(_safe(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}"))
 
 
 @app.command()
@@ -504,7 +504,7 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except CliError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(exc.code)
     except TyperException as exc:  # usage errors: unknown option, missing argument, ...
         show = getattr(exc, "show", None)
@@ -514,17 +514,17 @@ def main() -> None:
         err.print("servicebus: aborted")
         sys.exit(EXIT_USAGE)
     except StoreError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(EXIT_CORRUPT)
     except PermissionError as exc:  # a file of the data directory this user may not use
         where = Path(exc.filename) if exc.filename else Path(".")
         denied = _denied(where, f"{exc.filename or 'a file'}: {exc.strerror}")
-        err.print(f"servicebus: {denied}")
+        err.print(f"servicebus: {_safe(denied)}")
         sys.exit(denied.code)
     except BusError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(EXIT_USAGE)
     except OSError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(EXIT_USAGE)
     sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -13,12 +13,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["out", "err", "progress", "age", "when", "short", "emit", "cut_notice"]
+__all__ = ["out", "err", "progress", "age", "when", "short", "emit", "cut_notice", "safe"]
 
 # soft_wrap: a message is one line however long its path, also when stdout is not a
-# terminal (rich would wrap at 80 columns); tables still fit the width.
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# terminal (rich would wrap at 80 columns); tables still fit the width. markup=False: what
+# is printed comes from stores whose topics, payloads and error texts anyone who reaches a
+# bus's port chose; "[/bold]" in one must be shown, not obeyed (or fail to parse).
+out = Console(highlight=False, soft_wrap=True, markup=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+
+# C0 and C1 control characters but newline and tab: an escape sequence from the wire must
+# not reach the operator's terminal (set its title, write its clipboard, clear it).
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7f, 0xa0)) if c not in (0x09, 0x0a)}
+
+
+def safe(value: object) -> str:
+    """``value`` as text a terminal shows and does not obey."""
+    return str(value).translate(_CONTROL)
 
 
 @contextmanager
@@ -84,7 +95,7 @@ def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title:
         out.print(f"{title}: none")
         return
     shown = f"{len(rows):,} of {total:,} shown" if notice and total is not None else f"{len(rows):,}"
-    table = Table(title=f"{title} ({shown})", title_justify="left", expand=False)
+    table = Table(title=safe(f"{title} ({shown})"), title_justify="left", expand=False)
     for header, _ in columns:
         if header == "id":  # whole, always: operators copy ids into `replay`
             table.add_column(header, no_wrap=True, min_width=24)
@@ -93,7 +104,7 @@ def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title:
         else:
             table.add_column(header, overflow="fold")
     for row in rows:
-        table.add_row(*(str(fn(row)) for _, fn in columns))
+        table.add_row(*(safe(fn(row)) for _, fn in columns))
     out.print(table)
     if notice is not None:  # under the table too: where the eye is after a long one
         out.print(notice["note"])
