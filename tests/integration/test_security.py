@@ -664,3 +664,40 @@ def test_frames_with_odd_but_well_formed_headers_do_not_stop_the_engine(make_bus
     pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
     wait_until(lambda: sorted(got) == list(range(50)), 20, message=lambda: f"{len(got)} of 50 after the frames")
     assert pub.status().running and pub.status().subscriptions >= 2  # some odd ones were stored
+
+
+HOLD_SHARED = """
+import fcntl, os, sys, time
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+except OSError as exc:
+    print("refused", exc.errno, flush=True)
+    sys.exit(0)
+fcntl.flock(fd, fcntl.LOCK_SH)  # waits for the bus to die, then keeps it from starting again
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_another_user_cannot_hold_a_crashed_bus_s_lock_to_keep_it_from_restarting(walkable_dir):
+    from tests.conftest import BusProcess
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, setpriv and /usr/bin/python3, to run a process as uid nobody")
+    node = BusProcess(walkable_dir, "node", free_address())
+    holder = None
+    try:
+        node.start()
+        holder = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                                   python, "-c", HOLD_SHARED, str(node.datadir / "LOCK")],
+                                  stdout=subprocess.PIPE, text=True, cwd="/")
+        node.kill()  # a crash: its LOCK stays, with its record
+        answer = holder.stdout.readline().strip()
+        assert answer.startswith("refused"), answer
+        node.start()  # restarts as after any crash
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(10)
+        node.kill()
