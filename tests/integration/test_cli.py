@@ -330,19 +330,23 @@ def as_nobody(walkable_dir):
     return walkable_dir
 
 
-@pytest.mark.parametrize("private", ["its admin folder", "its data directory"])
+@pytest.mark.parametrize("private", ["its lock file", "its admin folder", "its data directory"])
 def test_status_run_by_another_user_against_a_live_bus_says_permission_denied_at_once(
         as_nobody, private):
     node = BusProcess(as_nobody, "node", free_address())
     try:
         node.start()
-        if private == "its data directory":
+        if private == "its admin folder":
+            (node.datadir / "LOCK").chmod(0o644)  # as older versions made it: readable
+        elif private == "its data directory":
             node.datadir.chmod(0o700)
         result, took = cli_as(NOBODY, "status", node.datadir)
         assert result.returncode == 5, result.stdout + result.stderr
         assert "permission denied" in result.stderr.lower(), result.stderr
         assert "run it as root" in result.stderr.lower(), result.stderr  # the bus's user, named
         assert "did not answer" not in result.stderr and "Traceback" not in result.stderr
+        assert {"its lock file": "LOCK", "its admin folder": "admin endpoint",
+                "its data directory": "cannot be read"}[private] in result.stderr  # what it met
         assert took < 10, f"took {took:.1f}s"
         assert cli("status", node.datadir).returncode == 0  # its own user is served as ever
     finally:

@@ -700,4 +700,5 @@ def test_another_user_cannot_hold_a_crashed_bus_s_lock_to_keep_it_from_restartin
         if holder is not None:
             holder.kill()
             holder.wait(10)
+            holder.stdout.close()
         node.kill()
