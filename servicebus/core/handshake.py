@@ -182,16 +182,18 @@ class Handshake:
         stored for it ended, this bus's subscribe intents to it given up; the connection
         stays only if something else uses it (commands a user sends to itself)."""
         s = self.s
-        log.warning("%s is this bus's own address (it answered a ping as this bus): never "
-                    "taken as a subscriber or a publisher", address[:200])
         s.own.learn(address)
         pending = self.unverified.pop(address, None)
+        refused = 0
         if pending is not None:
             for ident, frame in pending.frames.values():
                 self._refuse(ident, frame, "own_address", pending.source)
-        for subscriber, topic in [key for key in s.subscriptions if key[0] == address]:
+                refused += 1
+        ended = [key for key in s.subscriptions if key[0] == address]
+        for subscriber, topic in ended:
             self.end(subscriber, topic, "own_address")
-        for key, intent in [(k, i) for k, i in s.intents.items() if k[0] == address and i.op == "subscribe"]:
+        given_up = [(k, i) for k, i in s.intents.items() if k[0] == address and i.op == "subscribe"]
+        for key, intent in given_up:
             del s.intents[key]
             s.intent_ids.pop(intent.id, None)
             s.out.batch.delete_intent(*key)
@@ -199,6 +201,11 @@ class Handshake:
                                      "is this bus itself (a bus never subscribes itself)")
             waiters, intent.waiters = intent.waiters, []
             s.out.release.extend((fut, error) for fut in waiters)
+        # Commands a user sends itself through an alias are fine: said quietly then.
+        log.log(logging.WARNING if refused or ended or given_up else logging.INFO,
+                "%s is this bus's own address (it answered a ping as this bus): %d subscribes "
+                "naming it refused, %d subscriptions to it ended, %d subscribe intents to it given up",
+                address[:200], refused, len(ended), len(given_up))
         self.roster.drop_if_unused(address)
 
     def on_subscribe(self, ident: bytes, frame: P.Subscribe, source: str | None = None,
