@@ -57,36 +57,32 @@ ALL = typer.Option(False, "--all", help="every row (as --limit 0)")
 # --- plumbing ------------------------------------------------------------------------------
 
 
-def _owner(path: Path) -> str:
-    """The user owning ``path`` (or the nearest parent this user can see), as a name that
-    ``sudo -u`` takes."""
+def _user(uid: int) -> str:
+    """A user's name, or ``#UID`` (as ``sudo -u`` takes a uid) for one without a name."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"#{uid}"
+
+
+def _owner_of(path: Path) -> str:
+    """The user owning ``path``, or the nearest parent this user can see."""
     for candidate in (path, *path.absolute().parents):
         try:
-            uid = candidate.stat().st_uid
+            return _user(candidate.stat().st_uid)
         except OSError:
             continue
-        try:
-            return pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return f"#{uid}"
     return "the bus's user"
 
 
 def _denied(path: Path, what: str) -> CliError:
-    """Permission denied, and what to do: run the same command as the bus's user."""
-    owner = _owner(path)
-    me = _owner_name(os.getuid())
+    """Permission denied, and what to do: run the same command as the bus's user (the
+    owner of ``path``, what was denied)."""
+    owner = _owner_of(path)
     again = shlex.join(["servicebus", *sys.argv[1:]])
     who = "root" if owner == "root" else f"the bus's user ({owner}) and root"
-    return CliError(f"permission denied: {what}; only {who} may, and this runs as {me}. "
-                    f"Run it as {owner}: sudo -u {owner} {again}", EXIT_DENIED)
-
-
-def _owner_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
+    return CliError(f"permission denied: {what}; only {who} may, and this runs as "
+                    f"{_user(os.getuid())}. Run it as {owner}: sudo -u {owner} {again}", EXIT_DENIED)
 
 
 def _datadir(path: Path) -> Path:
