@@ -397,7 +397,7 @@ def decode_request(data: bytes) -> tuple[str, dict]:
 
 
 def encode_reply(rows: list[dict] | None = None, error: str | None = None) -> bytes:
-    """``{"ok": true, "rows": [...], "total": n}`` (``total`` since 0.2: rows in all, when a
+    """``{"ok": true, "rows": [...], "total": n}`` (``total``, new in 0.2: rows in all, when a
     limit cut them; a CLI that does not know it ignores it) or ``{"ok": false, "error": ...}``."""
     if error is not None:
         body: dict[str, Any] = {"ok": False, "error": error}

@@ -137,6 +137,7 @@ class Core:
             log.warning("ending the subscription of %s to %s: that is this bus's own address "
                         "(a bus never subscribes itself; an older version stored it)", subscriber, topic)
             self.handshake.end(subscriber, topic, "own_address")
+            self.roster.drop_if_unused(subscriber)  # the connection its consumer made
         self.backlog.load()
         s.outbox_moving.clear()
         queued: list[QueueReply | QueueSend] = [QueueReply(cid, reply) for cid, reply in s.store.replies()]
