@@ -2,12 +2,14 @@
 
 The same functions serve the ``servicebus`` CLI reading a stopped bus's store directly and a
 live bus answering the CLI over its admin endpoint (``admin.endpoint`` in the data
-directory names it: ``ipc://DATADIR/admin.sock``, or loopback TCP where a Unix socket path
-would be too long). Every view returns plain JSON-able rows, so both paths print the same.
+directory names it: a Unix socket in ``DATADIR/run`` or, for a long path, in a private
+folder under $XDG_RUNTIME_DIR or /tmp; ``admin.off`` instead says why a live bus runs
+without one). Every view returns plain JSON-able rows, so both paths print the same.
 
 Admin protocol (msgpack over ZeroMQ DEALER -> the bus's admin ROUTER): request
-``{"view": name, "args": {...}}``, reply ``{"ok": true, "rows": [...]}`` or
-``{"ok": false, "error": text}``. Only read-only views are served.
+``{"view": name, "args": {...}}``, reply ``{"ok": true, "rows": [...], "total": n}`` (``total``:
+rows in all, more than those sent when ``args["limit"]`` cut them) or ``{"ok": false,
+"error": text}``. Only read-only views are served.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +27,7 @@ import msgpack
 
 from .clock import wall_ms
 from .delivery import event_stream, group_peer, is_command_stream, stream_target, unpack_outgoing
-from .errors import AdminUnavailable
+from .errors import AdminDenied, AdminUnavailable
 from .ids import id_millis
 from .lockfile import probe
 from .protocol import KIND_NAMES
@@ -34,11 +37,12 @@ from .stored import NO_RUNS, IncomingRecord, RunState
 from .store import Store
 
 __all__ = [
-    "ConsumerView", "consumers", "VIEWS", "run_view", "jsonable", "payload_of",
-    "ENDPOINT_FILE", "query_live", "AdminUnavailable", "live_status",
+    "ConsumerView", "consumers", "Rows", "VIEWS", "run_view", "jsonable", "payload_of",
+    "ENDPOINT_FILE", "OFF_FILE", "query_live", "AdminUnavailable", "AdminDenied", "live_status",
 ]
 
-ENDPOINT_FILE = "admin.endpoint"
+ENDPOINT_FILE = "admin.endpoint"  # the live bus's admin endpoint
+OFF_FILE = "admin.off"  # instead, when it runs without one: why
 
 
 def jsonable(value: Any) -> Any:
@@ -126,6 +130,15 @@ def oldest_pending(store: Store) -> dict[str, int]:
 # --- views ---------------------------------------------------------------------------------
 
 
+class Rows(list):
+    """A view's rows, and ``total``: how many rows there are in all. More than ``len`` when
+    a ``limit`` cut the list; None when not known (an older bus did not say)."""
+
+    def __init__(self, rows: Iterable[dict] = (), total: int | None = -1) -> None:
+        super().__init__(rows)
+        self.total: int | None = len(self) if total == -1 else total
+
+
 def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
     now = wall_ms()
     pending_by: dict[str, int] = {}
@@ -189,7 +202,8 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
     by_stream: dict[str, list[ConsumerView]] = {}
     for c in consumers(store):
         by_stream.setdefault(c.stream, []).append(c)
-    rows = []
+    rows: list[dict] = []
+    total = 0  # past the limit, still counted: the CLI says "100 of 1,031"
     for stream, cs in sorted(by_stream.items()):
         if subscriber and subscriber not in (c.peer for c in cs):
             continue
@@ -203,8 +217,15 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
                     owed = [c for c in owed if c.peer == subscriber]
                 if not owed:
                     continue
+                full = limit is not None and limit > 0 and len(rows) >= limit
+                if full and not topic:
+                    total += 1  # counted without decoding it
+                    continue
                 rec = unpack_outgoing(data)
                 if topic and rec.topic != topic:
+                    continue
+                total += 1
+                if full:
                     continue
                 rows.append({
                     "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic,
@@ -214,12 +235,10 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
                     "expires": rec.expires, "correlation_id": rec.correlation_id,
                     "headers": jsonable(rec.headers), "payload": payload_of(rec.body),
                 })
-                if limit and len(rows) >= limit:
-                    return rows
             if len(chunk) < 1000:
                 break
             after = chunk[-1][0]
-    return rows
+    return Rows(rows, total)
 
 
 def _incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now: int) -> dict:
@@ -235,14 +254,19 @@ def _incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now:
 
 def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
     now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
-    rows = []
+    rows: list[dict] = []
+    total = 0
     for mid, rec in store.incoming():
         if topic and rec.topic != topic:
             continue
-        rows.append(_incoming_row(mid, rec, store.get_runstate(mid), now))
         if limit and len(rows) >= limit:
-            break
-    return rows
+            if not topic:  # the rest, counted by key without decoding it
+                return Rows(rows, store.count("incoming"))
+            total += 1
+            continue
+        total += 1
+        rows.append(_incoming_row(mid, rec, store.get_runstate(mid), now))
+    return Rows(rows, total)
 
 
 def _deadletter_row(mid: str, rec: dict, now: int) -> dict:
@@ -258,14 +282,19 @@ def _deadletter_row(mid: str, rec: dict, now: int) -> dict:
 
 def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
     now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
-    rows = []
+    rows: list[dict] = []
+    total = 0
     for mid, rec in store.deadletters():
         if topic and rec.get("topic") != topic:
             continue
-        rows.append(_deadletter_row(mid, rec, now))
         if limit and len(rows) >= limit:
-            break
-    return rows
+            if not topic:  # the rest, counted by key without decoding it
+                return Rows(rows, store.count("deadletters"))
+            total += 1
+            continue
+        total += 1
+        rows.append(_deadletter_row(mid, rec, now))
+    return Rows(rows, total)
 
 
 def export_rows(store: Store) -> Iterator[dict]:
@@ -342,12 +371,15 @@ VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
 EXPORT_VIEW = "export_page"
 
 
-def run_view(store: Store, datadir: Path, name: str, args: dict, live: dict | None = None) -> list[dict]:
+def run_view(store: Store, datadir: Path, name: str, args: dict, live: dict | None = None) -> Rows:
+    """The rows of view ``name``; ``Rows.total`` says how many there are in all (listings
+    with a ``limit``: outgoing, incoming, deadletters)."""
     try:
         view = VIEWS[name]
     except KeyError:
         raise ValueError(f"no such view: {name!r}") from None
-    return view(store, datadir, args, live)
+    rows = view(store, datadir, args, live)
+    return rows if isinstance(rows, Rows) else Rows(rows)
 
 
 # --- the admin endpoint: request encoding and the CLI's client --------------------------------
@@ -365,7 +397,14 @@ def decode_request(data: bytes) -> tuple[str, dict]:
 
 
 def encode_reply(rows: list[dict] | None = None, error: str | None = None) -> bytes:
-    body = {"ok": True, "rows": rows} if error is None else {"ok": False, "error": error}
+    """``{"ok": true, "rows": [...], "total": n}`` (``total``, new in 0.2: rows in all, when a
+    limit cut them; a CLI that does not know it ignores it) or ``{"ok": false, "error": ...}``."""
+    if error is not None:
+        body: dict[str, Any] = {"ok": False, "error": error}
+    else:
+        body = {"ok": True, "rows": rows}
+        if isinstance(rows, Rows):
+            body["total"] = rows.total
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -374,6 +413,39 @@ def admin_endpoint(datadir: Path) -> str | None:
         return (datadir / ENDPOINT_FILE).read_text().strip() or None
     except OSError:
         return None
+
+
+def admin_off(datadir: Path) -> str | None:
+    """Why the live bus on ``datadir`` runs without its admin endpoint (``admin.off``), or None."""
+    try:
+        reason = (datadir / OFF_FILE).read_text().strip()
+    except OSError:
+        return None
+    return f"the live bus on {datadir} cannot answer: {reason}"
+
+
+def _check_reachable(datadir: Path, endpoint: str) -> None:
+    """Fail at once where ZeroMQ would retry in silence until the timeout: a Unix socket
+    this user may not connect to (the bus's folder is 0700: ``AdminDenied``), or that
+    nothing listens on. One plain connection, closed at once: the bus sees a client that
+    left before its greeting."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except PermissionError as exc:
+        raise AdminDenied(f"{path}, the admin endpoint of the live bus on {datadir}, cannot be "
+                          "reached", os.path.dirname(path)) from exc
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        raise AdminUnavailable(f"the live bus on {datadir} does not listen on its admin endpoint "
+                               f"{endpoint} ({exc.strerror}): it may be starting, stopping or "
+                               "hung; try again") from exc
+    except OSError:
+        pass  # something only ZeroMQ knows how to reach: let it try
+    finally:
+        probe.close()
 
 
 class _AdminClient:
@@ -385,14 +457,15 @@ class _AdminClient:
 
         endpoint = admin_endpoint(datadir)
         if endpoint is None:
-            raise AdminUnavailable(f"the live bus on {datadir} has no admin endpoint")
+            raise AdminUnavailable(admin_off(datadir) or f"the live bus on {datadir} has no admin endpoint")
         self.datadir, self.endpoint, self.timeout = datadir, endpoint, timeout
+        _check_reachable(datadir, endpoint)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
 
-    def ask(self, view: str, args: dict) -> list[dict]:
+    def ask(self, view: str, args: dict) -> Rows:
         self.sock.send_multipart([b"", encode_request(view, args)])
         if not self.sock.poll(int(self.timeout * 1000)):
             raise AdminUnavailable(f"the live bus on {self.datadir} did not answer on {self.endpoint} "
@@ -400,7 +473,7 @@ class _AdminClient:
         reply = msgpack.unpackb(self.sock.recv_multipart()[-1], raw=False)
         if not reply.get("ok"):
             raise AdminUnavailable(f"the live bus refused: {reply.get('error')}")
-        return reply["rows"]
+        return Rows(reply["rows"], reply.get("total"))  # no total: an older bus
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -413,7 +486,7 @@ class _AdminClient:
         self.close()
 
 
-def query_live(datadir: Path, view: str, args: dict, timeout: float = 30.0) -> list[dict]:
+def query_live(datadir: Path, view: str, args: dict, timeout: float = 30.0) -> Rows:
     """Ask the live bus holding ``datadir`` for a view over its admin endpoint."""
     with _AdminClient(datadir, timeout) as client:
         return client.ask(view, args)
@@ -432,7 +505,7 @@ def live_export(datadir: Path, timeout: float = 30.0) -> Iterator[dict]:
 
 
 def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir: str,
-                running: bool, lock: dict) -> BusStatus:
+                running: bool, lock: dict, admin: tuple[str | None, str | None] = (None, None)) -> BusStatus:
     """``Bus.status()``: the engine's snapshot (``snap``) and counts read from the store.
     A count the store cannot give right now is -1; ``store_error`` says why."""
     def count(keyspace: str) -> int:
@@ -470,4 +543,6 @@ def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir
         lock=lock,
         store_error=snap["store_error"],
         backlog_full=snap.get("backlog_full", ()),
+        admin_endpoint=admin[0],
+        admin_off_reason=admin[1],
     )

@@ -29,7 +29,7 @@ from .dispatch import Dispatcher
 from .handlers import handler_name
 from .timeouts import Watchdog
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
-from .admin import ENDPOINT_FILE, live_status
+from .admin import ENDPOINT_FILE, OFF_FILE, live_status
 from .journal import Journal
 from .keys import load_keys
 from .lockfile import DataDirLock
@@ -115,6 +115,7 @@ class Bus:
         stack.callback(self._destroy_sockets, sockets)  # closes every socket it made, then terms
         endpoint = sockets.bind_router(bind)
         admin_endpoint = sockets.bind_admin(self.datadir)
+        self._admin = (admin_endpoint, sockets.admin_off)  # (endpoint, or why there is none)
         self.address = self.config.advertise or endpoint
         lock.update(self.address)
         batch = store.batch()
@@ -142,8 +143,15 @@ class Bus:
             runner.inject = current_context
         self.kv = KeyValue(store, self._commit_kv, runner.kv_lock, self.config.max_payload,
                            self._check_open)
-        (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
         stack.callback(self._remove_endpoint_files)
+        if admin_endpoint is not None:
+            (self.datadir / OFF_FILE).unlink(missing_ok=True)
+            (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
+        else:
+            # The CLI reads why, rather than wait on an endpoint that is not there.
+            log.warning("bus starts without its admin endpoint: %s", sockets.admin_off)
+            (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
+            (self.datadir / OFF_FILE).write_text(f"{sockets.admin_off}\n")
         dispatcher.start()
         stack.callback(dispatcher.close, self.config.close_timeout)  # first thing close() does
         engine.start()
@@ -172,6 +180,7 @@ class Bus:
 
     def _remove_endpoint_files(self) -> None:
         (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
+        (self.datadir / OFF_FILE).unlink(missing_ok=True)
         (self.datadir / "admin.sock").unlink(missing_ok=True)  # where versions up to 0.1 put it
 
     def _finish_journal(self, journal: Journal) -> None:
@@ -622,7 +631,8 @@ class Bus:
         snap = self._call(lambda f: E.Snapshot(f))
         return live_status(self._store, snap, node_id=self.node_id, address=self.address,
                            datadir=str(self.datadir), running=not self._closed,
-                           lock=dict(self._lock.owner.__dict__) if self._lock else {})
+                           lock=dict(self._lock.owner.__dict__) if self._lock else {},
+                           admin=self._admin)
 
     def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
         """The dead letters in the store, oldest id first (at most ``limit``): what an

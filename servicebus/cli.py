@@ -3,12 +3,16 @@
 Read-only commands work on a stopped bus (reading its store) and on a live one (asking it
 over its admin endpoint); both print the same. Commands that write refuse while a live
 process holds the lock. Exit codes: 0 ok, 1 usage, 2 no such / not a data directory,
-3 locked by a live process, 4 corruption found. Errors are one line, never a traceback.
+3 locked by a live process, 4 corruption found, 5 permission denied (run it as the bus's
+user). Errors are one line, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,11 +30,11 @@ from .journal import flush_datadir
 from .errors import BusError, LockedError, StoreError
 from .lockfile import LOCK_NAME, DataDirLock, probe
 from .clitable import age as _age, emit as _emit, err, out, progress as _progress
-from .clitable import short as _short, when as _when
+from .clitable import safe as _safe, short as _short, when as _when
 from .store import MARK_NAME, Store
 from .store.mark import MarkFile
 
-EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT, EXIT_DENIED = 0, 1, 2, 3, 4, 5
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Inspect, unlock, replay and repair servicebus data directories.")
@@ -43,18 +47,56 @@ class CliError(Exception):
         self.code = code
 
 
-DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True)
+# readable=False: whether this user may read it is ours to check, to say what to do.
+DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True, readable=False)
 JSON = typer.Option(False, "--json", help="one JSON object per line")
 FULL = typer.Option(False, "--full", help="show payloads whole")
-LIMIT = typer.Option(100, "--limit", help="at most this many rows (0: all)")
+LIMIT = typer.Option(100, "--limit", min=0, help="at most this many rows (0: all); a cut listing says how many there are")
+ALL = typer.Option(False, "--all", help="every row (as --limit 0)")
 
 
 # --- plumbing ------------------------------------------------------------------------------
 
 
+def _user(uid: int) -> str:
+    """A user's name, or ``#UID`` (as ``sudo -u`` takes a uid) for one without a name."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"#{uid}"
+
+
+def _owner_of(path: Path) -> str:
+    """The user owning ``path``, or the nearest parent this user can see."""
+    for candidate in (path, *path.absolute().parents):
+        try:
+            return _user(candidate.stat().st_uid)
+        except OSError:
+            continue
+    return "the bus's user"
+
+
+def _denied(path: Path, what: str) -> CliError:
+    """Permission denied, and what to do: run the same command as the bus's user (the
+    owner of ``path``, what was denied)."""
+    owner = _owner_of(path)
+    again = shlex.join(["servicebus", *sys.argv[1:]])
+    who = "root" if owner == "root" else f"the bus's user ({owner}) and root"
+    return CliError(f"permission denied: {what}; only {who} may, and this runs as "
+                    f"{_user(os.getuid())}. Run it as {owner}: sudo -u {owner} {again}", EXIT_DENIED)
+
+
 def _datadir(path: Path) -> Path:
+    try:
+        path.stat()
+    except PermissionError:
+        raise _denied(path, f"{path} cannot be reached") from None
+    except OSError:
+        pass
     if not path.is_dir():
         raise CliError(f"{path}: no such data directory", EXIT_NO_DATADIR)
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise _denied(path, f"{path} cannot be read")
     if not (path / "store").is_dir():
         raise CliError(f"{path}: not a servicebus data directory (no store/)", EXIT_NO_DATADIR)
     return path
@@ -66,6 +108,9 @@ def _holding_lock(path: Path, command: str) -> Iterator[None]:
     """Hold DATADIR/LOCK for a whole maintenance command, so that no bus starts on the data
     directory while it is being changed (a bus that tries gets LockedError naming this
     command). A stale lock left by a crashed bus is put back afterwards, as it was."""
+    lock_file = path / LOCK_NAME
+    if not os.access(path, os.W_OK | os.X_OK) or (lock_file.exists() and not os.access(lock_file, os.W_OK)):
+        raise _denied(path, f"{path} cannot be written")
     try:
         lock = DataDirLock.acquire(path, address=f"servicebus {command}")
     except LockedError as exc:
@@ -94,6 +139,10 @@ def _offline_store(path: Path, *, writing: bool, command: str = "") -> Iterator[
 
 @contextmanager
 def _open_store(path: Path) -> Iterator[Store]:
+    if not os.access(path / "store", os.R_OK | os.W_OK | os.X_OK):
+        # LevelDB writes its LOCK and LOG files even to read: told as what it is, not as
+        # a store in use or a damaged one.
+        raise _denied(path / "store", f"{path / 'store'} cannot be written (LevelDB needs to, even to read it)")
     try:
         store = Store.open(path / "store", create=False)
     except StoreError as exc:
@@ -104,13 +153,15 @@ def _open_store(path: Path) -> Iterator[Store]:
         store.close()
 
 
-def _view(path: Path, name: str, args: dict) -> list[dict]:
+def _view(path: Path, name: str, args: dict) -> A.Rows:
     """Rows of a read-only view: from the live bus if one holds the data directory."""
     path = _datadir(path)
     _owner, alive = probe(path)
     if alive:
         try:
             return A.query_live(path.resolve(), name, args)
+        except A.AdminDenied as exc:
+            raise _denied(Path(exc.path), str(exc)) from None
         except A.AdminUnavailable as exc:
             raise CliError(str(exc), EXIT_LOCKED) from None
     with _offline_store(path, writing=False) as store:
@@ -134,17 +185,17 @@ def status(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
     else:
         state = "ALIVE" if lock["alive"] else "STALE (owner is gone; `servicebus unlock` removes it)"
         lock_text = f"{state}: pid {lock['pid']} on {lock['host']}, {lock['address']}, started {_when(lock['started'])}"
-    table = Table(title=f"servicebus {datadir} (node {row['node_id']})", title_justify="left",
+    table = Table(title=_safe(f"servicebus {datadir} (node {row['node_id']})"), title_justify="left",
                   show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
-    table.add_row("lock", lock_text)
+    table.add_row("lock", _safe(lock_text))
     for key, label in (("subscriptions", "subscriptions"), ("intents", "subscribe intents"),
                        ("intents_unconfirmed", "  unconfirmed"), ("outgoing", "outgoing messages"),
                        ("pending", "pending deliveries")):
         table.add_row(label, str(row[key]))
     for peer, n in sorted(row["pending_by_peer"].items()):
-        table.add_row(f"  to {peer}", str(n))
+        table.add_row(_safe(f"  to {peer}"), str(n))  # an address a subscribe named
     table.add_row("oldest pending", _age(row["oldest_pending_age_s"]))
     for key, label in (("incoming", "incoming (not handled)"), ("deadletters", "dead letters"),
                        ("handled", "handled ids (dedupe)"), ("replies_waiting", "replies to queue"),
@@ -178,42 +229,45 @@ def subscribers(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
 def outgoing(datadir: Path = DATADIR,
              subscriber: Optional[str] = typer.Option(None, "--subscriber", help="only owed to this address"),
              topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
-             limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+             limit: int = LIMIT, all_: bool = ALL, as_json: bool = JSON, full: bool = FULL) -> None:
     """Messages not yet acknowledged by everyone they are owed to."""
-    rows = _view(datadir, "outgoing", {"subscriber": subscriber, "topic": topic, "limit": limit or None})
+    limit_ = None if all_ else limit or None
+    rows = _view(datadir, "outgoing", {"subscriber": subscriber, "topic": topic, "limit": limit_})
     _emit(rows, as_json, [
         ("id", lambda r: r["id"]), ("topic", lambda r: r["topic"]), ("age", lambda r: _age(r["age_s"])),
         ("tries", lambda r: r["attempts"]), ("owed by", lambda r: "\n".join(r["owed_by"])),
         ("payload", lambda r: _short(r["payload"], full)),
-    ], "pending outgoing messages")
+    ], "pending outgoing messages", rows.total, limit_)
 
 
 @app.command()
 def incoming(datadir: Path = DATADIR,
              topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
-             limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+             limit: int = LIMIT, all_: bool = ALL, as_json: bool = JSON, full: bool = FULL) -> None:
     """Received messages not handled yet, with attempts and last error."""
-    rows = _view(datadir, "incoming", {"topic": topic, "limit": limit or None})
+    limit_ = None if all_ else limit or None
+    rows = _view(datadir, "incoming", {"topic": topic, "limit": limit_})
     _emit(rows, as_json, [
         ("id", lambda r: r["id"]), ("kind", lambda r: r["kind"]), ("topic", lambda r: r["topic"]),
         ("age", lambda r: _age(r["age_s"])), ("tries", lambda r: r["attempts"]),
         ("last error", lambda r: _short(r["last_error"] or "-", full, 24)),
         ("payload", lambda r: _short(r["payload"], full, 24)),
-    ], "incoming messages not handled")
+    ], "incoming messages not handled", rows.total, limit_)
 
 
 @app.command()
 def deadletters(datadir: Path = DATADIR,
                 topic: Optional[str] = typer.Option(None, "--topic", help="only this topic or command"),
-                limit: int = LIMIT, as_json: bool = JSON, full: bool = FULL) -> None:
+                limit: int = LIMIT, all_: bool = ALL, as_json: bool = JSON, full: bool = FULL) -> None:
     """Dead letters and why: handler error, expired, subscriber removed."""
-    rows = _view(datadir, "deadletters", {"topic": topic, "limit": limit or None})
+    limit_ = None if all_ else limit or None
+    rows = _view(datadir, "deadletters", {"topic": topic, "limit": limit_})
     _emit(rows, as_json, [
         ("id", lambda r: r["id"]), ("topic", lambda r: r["topic"]),
         ("reason", lambda r: r["reason"] + (f" ({r['peer']})" if r.get("peer") else "")),
         ("error", lambda r: _short(r["error"] or "-", full, 28)),
         ("payload", lambda r: _short(r["payload"], full, 20)),
-    ], "dead letters")
+    ], "dead letters", rows.total, limit_)
 
 
 @app.command()
@@ -226,6 +280,8 @@ def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar
         try:
             with _progress("exporting", None) as step:
                 n = A.write_rows(A.live_export(datadir.resolve()), out_file, step)
+        except A.AdminDenied as exc:
+            raise _denied(Path(exc.path), str(exc)) from None
         except A.AdminUnavailable as exc:
             raise CliError(str(exc), EXIT_LOCKED) from None
         err.print(f"exported {n} records to {out_file} (served by the live bus)")
@@ -276,7 +332,7 @@ def unlock(datadir: Path = DATADIR,
         err.print("warning: removing the lock of a LIVE process; two buses on one data "
                   "directory will corrupt delivery state")
     (datadir / LOCK_NAME).unlink(missing_ok=True)
-    out.print(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}")
+    out.print(_safe(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}"))
 
 
 @app.command()
@@ -466,7 +522,7 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except CliError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(exc.code)
     except TyperException as exc:  # usage errors: unknown option, missing argument, ...
         show = getattr(exc, "show", None)
@@ -476,12 +532,17 @@ def main() -> None:
         err.print("servicebus: aborted")
         sys.exit(EXIT_USAGE)
     except StoreError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(EXIT_CORRUPT)
+    except PermissionError as exc:  # a file of the data directory this user may not use
+        where = Path(exc.filename) if exc.filename else Path(".")
+        denied = _denied(where, f"{exc.filename or 'a file'}: {exc.strerror}")
+        err.print(f"servicebus: {_safe(denied)}")
+        sys.exit(denied.code)
     except BusError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(EXIT_USAGE)
     except OSError as exc:
-        err.print(f"servicebus: {exc}")
+        err.print(f"servicebus: {_safe(exc)}")
         sys.exit(EXIT_USAGE)
     sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -12,12 +13,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["out", "err", "progress", "age", "when", "short", "emit"]
+__all__ = ["out", "err", "progress", "age", "when", "short", "emit", "cut_notice", "safe"]
 
 # soft_wrap: a message is one line however long its path, also when stdout is not a
-# terminal (rich would wrap at 80 columns); tables still fit the width.
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# terminal (rich would wrap at 80 columns); tables still fit the width. markup=False: what
+# is printed comes from stores whose topics, payloads and error texts anyone who reaches a
+# bus's port chose; "[/bold]" in one must be shown, not obeyed (or fail to parse).
+out = Console(highlight=False, soft_wrap=True, markup=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+
+# C0 and C1 control characters but newline and tab: an escape sequence from the wire must
+# not reach the operator's terminal (set its title, write its clipboard, clear it).
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7f, 0xa0)) if c not in (0x09, 0x0a)}
+
+
+def safe(value: object) -> str:
+    """``value`` as text a terminal shows and does not obey."""
+    return str(value).translate(_CONTROL)
 
 
 @contextmanager
@@ -48,16 +60,42 @@ def short(value: Any, full: bool, width: int = 30) -> str:
     return text if full or len(text) <= width else text[: width - 1] + "…"
 
 
-def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title: str) -> None:
-    """Print rows as JSON lines or as a table; ``columns`` are (header, row -> str)."""
+def cut_notice(shown: int, total: int | None, limit: int | None) -> dict | None:
+    """What to tell when a ``limit`` cut a listing (None when nothing was cut): how many of
+    how many are shown and how to see them all. ``total`` None: an older bus did not say,
+    and the listing may be cut if it filled its limit."""
+    if total is not None and total > shown:
+        text = f"{shown:,} of {total:,} shown; --limit 0 (or --all) shows all {total:,}"
+        return {"truncated": True, "shown": shown, "total": total, "limit": limit, "note": text}
+    if total is None and limit and shown >= limit:
+        text = (f"{shown:,} shown, the limit: there may be more (the live bus runs an older "
+                "version, which does not say); --limit 0 (or --all) shows all")
+        return {"truncated": None, "shown": shown, "total": None, "limit": limit, "note": text}
+    return None
+
+
+def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title: str,
+         total: int | None = -1, limit: int | None = None) -> None:
+    """Print rows as JSON lines or as a table; ``columns`` are (header, row -> str).
+
+    ``total``: rows in all, of which ``limit`` were asked for (-1: the listing is never
+    cut). When the rows are fewer, the table says so in its title and under it; with
+    ``--json`` stdout stays one row per line, as ever (a script that reads rows reads no
+    other kind of line), and a JSON object on stderr says ``{"truncated": true, "shown":
+    100, "total": 1031, ...}`` for a script to check."""
+    notice = None if total == -1 else cut_notice(len(rows), total, limit)
     if as_json:
         for row in rows:
             print(json.dumps(row, ensure_ascii=False))
+        if notice is not None:
+            sys.stdout.flush()
+            print(json.dumps(notice), file=sys.stderr)
         return
     if not rows:
         out.print(f"{title}: none")
         return
-    table = Table(title=f"{title} ({len(rows)})", title_justify="left", expand=False)
+    shown = f"{len(rows):,} of {total:,} shown" if notice and total is not None else f"{len(rows):,}"
+    table = Table(title=safe(f"{title} ({shown})"), title_justify="left", expand=False)
     for header, _ in columns:
         if header == "id":  # whole, always: operators copy ids into `replay`
             table.add_column(header, no_wrap=True, min_width=24)
@@ -66,5 +104,7 @@ def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title:
         else:
             table.add_column(header, overflow="fold")
     for row in rows:
-        table.add_row(*(str(fn(row)) for _, fn in columns))
+        table.add_row(*(safe(fn(row)) for _, fn in columns))
     out.print(table)
+    if notice is not None:  # under the table too: where the eye is after a long one
+        out.print(notice["note"])

@@ -124,7 +124,8 @@ class Engine(threading.Thread):
             self.core = Core(config=config, store=store, links=sockets, batch=store.batch(),
                              address=address, node_id=node_id, boot=os.urandom(6).hex(),
                              ids=self.ids, clock=clock, journal_on=journal.enabled,
-                             now=time.monotonic(), uid=os.getuid(), trust=sockets.keys)
+                             now=time.monotonic(), uid=os.getuid(), trust=sockets.keys,
+                             aliases=sockets.bound)
             self._queue.extend(self.core.load())  # replies stored before a crash
         except BaseException:
             self.close_wake()  # the bus never gets this engine to close it
@@ -405,6 +406,9 @@ class Engine(threading.Thread):
             address = sockets.address_of(sock)
             if address is not None:
                 self._read_dealer(address, sock, now)
+        # NACKs a pong led to (subscribes naming an alias of this bus): at once too.
+        for ident, reply in self.core.take_router_frames():
+            self._send_router(ident, reply)
 
     def _count_handshakes(self) -> None:
         s = self.core.s
@@ -561,6 +565,8 @@ class Engine(threading.Thread):
             frame = self._decode(frames)
             if frame is not None:
                 self.core.on_dealer(address, frame, now)
+                if sock.closed:  # the core let the connection go (an alias of this bus)
+                    return
 
     # --- user commands -----------------------------------------------------------------
 

@@ -81,6 +81,15 @@ class AdminUnavailable(BusError):
     """A live bus holds the data directory but did not answer on its admin endpoint."""
 
 
+class AdminDenied(AdminUnavailable):
+    """This user may not reach the live bus's admin endpoint: only the bus's own user and
+    root may. ``path`` is the socket's folder (its owner is the bus's user)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class TransportError(BusError):
     """A socket could not be bound or used (address in use, bad address, ...)."""
 

@@ -107,8 +107,18 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's: alive
+    return True
+
+
 class DataDirLock:
-    """Holds DATADIR/LOCK for the lifetime of one bus."""
+    """Holds DATADIR/LOCK (mode 0600) for the lifetime of one bus."""
 
     def __init__(self, path: Path, fd: int, owner: LockOwner, previous: str = "") -> None:
         self.path = path
@@ -121,7 +131,9 @@ class DataDirLock:
         path = Path(datadir) / LOCK_NAME
         while True:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # 0600: another user who could open it could flock it too (shared), wait for
+                # the bus to crash and keep it from starting again, for as long as it liked.
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             except OSError as exc:
                 raise StoreError(f"cannot create lock file {path}: {exc.strerror}") from exc
             try:
@@ -130,8 +142,11 @@ class DataDirLock:
                 os.close(fd)
                 owner = read_owner(datadir)
                 who = owner.describe() if owner else "another process"
+                gone = owner is not None and owner.host == socket.gethostname() and not _alive(owner.pid)
+                hint = (f"; that process is gone, yet some process holds the lock (fuser -v {path} "
+                        "names it)") if gone else ""
                 raise LockedError(
-                    f"data directory {datadir} is locked by {who}",
+                    f"data directory {datadir} is locked by {who}{hint}",
                     owner=owner.__dict__ if owner else None,
                 ) from None
             # The previous owner may have unlinked LOCK between our open and our flock;
@@ -143,6 +158,10 @@ class DataDirLock:
             if same:
                 break
             os.close(fd)
+        try:
+            os.fchmod(fd, 0o600)  # left by an older version with 0644
+        except OSError:
+            pass  # another user's file we could lock: root's business
 
         text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
         previous = LockOwner.from_json(text or "null")

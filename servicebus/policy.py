@@ -20,10 +20,11 @@ address from the wire is allowed only if:
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Iterable
 
-__all__ = ["AddressPolicy", "parse_allow"]
+__all__ = ["AddressPolicy", "OwnAddress", "parse_allow"]
 
 _TCP = re.compile(r"^tcp://(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:/\[\]]+)):(?P<port>\d+)$")
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
@@ -112,3 +113,76 @@ class AddressPolicy:
         if src is not None and (src == ip or (src.is_loopback and ip.is_loopback)):
             return None
         return "not_source_host"
+
+
+_WILDCARDS = {"*", "0.0.0.0", "::", ""}
+
+
+def _tcp_parts(address: str) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://`` address, the host lower-cased and a loopback name as
+    127.0.0.1 (as ZeroMQ resolves it: IPv4 unless asked for IPv6); None for others."""
+    match = _TCP.match(address)
+    if match is None:
+        return None
+    host = (match.group("v6") or match.group("host") or "").lower()
+    return ("127.0.0.1" if host in _LOOPBACK_NAMES else host), int(match.group("port"))
+
+
+class OwnAddress:
+    """Whether an address names this bus itself: a bus never subscribes itself (it would
+    store every event it publishes a second time, as incoming, for good).
+
+    Known from how the bus was set up (its advertised address, the endpoint it bound):
+    the same address; ``localhost`` for a loopback address; for a bus bound on every
+    interface, any loopback address on its port; an ipc path spelled another way
+    (``a/../b``, ``//``). Aliases only the network or the file system knows (a host name
+    or interface address of this machine, an ipc path through a symlink) are learnt when
+    the address answers a ping with this very bus's node id and boot (``learn``)."""
+
+    LEARNT_MAX = 256  # aliases learnt from pongs, at most (each needed a connection first)
+
+    def __init__(self, addresses: Iterable[str]) -> None:
+        self.exact: set[str] = set()
+        self.tcp: set[tuple[str, int]] = set()
+        self.any_interface: set[int] = set()  # ports bound on every interface
+        self.ipc: set[str] = set()
+        for address in addresses:
+            self._add(address)
+
+    def _add(self, address: str) -> None:
+        self.exact.add(address)
+        if address.startswith("ipc://"):
+            self.ipc.add(os.path.normpath(address[len("ipc://"):]))
+            return
+        parts = _tcp_parts(address)
+        if parts is None:
+            return
+        host, port = parts
+        if host in _WILDCARDS:
+            self.any_interface.add(port)
+        else:
+            self.tcp.add((host, port))
+
+    def learn(self, address: str) -> None:
+        """``address`` answered a ping with this bus's own node id and boot."""
+        if len(self.exact) >= self.LEARNT_MAX:
+            return  # bounded: the static forms and the first ones learnt still hold
+        self._add(address)
+
+    def __contains__(self, address: object) -> bool:
+        if not isinstance(address, str):
+            return False
+        if address in self.exact:
+            return True
+        if address.startswith("ipc://"):
+            return os.path.normpath(address[len("ipc://"):]) in self.ipc
+        parts = _tcp_parts(address)
+        if parts is None:
+            return False
+        host, port = parts
+        if (host, port) in self.tcp:
+            return True
+        if port in self.any_interface:
+            ip = _ip(host)
+            return ip is not None and ip.is_loopback
+        return False

@@ -142,6 +142,11 @@ class BusStatus:
     # (subscriber, topic) pairs owed ``max_backlog`` messages: publishes to the topic wait,
     # raise BacklogFull or push out the oldest, as ``backlog_policy`` says.
     backlog_full: tuple[tuple[str, str], ...] = ()
+    # Where ``servicebus`` commands reach this bus while it runs (``ipc://...``), or None
+    # when it runs without its admin endpoint; ``admin_off_reason`` then says why (its
+    # folder was made by another user, say) and what to do.
+    admin_endpoint: str | None = None
+    admin_off_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -26,7 +26,7 @@ from .errors import TransportError
 from .protocol import FRAME_BYTES
 from .trust import Keys
 
-__all__ = ["Sockets"]
+__all__ = ["Sockets", "AdminFolderRefused", "admin_folder", "open_private_folder"]
 
 log = logging.getLogger("servicebus")
 
@@ -54,36 +54,86 @@ def _tune(sock: zmq.Socket, config: BusConfig, hwm: int) -> None:
 
 
 SOCKET_PATH_MAX = 100  # bytes; the OS limit (sun_path) is 107 with the terminating NUL
+ADMIN_SOCKET = "admin.sock"
 
 
-def private_folder(datadir: Path) -> tuple[Path, Path | None]:
-    """A directory for the admin socket that only this user (and root) can enter, and the
-    directory to remove at close if it is outside the data directory. For a long data
-    directory path it is named after the path, under $XDG_RUNTIME_DIR or /tmp: the same one
-    after a restart (we hold the data directory's lock), so a killed bus leaves none behind
-    for good."""
+class AdminFolderRefused(TransportError):
+    """The folder for the admin socket is not a private directory of this bus's user (made
+    by someone else, a symlink, a file): the bus runs without its admin endpoint."""
+
+
+def admin_folder(datadir: Path) -> tuple[Path, bool]:
+    """Where the admin socket's folder goes, and whether it is outside the data directory
+    (then it is removed at close). Makes nothing.
+
+    ``DATADIR/run``, or for a long data directory path (the socket path would pass the OS
+    limit) a folder named after the path under $XDG_RUNTIME_DIR or /tmp: the same one after
+    a restart (we hold the data directory's lock), so a killed bus leaves none behind for
+    good. That name is predictable: another local user can make it first, and then the
+    bus runs without its admin endpoint (``open_private_folder``)."""
     resolved = datadir.resolve()
     folder = resolved / "run"
-    if len(str(folder / "admin.sock").encode()) < SOCKET_PATH_MAX:
-        return _own_folder(folder), None
+    if len(str(folder / ADMIN_SOCKET).encode()) < SOCKET_PATH_MAX:
+        return folder, False
     base = os.environ.get("XDG_RUNTIME_DIR") or ""
     if not base or not os.path.isdir(base) or len(base) > SOCKET_PATH_MAX - 50:
         base = tempfile.gettempdir()
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:20]
-    folder = _own_folder(Path(base) / f"servicebus-{os.geteuid()}-{digest}")
-    return folder, folder
+    return Path(base) / f"servicebus-{os.geteuid()}-{digest}", True
 
 
-def _own_folder(folder: Path) -> Path:
-    """``folder``, made 0700 if missing; refused unless it is a real directory of this user
-    (not a symlink, not made by someone else to catch the socket)."""
-    folder.mkdir(mode=0o700, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise TransportError(f"{folder} is not a directory of this user: the admin endpoint "
-                             "will not be put there (remove it)")
-    os.chmod(folder, 0o700)  # made by an older version, or with another mode
-    return folder
+def user_name(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid without a name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refusal(folder: Path, why: str) -> AdminFolderRefused:
+    return AdminFolderRefused(
+        f"{folder} {why}, so the admin socket is not put there and the admin endpoint is off: "
+        f"`servicebus` commands cannot ask this bus while it runs. Remove {folder} (root or "
+        "its owner can) and restart the bus, or give the bus a data directory with a shorter "
+        "path (its socket then goes in DATADIR/run)")
+
+
+def open_private_folder(folder: Path) -> int:
+    """A file descriptor on ``folder``, made (mode 0700) if missing: a directory only this
+    user (and root) can enter. ``AdminFolderRefused`` unless it is a real directory owned by
+    this user: a symlink (even to a directory of ours), a file or another user's directory
+    is refused, never followed, changed or used.
+
+    The checks are made on the open descriptor (``O_NOFOLLOW``, ``fstat``, ``fchmod``) and
+    the socket is bound through it (``Sockets.bind_admin``), so nobody can swap the folder
+    between the check and the bind to catch the socket elsewhere."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass  # ours from a killed run, or someone else's: the checks below tell
+    except OSError as exc:
+        raise _refusal(folder, f"cannot be made ({exc.strerror})") from exc
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(folder, flags)
+    except OSError as exc:
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            raise _refusal(folder, f"cannot be opened ({exc.strerror})") from exc
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else \
+            "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise _refusal(folder, f"is {what} owned by {user_name(st.st_uid)}") from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise _refusal(folder, f"is a directory owned by {user_name(st.st_uid)}, not by this "
+                                   f"bus's user {user_name(os.geteuid())}")
+        os.fchmod(fd, 0o700)  # ours, made with another mode (by hand, an older version)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 HANDSHAKE_EVENTS: dict[int, str] = {
@@ -119,9 +169,12 @@ class Sockets:
         # Addresses peers.toml lists several keys for (a key switch): the only ones to retry.
         self.switchable = tuple(p.address for p in keys.peers if len(p.keys) > 1) if keys else ()
         self.router: zmq.Socket | None = None
+        self.bound: tuple[str, ...] = ()  # the ROUTER's bind address and the endpoint bound
         self.admin: zmq.Socket | None = None
-        self._admin_path: Path | None = None
-        self._admin_tmp: Path | None = None  # the admin directory outside DATADIR, removed at close
+        self.admin_off: str | None = None  # why the bus runs without its admin endpoint
+        self._admin_fd: int | None = None  # the admin socket's folder, as checked
+        self._admin_folder: Path | None = None
+        self._admin_outside = False  # the folder is outside DATADIR: removed at close
         self._dealers: dict[str, zmq.Socket] = {}
         self._address_of: dict[zmq.Socket, str] = {}
         self.poller = zmq.Poller()
@@ -158,29 +211,69 @@ class Sockets:
             raise TransportError(f"cannot bind {bind}: {exc}") from exc
         self.router = router
         self.poller.register(router, zmq.POLLIN)
-        return router.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound = (bind, endpoint)
+        return endpoint
 
-    def bind_admin(self, datadir: Path) -> str:
+    def bind_admin(self, datadir: Path) -> str | None:
         """Bind the admin endpoint: a Unix socket in a directory only this user can enter
-        (``DATADIR/run``, mode 0700, or when that path would pass the OS limit for socket
-        paths, ~107 bytes, one named after it under $XDG_RUNTIME_DIR or /tmp: see
-        ``private_folder``). Never TCP: the kernel's directory permissions are its access
-        control."""
-        folder, self._admin_tmp = private_folder(datadir)
-        path = folder / "admin.sock"
-        path.unlink(missing_ok=True)  # left by a killed bus; the data directory lock is ours
+        (``admin_folder``, ``open_private_folder``). Never TCP: the kernel's directory
+        permissions are its access control. Returns the endpoint the CLI connects to, or
+        None when the folder is refused or the socket cannot be bound: the bus runs
+        without it (``admin_off`` says why), since an operator's view must never stop the
+        service, and another user must not be able to stop it by making a folder."""
+        folder, outside = admin_folder(datadir)
+        try:
+            fd = open_private_folder(folder)
+        except AdminFolderRefused as exc:
+            self.admin_off = str(exc)
+            return None
+        self._admin_fd, self._admin_folder, self._admin_outside = fd, folder, outside
+        try:
+            os.unlink(ADMIN_SOCKET, dir_fd=fd)  # left by a killed bus; the data directory lock is ours
+        except FileNotFoundError:
+            pass
+        # Bound through the descriptor checked above, not the folder's path: what the path
+        # names may change, the descriptor's directory cannot. Linux's /proc/self/fd
+        # resolves to it (and keeps the path short whatever the folder's length). Without
+        # /proc, the path: in a sticky /tmp, $XDG_RUNTIME_DIR or DATADIR only this user
+        # can rename the folder.
+        via = f"/proc/self/fd/{fd}"
+        target = f"{via}/{ADMIN_SOCKET}" if os.path.isdir(via) else str(folder / ADMIN_SOCKET)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            sock.bind(f"ipc://{target}")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._release_admin_folder()
+            self.admin_off = f"cannot bind the admin endpoint ipc://{folder / ADMIN_SOCKET}: {exc}"
+            return None
         self.admin = sock
         self.poller.register(sock, zmq.POLLIN)
         self.degraded_poller.register(sock, zmq.POLLIN)
+        return f"ipc://{folder / ADMIN_SOCKET}"
+
+    def _release_admin_folder(self) -> None:
+        """Remove the admin socket, and its folder if it is outside the data directory
+        (only if it is still the folder we opened, and empty: never another's)."""
+        fd, self._admin_fd = self._admin_fd, None
+        if fd is None:
+            return
         try:
-            sock.bind(f"ipc://{path}")
-        except zmq.ZMQError as exc:
-            raise TransportError(f"cannot bind the admin endpoint ipc://{path}: {exc}") from exc
-        self._admin_path = path
-        return f"ipc://{path}"
+            try:
+                os.unlink(ADMIN_SOCKET, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            if self._admin_outside and self._admin_folder is not None:
+                st, now = os.fstat(fd), os.lstat(self._admin_folder)
+                if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                    os.rmdir(self._admin_folder)
+        except OSError as exc:
+            log.debug("admin folder not removed: %s", exc)
+        finally:
+            os.close(fd)
 
     def watch(self, fd: int) -> None:
         """Wake the poll when ``fd`` (the engine's eventfd) is readable, in either mode."""
@@ -287,12 +380,7 @@ class Sockets:
         if self.admin is not None:
             self.admin.close(linger=0)
             self.admin = None
-        if self._admin_path is not None:
-            self._admin_path.unlink(missing_ok=True)
-            self._admin_path = None
-        if self._admin_tmp is not None:
-            shutil.rmtree(self._admin_tmp, ignore_errors=True)
-            self._admin_tmp = None
+        self._release_admin_folder()
         if self.monitor is not None:
             self.monitor.close(linger=0)
             self.monitor = None
@@ -309,6 +397,7 @@ class Sockets:
             self._auth.stop()
             self._auth = None
         self.ctx.destroy(linger=0)
+        self._release_admin_folder()  # a failed open's, after its socket is gone
 
     def handshake_failures(self) -> list[str]:
         """Counter names of the handshake failures the ROUTER reported since last asked."""

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -185,3 +187,14 @@ def stop_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+
+
+@pytest.fixture
+def walkable_dir():
+    """A directory every user may walk into, removed after: pytest's own (under
+    /tmp/pytest-of-USER, mode 0700) are closed to other users at the top, so a check of
+    what another user may do there would pass for the wrong reason."""
+    path = Path(tempfile.mkdtemp(prefix="servicebus-walkable-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

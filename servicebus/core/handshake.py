@@ -52,6 +52,11 @@ class Handshake:
     # --- subscriber side ---------------------------------------------------------------
 
     def load_intent(self, publisher: str, topic: str, record: IntentRecord) -> None:
+        if record["op"] == "subscribe" and publisher in self.s.own:
+            log.warning("dropping the subscribe intent for %s at %s: that is this bus's own address "
+                        "(a bus never subscribes itself; an older version stored it)", topic, publisher)
+            self.s.out.batch.delete_intent(publisher, topic)
+            return
         intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"],
                         group=record.get("group"), ordered=bool(record.get("ordered")),
                         limit=record.get("limit"))
@@ -65,6 +70,10 @@ class Handshake:
 
     def subscribe(self, cmd: SubscribeCmd) -> None:
         s = self.s
+        if cmd.op == "subscribe" and cmd.publisher in s.own:
+            raise ValueError(f"cannot subscribe to {cmd.publisher}: that is this bus itself (a bus "
+                             "never subscribes itself: it would store every event it publishes a "
+                             "second time, as received)")
         self.roster.peer(cmd.publisher)  # ValueError to the caller, before anything is stored
         key = (cmd.publisher, cmd.topic)
         old = s.intents.get(key)
@@ -162,12 +171,49 @@ class Handshake:
                 source: str | None) -> None:
         s = self.s
         s.count_refused(reason, frame.address, source)
+        why = f"{reason} (that is this bus itself)" if reason == "own_address" else reason
         s.out.to_router.append((ident, P.encode_nack([frame.id], f"address {frame.address[:200]!r} "
-                                                                 f"refused: {reason}")))
+                                                                 f"refused: {why}")))
+
+    def found_self(self, address: str) -> None:
+        """``address`` answered a ping with this very bus's node id and boot: an alias of
+        its own address (a host name, an interface address, an ipc path through a
+        symlink). Subscribes naming it that waited on the pong are refused, subscriptions
+        stored for it ended, this bus's subscribe intents to it given up; the connection
+        stays only if something else uses it (commands a user sends to itself)."""
+        s = self.s
+        s.own.learn(address)
+        pending = self.unverified.pop(address, None)
+        refused = 0
+        if pending is not None:
+            for ident, frame in pending.frames.values():
+                self._refuse(ident, frame, "own_address", pending.source)
+                refused += 1
+        ended = [key for key in s.subscriptions if key[0] == address]
+        for subscriber, topic in ended:
+            self.end(subscriber, topic, "own_address")
+        given_up = [(k, i) for k, i in s.intents.items() if k[0] == address and i.op == "subscribe"]
+        for key, intent in given_up:
+            del s.intents[key]
+            s.intent_ids.pop(intent.id, None)
+            s.out.batch.delete_intent(*key)
+            error = SubscribeRefused(f"subscribe to {intent.topic!r} at {address} given up: that "
+                                     "is this bus itself (a bus never subscribes itself)")
+            waiters, intent.waiters = intent.waiters, []
+            s.out.release.extend((fut, error) for fut in waiters)
+        # Commands a user sends itself through an alias are fine: said quietly then.
+        log.log(logging.WARNING if refused or ended or given_up else logging.INFO,
+                "%s is this bus's own address (it answered a ping as this bus): %d subscribes "
+                "naming it refused, %d subscriptions to it ended, %d subscribe intents to it given up",
+                address[:200], refused, len(ended), len(given_up))
+        self.roster.drop_if_unused(address)
 
     def on_subscribe(self, ident: bytes, frame: P.Subscribe, source: str | None = None,
                      user: str | None = None) -> None:
         s = self.s
+        if frame.address in s.own:  # it would store its own events a second time, for good
+            self._refuse(ident, frame, "own_address", source)
+            return
         key = (frame.address, frame.topic)
         existing = s.subscriptions.get(key)
         if existing is not None:

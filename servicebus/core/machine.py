@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import protocol as P
@@ -29,7 +29,7 @@ from ..config import BusConfig
 from ..delivery import (Consumer, base_stream, event_stream, group_peer, is_command_stream,
                         is_priority_stream, stream_target)
 from ..ids import IdGenerator
-from ..policy import AddressPolicy
+from ..policy import AddressPolicy, OwnAddress
 from ..trust import Keys
 from ..records import PeerStatus
 from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
@@ -58,11 +58,15 @@ class Core:
     def __init__(self, *, config: BusConfig, store: StoreView, links: Links, batch: WriteBatch,
                  address: str, node_id: str, boot: str, ids: IdGenerator, clock: BusClock,
                  wall: Callable[[], int] = wall_ms, journal_on: bool = False,
-                 now: float = 0.0, uid: int = 0, trust: Keys | None = None) -> None:
+                 now: float = 0.0, uid: int = 0, trust: Keys | None = None,
+                 aliases: Iterable[str] = ()) -> None:
+        # ``aliases``: other spellings of this bus's address it knows (the endpoint it
+        # bound, when it advertises another): never taken as a subscriber's.
         self.s = s = State(config=config, store=store, links=links, address=address,
                            node_id=node_id, boot=boot, ids=ids, clock=clock, wall=wall,
                            journal_on=journal_on, out=Effects(batch), now=now,
-                           policy=AddressPolicy(config.allow_peers, uid), trust=trust)
+                           policy=AddressPolicy(config.allow_peers, uid), trust=trust,
+                           own=OwnAddress((address, *aliases)))
         self.roster = Roster(s)
         self.expiry = Expiry(s)
         self.sender = Sender(s, self.expiry)
@@ -129,6 +133,11 @@ class Core:
             s.out.batch.delete_delivery(peer, stream)
         for publisher, topic, intent in s.store.intents():
             self.handshake.load_intent(publisher, topic, intent)
+        for subscriber, topic in [key for key in s.subscriptions if key[0] in s.own]:
+            log.warning("ending the subscription of %s to %s: that is this bus's own address "
+                        "(a bus never subscribes itself; an older version stored it)", subscriber, topic)
+            self.handshake.end(subscriber, topic, "own_address")
+            self.roster.drop_if_unused(subscriber)  # the connection its consumer made
         self.backlog.load()
         s.outbox_moving.clear()
         queued: list[QueueReply | QueueSend] = [QueueReply(cid, reply) for cid, reply in s.store.replies()]
@@ -207,6 +216,10 @@ class Core:
             self.sender.on_acks(peer, ids, s.wall())
             s.counters["acked"] += len(frame.ids)
         elif isinstance(frame, P.Pong):
+            if frame.sender == s.node_id and frame.boot == s.boot and address not in s.own.exact:
+                self.handshake.found_self(address)  # an alias of our own address
+                if s.peers.get(address) is not peer:
+                    return  # nothing else used the connection: closed
             if self.roster.on_pong(peer, frame, now):
                 self.sender.peer_up(peer)
                 self.handshake.peer_up(address)

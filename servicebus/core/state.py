@@ -22,7 +22,7 @@ from ..delivery import Consumer
 from ..ids import IdGenerator
 from ..protocol import Envelope
 from ..stored import subscription_options, IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
-from ..policy import AddressPolicy
+from ..policy import AddressPolicy, OwnAddress
 from ..trust import Keys, PeerEntry
 from .ports import Links, StoreView, WriteBatch
 
@@ -116,6 +116,8 @@ class State:
     out: Effects
     policy: AddressPolicy  # which addresses off the wire may be connected to (policy.py)
     trust: Keys | None = None  # with CURVE keys: the peers' keys, addresses and rights (trust.py)
+    # This bus's own address and its aliases: never a subscriber of its own (policy.py).
+    own: OwnAddress = field(default_factory=lambda: OwnAddress(()))
     now: float = 0.0  # monotonic seconds, as of the event being handled
     peers: dict[str, Peer] = field(default_factory=dict)
     consumers: dict[tuple[str, str], Consumer] = field(default_factory=dict)

@@ -49,6 +49,10 @@ def _open_db(path: Path, **options: Any) -> Any:
     try:
         return plyvel.DB(str(path), **options)
     except plyvel.IOError as exc:
+        if "permission denied" in str(exc).lower():
+            # LevelDB writes its LOCK (and LOG) file even to read: this user may not.
+            raise StoreError(f"cannot open store {path}: permission denied ({exc}); only its "
+                             "owner can open it, to read too") from exc
         if "lock" in str(exc).lower():
             # LevelDB's own lock: another process has this store open right now (one that
             # does not hold DATADIR/LOCK, or got in first). Never a reason to repair it.

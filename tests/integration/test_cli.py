@@ -3,8 +3,10 @@ by real buses (most of them killed with SIGKILL)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import plyvel
@@ -12,6 +14,8 @@ import pytest
 
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
+
+from ..conftest import BusProcess
 
 TOPIC = "user.signup"
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -295,3 +299,149 @@ def test_export_of_a_live_bus_pages_through_every_message(make_bus, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     outgoing = [r["id"] for r in rows if r["type"] == "outgoing"]
     assert sorted(outgoing) == sorted(ids)  # none missing, none twice
+
+
+# --- run by another user ---------------------------------------------------------------------
+
+NOBODY = 65534
+
+
+def cli_as(uid: int, *args) -> tuple[subprocess.CompletedProcess, float]:
+    """The console script run as ``uid`` (setpriv: no capabilities, no groups of ours), and
+    how long it took."""
+    started = time.monotonic()
+    result = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", CLI,
+                             *map(str, args)], capture_output=True, text=True, timeout=120, cwd="/",
+                            env={**os.environ, "COLUMNS": "80"})
+    return result, time.monotonic() - started
+
+
+@pytest.fixture
+def as_nobody(walkable_dir):
+    """``walkable_dir``, where the CLI can be run as uid nobody (else the test is skipped)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv, to run the CLI as another user")
+    probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                            sys.executable, "-c", "import servicebus.cli"], capture_output=True,
+                           text=True, timeout=60, cwd="/", env=os.environ)
+    if probe.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot run this venv's python and import servicebus from "
+                    f"{os.environ.get('PYTHONPATH') or 'the venv'}: {probe.stderr.strip()[-200:]}")
+    return walkable_dir
+
+
+@pytest.mark.parametrize("private", ["its lock file", "its admin folder", "its data directory"])
+def test_status_run_by_another_user_against_a_live_bus_says_permission_denied_at_once(
+        as_nobody, private):
+    node = BusProcess(as_nobody, "node", free_address())
+    try:
+        node.start()
+        if private == "its admin folder":
+            (node.datadir / "LOCK").chmod(0o644)  # as older versions made it: readable
+        elif private == "its data directory":
+            node.datadir.chmod(0o700)
+        result, took = cli_as(NOBODY, "status", node.datadir)
+        assert result.returncode == 5, result.stdout + result.stderr
+        assert "permission denied" in result.stderr.lower(), result.stderr
+        assert "run it as root" in result.stderr.lower(), result.stderr  # the bus's user, named
+        assert "did not answer" not in result.stderr and "Traceback" not in result.stderr
+        assert {"its lock file": "LOCK", "its admin folder": "admin endpoint",
+                "its data directory": "cannot be read"}[private] in result.stderr  # what it met
+        assert took < 10, f"took {took:.1f}s"
+        assert cli("status", node.datadir).returncode == 0  # its own user is served as ever
+    finally:
+        node.kill()
+
+
+def test_status_run_by_another_user_against_a_stopped_bus_says_permission_denied(as_nobody):
+    with Bus(free_address(), as_nobody / "node"):
+        pass
+    result, _took = cli_as(NOBODY, "status", as_nobody / "node")
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert "permission denied" in result.stderr.lower() and "run it as root" in result.stderr.lower(), result.stderr
+    assert "--repair" not in result.stderr and "Traceback" not in result.stderr
+
+
+# --- listings cut at --limit ----------------------------------------------------------------
+
+CUT = 1031  # rows in each listing: more than the default limit of 100
+
+
+@pytest.fixture
+def long_listings(make_bus):
+    """Live buses with 1,031 rows in each listing: dead letters at a publisher whose
+    subscriber's backlog dropped the oldest (the case read as 931 lost), messages owed at
+    another, incoming not handled (no handler) at a subscriber."""
+    dropper = make_bus("dropper", max_backlog=100, backlog_policy="drop_oldest")
+    pub, recv, gone = make_bus("pub"), make_bus("recv"), make_bus("gone")
+    gone.subscribe(dropper.address, "drop.t", wait=10)
+    gone.subscribe(pub.address, "out.t", wait=10)
+    gone.close()
+    recv.subscribe(pub.address, "in.t", wait=10)
+    dropper.publish_many("drop.t", [{"n": n} for n in range(CUT + 100)])
+    pub.publish_many("out.t", [{"n": n} for n in range(CUT)])
+    pub.publish_many("in.t", [{"n": n} for n in range(CUT)])
+    wait_until(lambda: dropper.status().deadletters == CUT and recv.status().incoming == CUT, 30)
+    return {"deadletters": dropper, "outgoing": pub, "incoming": recv}
+
+
+@pytest.mark.parametrize("listing", ["deadletters", "outgoing", "incoming"])
+def test_a_listing_cut_at_its_limit_says_how_many_of_how_many_and_how_to_see_all(long_listings, listing):
+    datadir = long_listings[listing].datadir
+    table = cli(listing, datadir)
+    assert table.returncode == 0, table.stderr
+    assert f"100 of {CUT:,} shown" in table.stdout and "--limit 0" in table.stdout, table.stdout[-400:]
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+    as_json = cli(listing, datadir, "--json")
+    rows = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert len(rows) == 100 and all("id" in row for row in rows)  # stdout: rows, as before
+    notice = json.loads(as_json.stderr.strip().splitlines()[-1])  # stderr: what a script checks
+    assert notice["shown"] == 100 and notice["total"] == CUT and notice["truncated"] is True
+    for see_all in (("--limit", "0"), ("--all",)):
+        whole = cli(listing, datadir, *see_all, "--json")
+        assert len(whole.stdout.splitlines()) == CUT and whole.stderr == "", (see_all, whole.stderr)
+
+
+def test_a_listing_cut_at_its_limit_says_so_from_a_stopped_bus_too_and_counts_within_its_filter(long_listings):
+    dropper = long_listings["deadletters"]
+    dropper.close()
+    table = cli("deadletters", dropper.datadir, "--topic", "drop.t", "--limit", "10")
+    assert f"10 of {CUT:,} shown" in table.stdout, table.stdout[-400:]
+    roomy = cli("deadletters", dropper.datadir, "--limit", "5000", "--json")  # under its limit: as ever
+    assert len(roomy.stdout.splitlines()) == CUT and roomy.stderr == ""
+    assert cli_json("deadletters", dropper.datadir, "--topic", "other.t") == []
+    bad = cli("deadletters", dropper.datadir, "--limit", "-1")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+
+
+def test_a_listing_from_a_bus_that_does_not_say_its_total_says_there_may_be_more_when_full():
+    from servicebus.clitable import cut_notice
+
+    assert cut_notice(100, None, 100)["note"].startswith("100 shown, the limit: there may be more")
+    assert cut_notice(40, None, 100) is None  # under its limit: the whole listing
+    assert cut_notice(100, 100, 100) is None  # exactly all of them
+
+
+# --- what came off the wire, printed -------------------------------------------------------
+
+
+def test_a_listing_prints_what_came_off_the_wire_as_text_never_as_markup_or_terminal_control(make_bus, tmp_path):
+    """Anyone who reaches a bus's port chooses topics, payloads and, through a handler that
+    raises, error texts: the operator's terminal must show them, not obey them."""
+    hostile = "[/bold] [link=https://example.invalid]x[/link] \x1b]52;c;cHduZWQ=\x07 \x1b[2J"
+    server = make_bus("server", max_attempts=1)
+
+    def fail(payload, message):
+        raise ValueError(hostile)
+
+    server.handle("work", fail)
+    client = make_bus("client")
+    client.send(server.address, "work", {"x": hostile})
+    wait_until(lambda: server.status().deadletters == 1, 20)
+    for args in ((), ("--full",)):
+        table = cli("deadletters", server.datadir, *args)
+        assert table.returncode == 0 and "Traceback" not in table.stderr, table.stderr[-500:]
+        assert "[/bold]" in table.stdout and "[link=" in table.stdout  # as written
+        assert "\x1b" not in table.stdout and "\x07" not in table.stdout  # no terminal control
+    rows = cli_json("deadletters", server.datadir)
+    assert rows[0]["error"] == f"ValueError: {hostile}" and rows[0]["payload"] == {"x": hostile}

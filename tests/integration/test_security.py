@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,6 +125,108 @@ def test_a_subscriber_refused_by_the_publisher_gets_the_reason(make_bus):
     assert pub.status().subscriptions == 1
 
 
+# --- a bus never subscribes itself ----------------------------------------------------------
+
+
+def _own_aliases(tmp_path: Path, kind: str) -> tuple[str, dict, str, str]:
+    """(bind, options, an alias of that bus's address, where a raw client connects)."""
+    port = free_address().rsplit(":", 1)[1]
+    if kind == "its address":
+        return f"tcp://127.0.0.1:{port}", {}, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}"
+    if kind == "localhost for 127.0.0.1":
+        return f"tcp://127.0.0.1:{port}", {}, f"tcp://localhost:{port}", f"tcp://127.0.0.1:{port}"
+    if kind == "another loopback address, bound on every interface":
+        return (f"tcp://0.0.0.0:{port}", {"advertise": f"tcp://127.0.0.1:{port}"},
+                f"tcp://127.0.0.2:{port}", f"tcp://127.0.0.1:{port}")
+    assert kind == "its ipc path through a symlinked folder"
+    real = Path(tempfile.mkdtemp(prefix="sb-own-"))  # short: a socket path is at most ~100 bytes
+    alias = Path(tempfile.mkdtemp(prefix="sb-alias-"))
+    alias.rmdir()
+    alias.symlink_to(real)
+    return f"ipc://{real}/bus.sock", {}, f"ipc://{alias}/bus.sock", f"ipc://{real}/bus.sock"
+
+
+OWN_ALIASES = ["its address", "localhost for 127.0.0.1", "another loopback address, bound on every interface",
+               "its ipc path through a symlinked folder"]
+
+
+@pytest.fixture
+def own_alias(request, tmp_path):
+    bind, options, alias, connect = _own_aliases(tmp_path, request.param)
+    yield bind, options, alias, connect
+    if bind.startswith("ipc://"):
+        link = Path(alias[len("ipc://"):]).parent
+        link.unlink()
+        shutil.rmtree(Path(bind[len("ipc://"):]).parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("own_alias", OWN_ALIASES, indirect=True)
+def test_a_forged_subscribe_naming_the_bus_s_own_address_is_refused_and_nothing_is_stored_twice(
+        make_bus, raw, own_alias):
+    bind, options, alias, connect = own_alias
+    bus = make_bus("bus", address=bind, **options)
+    forger = raw(connect)
+    forger.send_multipart(P.encode_subscribe("x1", TOPIC, alias, "forger"))
+    assert forger.poll(35_000), "no answer to the forged subscribe"
+    answer = P.decode(forger.recv_multipart(), max_payload=1 << 20)
+    assert isinstance(answer, P.Nack) and "own_address" in answer.reason, answer
+    assert bus.counters().get("refused_own_address") == 1
+    assert bus.status().refused_by_reason == {"own_address": 1}
+    bus.publish_many(TOPIC, [{"n": n} for n in range(10)])
+    status = bus.status()
+    assert status.subscriptions == 0 and status.outgoing == 0 and status.incoming == 0
+    assert bus.drain(5) and bus.status().incoming == 0
+
+
+def test_a_bus_asked_to_subscribe_to_itself_raises_value_error_and_stores_nothing(make_bus):
+    bus = make_bus("bus")
+    for alias in (bus.address, bus.address.replace("127.0.0.1", "localhost")):
+        with pytest.raises(ValueError, match="itself"):
+            bus.subscribe(alias, TOPIC)
+    bus.unsubscribe(bus.address, TOPIC)  # allowed: it may end what an older version stored
+    assert bus.drain(5)
+    assert bus.status().intents == 0 and bus.status().subscriptions == 0
+
+
+def test_a_bus_asked_to_subscribe_to_an_alias_of_itself_finds_out_and_keeps_nothing(make_bus, tmp_path):
+    real = Path(tempfile.mkdtemp(prefix="sb-own-"))
+    alias = Path(tempfile.mkdtemp(prefix="sb-alias-"))
+    alias.rmdir()
+    alias.symlink_to(real)
+    try:
+        bus = make_bus("bus", address=f"ipc://{real}/bus.sock")
+        with pytest.raises(SubscribeRefused, match="itself"):
+            bus.subscribe(f"ipc://{alias}/bus.sock", TOPIC, wait=30)
+        bus.publish(TOPIC, {"n": 1})
+        wait_until(lambda: bus.status().intents == 0, 10)
+        assert bus.status().subscriptions == 0 and bus.status().incoming == 0
+    finally:
+        alias.unlink()
+        shutil.rmtree(real, ignore_errors=True)
+
+
+def test_a_subscription_to_itself_stored_by_an_older_version_is_dropped_at_start(make_bus, tmp_path, caplog):
+    from servicebus.store import Store
+
+    address = free_address()
+    bus = make_bus("bus", address=address)
+    bus.close()
+    store = Store.open(tmp_path / "bus" / "store")
+    try:
+        batch = store.batch()
+        batch.put_subscription(address, TOPIC, {"since": "0" * 24, "created": 1, "node": "forged"})
+        store.write(batch, sync=True)
+    finally:
+        store.close()
+    with caplog.at_level("WARNING", logger="servicebus"):
+        again = make_bus("again", address=address, datadir=tmp_path / "bus")
+    assert "own address" in caplog.text
+    again.publish_many(TOPIC, [{"n": n} for n in range(10)])
+    assert again.drain(5)
+    status = again.status()
+    assert status.subscriptions == 0 and status.outgoing == 0 and status.incoming == 0
+
+
 # --- the admin endpoint ----------------------------------------------------------------------
 
 NOBODY = 65534
@@ -158,9 +261,18 @@ def reach_as(uid: int, endpoint: str) -> str:
 
 
 @pytest.mark.parametrize("long_path", [False, True], ids=["short datadir", "datadir over 100 bytes"])
-def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, tmp_path, long_path):
-    datadir = tmp_path / ("d" * 120 if long_path else "d") / "bus"
-    os.chmod(tmp_path, 0o755)  # another user may walk to the data directory ...
+def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, walkable_dir, long_path):
+    import socket
+
+    datadir = walkable_dir / ("d" * 120 if long_path else "d") / "bus"
+    open_socket = socket.socket(socket.AF_UNIX)  # another user may walk to the data directory
+    try:  # and connect to a socket there that lets it ...
+        open_socket.bind(str(walkable_dir / "open.sock"))
+        open_socket.listen()
+        os.chmod(walkable_dir / "open.sock", 0o777)
+        assert reach_as(NOBODY, f"ipc://{walkable_dir / 'open.sock'}") == "connected"
+    finally:
+        open_socket.close()
     bus = make_bus("bus", datadir=datadir)
     endpoint = A.admin_endpoint(datadir)
     assert endpoint is not None and endpoint.startswith("ipc://")
@@ -168,7 +280,7 @@ def test_only_the_bus_s_own_user_can_reach_its_admin_endpoint(make_bus, tmp_path
     mode = folder.stat()
     assert stat.S_IMODE(mode.st_mode) == 0o700 and mode.st_uid == os.getuid()
     assert A.query_live(datadir, "status", {})[0]["node_id"] == bus.node_id  # ... its user can
-    assert reach_as(NOBODY, endpoint).startswith("refused")  # ... another cannot connect
+    assert reach_as(NOBODY, endpoint) == "refused 13"  # ... but not to the bus's (EACCES)
     bus.close()
     assert not folder.exists() or not any(folder.iterdir())  # nothing left behind
 
@@ -392,23 +504,97 @@ def test_a_killed_bus_with_a_long_data_path_leaves_no_admin_directory_behind_for
     assert not left.exists()
 
 
-def test_an_admin_directory_made_in_advance_by_another_user_is_refused(make_bus, tmp_path):
-    from servicebus import TransportError
-    from servicebus.sockets import private_folder
+def _expected_admin_folder(datadir: Path) -> Path:
+    """Where a bus on ``datadir`` puts its admin socket (the folder itself is not made)."""
+    from servicebus.sockets import admin_folder
 
+    return admin_folder(datadir)[0]
+
+
+def _cli(*args: object) -> tuple[subprocess.CompletedProcess, float]:
+    """The real console script, and how long it took."""
+    started = time.monotonic()
+    result = subprocess.run([str(Path(os.sys.executable).parent / "servicebus"), *map(str, args)],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("taken_as", ["a directory", "a symlink to a directory"])
+def test_a_bus_whose_admin_folder_was_taken_by_another_user_starts_without_admin(
+        make_bus, tmp_path, caplog, taken_as):
     if os.geteuid() != 0:
-        pytest.skip("needs root, to make a directory owned by another user")
+        pytest.skip("needs root, to make a folder owned by another user")
     datadir = tmp_path / ("d" * 120) / "bus"
     datadir.mkdir(parents=True)
-    expected, _ = private_folder(datadir)  # where the bus will put it
-    expected.rmdir()
-    expected.mkdir(mode=0o777)
-    os.chown(expected, 65534, 65534)  # someone else got there first, to catch the socket
+    folder = _expected_admin_folder(datadir)
+    trap = tmp_path / "trap"  # where another user would like the bus's socket to land
+    trap.mkdir(mode=0o777)
+    os.chown(trap, NOBODY, NOBODY)
+    if taken_as == "a directory":
+        folder.mkdir(mode=0o777)
+        os.chown(folder, NOBODY, NOBODY)
+    else:
+        folder.symlink_to(trap, target_is_directory=True)
+        os.lchown(folder, NOBODY, NOBODY)
     try:
-        with pytest.raises(TransportError, match="not a directory of this user"):
-            make_bus("bus", datadir=datadir)
+        with caplog.at_level("WARNING", logger="servicebus"):
+            bus = make_bus("bus", datadir=datadir)
+        warnings = [r.getMessage() for r in caplog.records if "admin endpoint" in r.getMessage()]
+        assert len(warnings) == 1 and str(folder) in warnings[0] and "nobody" in warnings[0], caplog.text
+        status = bus.status()
+        assert status.running and status.admin_endpoint is None
+        assert status.admin_off_reason is not None and str(folder) in status.admin_off_reason
+        assert "nobody" in status.admin_off_reason
+        assert not (datadir / A.ENDPOINT_FILE).exists()
+        sub = make_bus("sub")  # the bus itself works as ever
+        got = []
+        sub.every(TOPIC, lambda p, m: got.append(p))
+        sub.subscribe(bus.address, TOPIC, wait=10)
+        bus.publish(TOPIC, {"n": 1})
+        wait_until(lambda: got == [{"n": 1}], 10)
+        assert not any(trap.iterdir()) and (taken_as != "a directory" or not any(folder.iterdir()))
+        result, took = _cli("status", datadir)  # the operator is told why, at once
+        assert result.returncode == 3, result.stderr
+        assert "admin endpoint is off" in result.stderr and str(folder) in result.stderr
+        assert "Traceback" not in result.stderr and took < 20
+        bus.close()
+        assert folder.is_symlink() or folder.is_dir()  # another user's: left as it was
     finally:
-        expected.rmdir()
+        if folder.is_symlink():
+            folder.unlink()
+        elif folder.exists():
+            shutil.rmtree(folder)
+
+
+def test_the_admin_socket_is_bound_in_the_folder_that_was_checked_even_if_that_is_swapped_after(
+        make_bus, tmp_path, monkeypatch):
+    from servicebus import sockets as S
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("binds through /proc/self/fd (Linux)")
+    datadir = tmp_path / ("d" * 120) / "bus"
+    folder = _expected_admin_folder(datadir)
+    checked, elsewhere = tmp_path / "checked", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real_open = S.open_private_folder
+
+    def open_then_swap(path: Path) -> int:
+        fd = real_open(path)
+        os.rename(path, checked)  # the folder that passed the checks moves away, and a
+        path.symlink_to(elsewhere)  # symlink to somewhere else takes its name
+        return fd
+
+    monkeypatch.setattr(S, "open_private_folder", open_then_swap)
+    try:
+        bus = make_bus("bus", datadir=datadir)
+        assert stat.S_ISSOCK(os.lstat(checked / "admin.sock").st_mode)
+        assert not any(elsewhere.iterdir())
+        bus.close()
+        assert not (checked / "admin.sock").exists()  # its socket is removed, ...
+        assert folder.is_symlink() and elsewhere.is_dir()  # ... what took the name is not touched
+    finally:
+        folder.unlink(missing_ok=True)
+        shutil.rmtree(checked, ignore_errors=True)
 
 
 def _mutated_frames(count: int, seed: int, addr: str) -> list[list[bytes]]:
@@ -478,3 +664,41 @@ def test_frames_with_odd_but_well_formed_headers_do_not_stop_the_engine(make_bus
     pub.publish_many(TOPIC, [{"n": n} for n in range(50)])
     wait_until(lambda: sorted(got) == list(range(50)), 20, message=lambda: f"{len(got)} of 50 after the frames")
     assert pub.status().running and pub.status().subscriptions >= 2  # some odd ones were stored
+
+
+HOLD_SHARED = """
+import fcntl, os, sys, time
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+except OSError as exc:
+    print("refused", exc.errno, flush=True)
+    sys.exit(0)
+fcntl.flock(fd, fcntl.LOCK_SH)  # waits for the bus to die, then keeps it from starting again
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_another_user_cannot_hold_a_crashed_bus_s_lock_to_keep_it_from_restarting(walkable_dir):
+    from tests.conftest import BusProcess
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, setpriv and /usr/bin/python3, to run a process as uid nobody")
+    node = BusProcess(walkable_dir, "node", free_address())
+    holder = None
+    try:
+        node.start()
+        holder = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                                   python, "-c", HOLD_SHARED, str(node.datadir / "LOCK")],
+                                  stdout=subprocess.PIPE, text=True, cwd="/")
+        node.kill()  # a crash: its LOCK stays, with its record
+        answer = holder.stdout.readline().strip()
+        assert answer.startswith("refused"), answer
+        node.start()  # restarts as after any crash
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(10)
+            holder.stdout.close()
+        node.kill()

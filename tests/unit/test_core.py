@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from servicebus import protocol as P
-from servicebus.policy import AddressPolicy
+from servicebus.policy import AddressPolicy, OwnAddress
 from servicebus.testing import FakeStore, Network
 
 LOCAL = f"localhost:{os.getuid()}:{os.getgid()}:1"  # a Unix-socket peer of this user
@@ -229,6 +229,32 @@ def test_a_fake_store_keeps_only_what_was_written():
 def test_an_address_off_the_wire_is_allowed_only_on_its_source_host_or_an_allow_list(
         address, source, allow, refused):
     assert AddressPolicy(allow, uid=os.getuid()).refuse(address, source) == refused
+
+
+@pytest.mark.parametrize("own, address, is_own", [
+    (("tcp://127.0.0.1:5",), "tcp://127.0.0.1:5", True),
+    (("tcp://127.0.0.1:5",), "tcp://localhost:5", True),
+    (("tcp://127.0.0.1:5",), "tcp://LOCALHOST:5", True),
+    (("tcp://127.0.0.1:5",), "tcp://127.0.0.2:5", False),  # another address: another bus may be there
+    (("tcp://127.0.0.1:5",), "tcp://127.0.0.1:6", False),
+    (("tcp://10.0.0.5:5", "tcp://0.0.0.0:5"), "tcp://127.0.0.9:5", True),  # bound on every interface
+    (("tcp://10.0.0.5:5", "tcp://*:5"), "tcp://localhost:5", True),
+    (("tcp://10.0.0.5:5", "tcp://0.0.0.0:5"), "tcp://10.0.0.5:5", True),
+    (("tcp://10.0.0.5:5", "tcp://0.0.0.0:5"), "tcp://10.0.0.6:5", False),  # learnt from a pong, if so
+    (("tcp://10.0.0.5:5", "tcp://10.0.0.5:5"), "tcp://127.0.0.1:5", False),
+    (("ipc:///run/sb/bus.sock",), "ipc:///run/sb/../sb//bus.sock", True),
+    (("ipc:///run/sb/bus.sock",), "ipc:///run/sb/other.sock", False),
+    (("ipc:///run/sb/bus.sock",), "tcp://127.0.0.1:5", False),
+])
+def test_a_bus_knows_its_own_address_in_the_forms_it_can_tell_without_asking(own, address, is_own):
+    assert (address in OwnAddress(own)) is is_own
+
+
+def test_an_alias_of_its_own_address_is_learnt_from_a_pong():
+    own = OwnAddress(("tcp://127.0.0.1:5",))
+    assert "tcp://host.example:5" not in own
+    own.learn("tcp://host.example:5")
+    assert "tcp://host.example:5" in own and "tcp://host.example:6" not in own
 
 
 @pytest.mark.parametrize("entry", ["", "ipc://", "not a host", "10.0.0.0/33"])
