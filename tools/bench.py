@@ -1,13 +1,16 @@
 """servicebus benchmarks, side by side with RabbitMQ, NATS JetStream and Redis Streams.
 
     tools/bench [--quick] [--runs N] [--only NAME ...] [--no-peers] [--json] [--curve] [--compression]
+                [--baseline GITREF]
 
 Every scenario runs against servicebus and (where it applies) each peer, alternating runs,
 3 runs each by default; producer and consumer are separate processes; every run checks that
 each message arrived exactly once. Printed: one table with the median and min-max per
 (scenario, system), the ratio servicebus / best peer, each target, and the physical
 references measured in the same run (fsync latency on the disk under the data directory,
-raw pyzmq DEALER->ROUTER throughput and one-way latency).
+raw pyzmq DEALER->ROUTER throughput and one-way latency). ``--baseline GITREF`` also runs
+every servicebus scenario on that commit's code (``servicebus@GITREF``, its tree exported to a
+temporary folder), alternating with the working tree's: before and after in one invocation.
 
 Peers need: apt-get install rabbitmq-server nats-server redis-server, and
 pip install -e '.[bench]'. A missing one is skipped with a note naming the install command.
@@ -30,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# BENCH_ROOT: the tree whose servicebus a child role imports (a --baseline's export).
+sys.path.insert(0, os.environ.get("BENCH_ROOT") or str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers as peers  # noqa: E402
@@ -107,9 +111,22 @@ def payload(n: int) -> dict:
     return {"n": n, "pad": PAD}
 
 
+_CHILD_ROOT: dict[str, str] = {}  # env of the servicebus roles spawned now (see run_servicebus)
+
+
 def spawn(*args: str, stdin: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], text=True,
-                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None)
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None,
+                            env={**os.environ, **_CHILD_ROOT})
+
+
+def export_tree(ref: str, into: Path) -> Path:
+    """The tree of git commit ``ref`` as files in ``into`` (for --baseline)."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
 
 
 def read_json(proc: subprocess.Popen, timeout: float = 900) -> dict:
@@ -329,7 +346,19 @@ def result(count: int, start: float, last: float, consumer: dict, fsyncs: int | 
     return out
 
 
-def run_servicebus(name: str, count: int, tmp: Path) -> dict:
+def run_servicebus(name: str, count: int, tmp: Path, root: Path | None = None) -> dict:
+    """One run of scenario ``name``; with ``root``, on the servicebus of that tree."""
+    if root is None:
+        _CHILD_ROOT.clear()
+    else:
+        _CHILD_ROOT["BENCH_ROOT"] = str(root)
+    try:
+        return _run_servicebus(name, count, tmp)
+    finally:
+        _CHILD_ROOT.clear()
+
+
+def _run_servicebus(name: str, count: int, tmp: Path) -> dict:
     from servicebus.testing import free_address
 
     sc = SCENARIOS[name]
@@ -590,6 +619,8 @@ def main() -> int:
     ap.add_argument("--only", action="append", choices=list(SCENARIOS), help="only this scenario")
     ap.add_argument("--no-peers", action="store_true", help="servicebus only")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--baseline", metavar="GITREF",
+                    help="also run servicebus at this commit, alternating: before and after side by side")
     ap.add_argument("--switch-interval", type=float, metavar="S",
                     help="sys.setswitchinterval(S) in every servicebus process (default: Python's 0.005)")
     a = ap.parse_args()
@@ -621,6 +652,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - a peer that will not start is skipped, said so
             notes.append(f"skipped {peer}: server did not start ({exc})")
     results: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
+    baseline = f"servicebus@{a.baseline}" if a.baseline else None
+    baseline_root = export_tree(a.baseline, tmp / "baseline") if a.baseline else None
     fsync_samples: list[float] = []
     zmq_refs: list[dict] = []
     try:
@@ -630,16 +663,20 @@ def main() -> int:
             for name in names:
                 sc = SCENARIOS[name]
                 count = sc.quick if a.quick else sc.full
-                systems = ["servicebus"] + ([p for p in servers] if sc.peers else [])
+                systems = (["servicebus"] + ([baseline] if baseline else [])
+                           + ([p for p in servers] if sc.peers else []))
+                if run % 2 and baseline:  # neither side always goes first
+                    systems[0], systems[1] = systems[1], systems[0]
                 for system in systems:  # alternating: every system once per run
                     try:
-                        r = (run_servicebus(name, count, tmp) if system == "servicebus"
+                        r = (run_servicebus(name, count, tmp) if system == "servicebus" else
+                             run_servicebus(name, count, tmp, baseline_root) if system == baseline
                              else run_peer(system, servers[system], name, count))
                     except Exception as exc:  # noqa: BLE001
                         notes.append(f"{name}/{system} run {run + 1} failed: {exc}")
                         continue
                     results[name].setdefault(system, []).append(r)
-                    log(f"  run {run + 1}/{a.runs} {name:<20} {system:<15} {r['value']:>12,.0f}"
+                    log(f"  run {run + 1}/{a.runs} {name:<20} {system:<24} {r['value']:>12,.0f}"
                         f"{' us p50' if 'p50_us' in r else ' msgs/s'}  exactly once: {r['exactly_once']}")
     finally:
         for server in servers.values():
@@ -653,6 +690,7 @@ def main() -> int:
     floor_us = 2 * fsync_s * 1e6 + zmq_lat
     table = {n: {s: summarize(n, r) for s, r in systems.items()} for n, systems in results.items()}
     summary = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "quick": a.quick, "runs": a.runs,
+               "baseline": baseline,
                "fsync_us": fsync_s * 1e6, "fsync_ceiling_per_s": 1 / fsync_s, "zmq_msgs_per_s": zmq_tp,
                "zmq_one_way_us": zmq_lat, "latency_floor_us": floor_us,
                "peers": {p: {"version": s.version, "durability": peers.NOTES[p]} for p, s in servers.items()},
@@ -677,12 +715,13 @@ def print_table(summary: dict) -> None:
           "better; nats-2.9, which acks before fsync, is shown but not counted)")
     print("cpu/msg: user + system CPU us per message of every process of the run (publisher and "
           "subscriber with all their threads; for a peer, its server and both clients), from /proc")
-    print(f"{'scenario':<20}{'system':<16}{'median (min-max)':>30}  {'p99/fsync':>10}  {'cpu/msg':>8}  once  "
+    print(f"{'scenario':<20}{'system':<24}{'median (min-max)':>30}  {'p99/fsync':>10}  {'cpu/msg':>8}  once  "
           "vs best peer  target")
     for name, systems in t.items():
         sc = SCENARIOS[name]
         unit = {"latency": "us", "restart": "s"}.get(sc.mode, "/s")
-        best = [(s, v["median"]) for s, v in systems.items() if s != "servicebus" and s not in WEAKER]
+        best = [(s, v["median"]) for s, v in systems.items()
+                if not s.startswith("servicebus") and s not in WEAKER]
         ours = systems.get("servicebus")
         for system, v in systems.items():
             extra = (f"{v['p99_us']:.0f}us" if "p99_us" in v else
@@ -706,8 +745,22 @@ def print_table(summary: dict) -> None:
             fmt = "{:,.2f}" if sc.mode == "restart" else "{:,.0f}"
             med, lo, hi = (fmt.format(x) for x in (v["median"], v["min"], v["max"]))
             cpu = f"{v['cpu_us_per_msg']:.1f}us" if "cpu_us_per_msg" in v else "-"
-            print(f"{name:<20}{system:<16}{med:>14} ({lo}-{hi}) {unit:<3}"
+            print(f"{name:<20}{system:<24}{med:>14} ({lo}-{hi}) {unit:<3}"
                   f"{extra:>10}  {cpu:>8}  {'yes' if v['exactly_once'] else 'NO':<4}  {ratio:<13} {target}")
+    base = summary.get("baseline")
+    if base:
+        print(f"\nservicebus (this tree) vs {base}, same runs, alternating (> 1: this tree better):")
+        for name, systems in t.items():
+            now, before = systems.get("servicebus"), systems.get(base)
+            if not now or not before:
+                continue
+            lower = SCENARIOS[name].mode in ("latency", "restart")  # smaller is better
+            ratio = before["median"] / now["median"] if lower else now["median"] / before["median"]
+            cpu = (f", cpu/msg {now['cpu_us_per_msg']:.1f} vs {before['cpu_us_per_msg']:.1f} us"
+                   if "cpu_us_per_msg" in now and "cpu_us_per_msg" in before else "")
+            p99 = (f", p99 {now['p99_us']:,.0f} vs {before['p99_us']:,.0f} us"
+                   if "p99_us" in now and "p99_us" in before else "")
+            print(f"  {name:<22}{now['median']:>12,.0f} vs {before['median']:>12,.0f}  {ratio:.3f}x{p99}{cpu}")
     if "fanout" in t and "e2e-batch" in t and "servicebus" in t["fanout"] and "servicebus" in t["e2e-batch"]:
         print(f"\nfanout / e2e-batch: {t['fanout']['servicebus']['median'] / t['e2e-batch']['servicebus']['median']:.2f}x")
     stage_runs = [r["stages"] for r in t.get("latency-stages", {}).get("servicebus", {}).get("runs", [])]
