@@ -71,9 +71,9 @@ def main() -> None:
     ap.add_argument("--ready", required=True)
     ap.add_argument("--log", help="write: the file of ok/failed lines")
     ap.add_argument("--first", type=int, default=0, help="write: n of the first row")
-    ap.add_argument("--pause-ms", type=float, default=50.0, help="write: up to this between rows")
-    ap.add_argument("--batch", type=int, default=3, help="relay: rows per relay step")
-    ap.add_argument("--interval", type=float, default=0.01, help="relay: seconds between looks")
+    ap.add_argument("--pause-ms", type=float, default=5.0, help="write: up to this between rows")
+    ap.add_argument("--batch", type=int, default=100, help="relay: rows per relay step")
+    ap.add_argument("--interval", type=float, default=0.001, help="relay: seconds between looks")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
