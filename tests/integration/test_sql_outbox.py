@@ -20,7 +20,8 @@ import pytest
 sa = pytest.importorskip("sqlalchemy", reason="the sql extra (SQLAlchemy) is not installed")
 
 from servicebus.errors import StoreWriteError  # noqa: E402
-from servicebus.sql import SqlOutbox  # noqa: E402
+from servicebus.protocol import encode_payload  # noqa: E402
+from servicebus.sql import OutboxTableError, SqlOutbox  # noqa: E402
 from servicebus.testing import free_address, wait_until  # noqa: E402
 
 from ..conftest import ROOT, counting_handler  # noqa: E402
@@ -168,11 +169,54 @@ def test_rows_moved_before_the_relay_stopped_are_not_moved_again(service, monkey
     assert bus.kv.items("sb-sql-outbox:") == []
 
 
-def test_marks_of_rows_already_deleted_are_forgotten_at_start(service):
-    bus, sub, engine, orders, outbox, events, notes = service
-    bus.kv.put("sb-sql-outbox:servicebus_outbox:12345", True)  # a crash between the deletes
-    assert outbox.forget_stale_marks() == 1
-    assert bus.kv.items("sb-sql-outbox:") == []
+def test_a_table_without_tokens_is_refused_with_what_to_do_until_upgrade_table_carries_it_over(
+        db, make_bus):
+    engine = sa.create_engine(db)
+    bus, sub = make_bus("svc"), make_bus("sub")
+    got = counting_handler(sub, TOPIC)
+    sub.subscribe(bus.address, TOPIC, wait=10)
+    old = sa.Table(  # the table earlier versions made: no token
+        "servicebus_outbox", sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("kind", sa.String(7), nullable=False),
+        sa.Column("address", sa.String(512), nullable=True),
+        sa.Column("topic", sa.String(512), nullable=False),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column("headers", sa.LargeBinary, nullable=True),
+        sa.Column("ttl", sa.Float, nullable=True))
+    old.create(engine)
+
+    def write_the_old_way(n: int) -> None:
+        with engine.begin() as conn:
+            conn.execute(old.insert().values(kind="event", topic=TOPIC, payload=encode_payload({"n": n})))
+    try:
+        for n in range(5):  # ids 1-5
+            write_the_old_way(n)
+        # The old relay moved rows 1 and 2 into the bus and stopped before deleting them;
+        # and left the mark of a row it had deleted.
+        for i in (1, 2, 99):
+            bus.kv.put(f"sb-sql-outbox:servicebus_outbox:{i}", True)
+        outbox = SqlOutbox(bus, engine, interval=0.05)
+        for refused in (outbox.create_table, outbox.relay, outbox.start):
+            with pytest.raises(OutboxTableError, match=r"upgrade_table\(\)"):
+                refused()
+        with pytest.raises(OutboxTableError, match=r"upgrade_table\(\)"):
+            with engine.begin() as conn:
+                outbox.publish(conn, TOPIC, {"n": 100})
+        assert outbox_rows(engine, outbox) == 5 and not got  # nothing moved, nothing deleted
+        assert outbox.upgrade_table() == 5
+        write_the_old_way(5)  # an old writer still running: its row has no token
+        commit_rows(engine, outbox, [6])
+        with outbox:
+            wait_until(lambda: set(got) == {2, 3, 4, 5, 6}, 15,
+                       message=lambda: f"rows 2-6 to arrive, not {sorted(got)}")
+            assert sub.drain(10)
+            wait_until(lambda: not bus.kv.items(MARKS), 10, message="every mark to go")
+        assert set(got.values()) == {1}  # and rows 1, 2 (the old relay had moved them) not again
+        assert outbox_rows(engine, outbox) == 0
+        assert outbox.upgrade_table() == 0  # nothing more to do
+    finally:
+        engine.dispose()
 
 
 def test_the_relay_thread_moves_rows_as_they_are_committed(service):
@@ -199,6 +243,22 @@ def test_two_relays_of_one_table_on_one_bus_take_turns_and_move_each_row_once(se
         wait_until(lambda: len(events) == 300, 30, message=lambda: f"{len(events)} of 300")
         assert sub.drain(10)
     assert set(events.values()) == {1}, {n: c for n, c in events.items() if c > 1}
+
+
+def test_rows_written_by_other_means_are_given_a_token_of_their_own_before_any_mark_names_it(
+        service):
+    bus, sub, engine, orders, outbox, events, notes = service
+    empty = sa.text("INSERT INTO servicebus_outbox (token, kind, topic, payload) "
+                    "VALUES ('', 'event', :topic, :payload)")
+    for n in (0, 2):  # twice, so a mark by the empty token would match the second
+        with engine.begin() as conn:
+            conn.execute(outbox.table.insert().values(  # Core: the column's default
+                kind="event", topic=TOPIC, payload=encode_payload({"n": n})))
+            conn.execute(empty, {"topic": TOPIC, "payload": encode_payload({"n": n + 1})})
+        assert outbox.relay() == 2
+    wait_until(lambda: len(events) == 4, 15, message=lambda: f"{sorted(events)}")
+    assert sub.drain(10)
+    assert set(events.values()) == {1} and not bus.kv.items(MARKS)
 
 
 def test_bad_input_is_refused_in_the_services_transaction_not_at_the_relay(service):
