@@ -340,6 +340,10 @@ class PowerLossFS(mfusepy.Operations):
     def readlink(self, path: str) -> str:
         return os.readlink(self._real(path))
 
+    def mknod(self, path: str, mode: int, dev: int) -> int:
+        os.mknod(self._real(path), mode, dev)  # a Unix socket's name (the bus's admin.sock)
+        return 0
+
     def mkdir(self, path: str, mode: int) -> int:
         os.mkdir(self._real(path), mode)
         return 0
