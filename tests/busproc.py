@@ -67,6 +67,11 @@ def main() -> None:
     ap.add_argument("--kv-count", action="store_true",
                     help="in its run, the handler counts in message.kv ('count', and 'n:<n>' = its "
                          "attempt): committed with its completion, nothing else (an unsynced write)")
+    ap.add_argument("--stage-pad", type=int, default=0,
+                    help="padding bytes in what --kv-count and --send-to stage (the n:<n> value, the command)")
+    ap.add_argument("--send-to", metavar="ADDRESS",
+                    help="in its run, the handler sends tx.note {'n': n} to ADDRESS, nothing else "
+                         "(stored in the outbox with its completion)")
     ap.add_argument("--transact", metavar="ADDRESS",
                     help="in its run, the handler counts in message.kv, publishes TOPIC.done and "
                          "sends tx.note to ADDRESS (committed with the run)")
@@ -85,12 +90,14 @@ def main() -> None:
         append(args.out, f"start {message.id} {n} {message.attempt}")
         if args.transact:
             message.kv.update("count", lambda c: c + 1, 0)
-            message.kv.put(f"n:{n}", message.attempt)
+            message.kv.put(f"n:{n}", [message.attempt, "x" * args.stage_pad])
             message.publish(f"{message.topic}.done", {"n": n})
             message.send(args.transact, "tx.note", {"n": n})
+        if args.send_to:
+            message.send(args.send_to, "tx.note", {"n": n, "pad": "x" * args.stage_pad})
         if args.kv_count:
             message.kv.update("count", lambda c: c + 1, 0)
-            message.kv.put(f"n:{n}", message.attempt)
+            message.kv.put(f"n:{n}", [message.attempt, "x" * args.stage_pad])
         if args.handler_ms:
             threading.Event().wait(args.handler_ms / 1000)
         if args.fail_first and message.attempt == 1:

@@ -298,6 +298,12 @@ class PowerLossDisk:
         self.dropped_bytes += dropped["dropped_bytes"]
         return dropped
 
+    def stall(self, pattern: str | None) -> None:
+        """Writes and fsyncs of files whose name matches the glob ``pattern`` wait, until
+        ``stall(None)`` or the next cut (e.g. ``"*.ldb"``: LevelDB caught writing out a
+        memtable, the moment its old log's unsynced tail is neither dropped nor durable)."""
+        self._ask(f"stall {pattern or ''}")
+
     def stats(self) -> dict[str, int]:
         """``dirty_files``, ``dirty_bytes`` (not fsynced yet), ``fsyncs``, ``cuts``."""
         return self._numbers(self._ask("stats"))

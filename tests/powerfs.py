@@ -50,7 +50,9 @@ this process, not the host's power.
 Control: a Unix stream socket at ``--control`` takes one line per connection and answers
 one line: ``ping`` -> ``ok``; ``stats`` -> ``ok dirty_files=N dirty_bytes=N fsyncs=N
 cuts=N``; ``cut`` -> ``ok dropped_files=N dropped_bytes=N`` (what the cut lost, so a test
-can prove the fault was real). The mount is ready once ``ping`` answers. Unmount with
+can prove the fault was real); ``stall GLOB`` -> ``ok``: writes and fsyncs of files whose
+name matches wait (a disk slow for those files) until ``stall`` without a glob, or until a
+cut, which fails them (their process died with the power). The mount is ready once ``ping`` answers. Unmount with
 ``fusermount3 -u MOUNTPOINT`` (or umount); the process then exits.
 """
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fnmatch
 import logging
 import os
 import socket
@@ -87,6 +90,8 @@ class Dirty:
 class Handle:
     fd: int  # on the backing file, always read-write: an fsync through any handle writes back
     ino: int
+    name: str  # its name when opened: what ``stall`` matches
+    epoch: int  # cuts before it was opened: a handle from before a cut is dead (EIO)
 
 
 class PowerLossFS(mfusepy.Operations):
@@ -105,6 +110,8 @@ class PowerLossFS(mfusepy.Operations):
         self.next_fh = 1
         self.fsyncs = 0
         self.cuts = 0
+        self.stalled: str | None = None  # a glob: writes and fsyncs of such files wait
+        self.unstalled = threading.Condition(self.mutex)
 
     def init(self, path: str) -> None:
         # The control socket answers only once the kernel mounted us: a caller that pinged
@@ -118,9 +125,14 @@ class PowerLossFS(mfusepy.Operations):
 
     def _handle(self, fh: int) -> Handle:
         try:
-            return self.handles[fh]
+            handle = self.handles[fh]
         except KeyError:
             raise mfusepy.FuseOSError(errno.EBADF) from None
+        if handle.epoch != self.cuts:
+            # Opened before a cut by a process that died with it (an operation it started
+            # while dying, e.g. one a stall held): it never reaches the disk.
+            raise mfusepy.FuseOSError(errno.EIO)
+        return handle
 
     def _state(self, ino: int, fd: int) -> Dirty:
         state = self.dirty.get(ino)
@@ -197,7 +209,26 @@ class PowerLossFS(mfusepy.Operations):
             dropped = sum(len(s.pages) * PAGE for s in self.dirty.values())
             self.dirty.clear()
             self.cuts += 1
+            self.stall(None)  # what waited fails: it came after the power went
             return files, dropped
+
+    def stall(self, pattern: str | None) -> None:
+        """Writes and fsyncs of files whose name matches ``pattern`` (a glob) wait until
+        ``stall(None)`` or a cut (a slow disk for some files: e.g. ``*.ldb``, so that LevelDB
+        is caught writing out a full memtable)."""
+        with self.mutex:
+            self.stalled = pattern
+            self.unstalled.notify_all()
+
+    def _wait_if_stalled(self, handle: Handle) -> None:
+        """Called holding the mutex; gives it up while waiting."""
+        if self.stalled is None or not fnmatch.fnmatch(os.path.basename(handle.name), self.stalled):
+            return
+        cuts = self.cuts
+        while self.stalled is not None and self.cuts == cuts:
+            self.unstalled.wait()
+        if self.cuts != cuts:
+            raise mfusepy.FuseOSError(errno.EIO)  # its process is gone: it never happened
 
     def stats(self) -> str:
         with self.mutex:
@@ -234,7 +265,7 @@ class PowerLossFS(mfusepy.Operations):
         with self.mutex:
             ino = os.fstat(fd).st_ino
             fh, self.next_fh = self.next_fh, self.next_fh + 1
-            self.handles[fh] = Handle(fd, ino)
+            self.handles[fh] = Handle(fd, ino, path, self.cuts)
             self.open_count[ino] = self.open_count.get(ino, 0) + 1
             if flags & os.O_TRUNC:  # a size change like any other: volatile until fsync
                 self._truncate(ino, fd, 0)
@@ -254,6 +285,7 @@ class PowerLossFS(mfusepy.Operations):
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
         with self.mutex:
             handle = self._handle(fh)
+            self._wait_if_stalled(handle)
             state = self._state(handle.ino, handle.fd)
             at = offset
             while at < offset + len(data):
@@ -267,7 +299,7 @@ class PowerLossFS(mfusepy.Operations):
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
         with self.mutex:
             if fh is not None and fh in self.handles:
-                handle = self.handles[fh]
+                handle = self._handle(fh)
                 self._truncate(handle.ino, handle.fd, length)
                 return 0
             if path is None:
@@ -282,6 +314,7 @@ class PowerLossFS(mfusepy.Operations):
     def fsync(self, path: str | None, datasync: int, fh: int) -> int:
         with self.mutex:
             handle = self._handle(fh)
+            self._wait_if_stalled(handle)
             self._writeback(handle.ino, handle.fd)
             return 0
 
@@ -434,6 +467,9 @@ def serve_control(fs: PowerLossFS, path: str) -> None:
                     answer = "ok"
                 elif command == "stats":
                     answer = "ok " + fs.stats()
+                elif command.startswith("stall"):
+                    fs.stall(command[len("stall"):].strip() or None)
+                    answer = "ok"
                 elif command == "cut":
                     files, dropped = fs.cut()
                     log.info("power cut: dropped %d bytes in %d files", dropped, files)

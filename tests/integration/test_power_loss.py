@@ -13,7 +13,9 @@ with room for a loaded machine (``RERUN_BOUND``)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -58,10 +60,16 @@ def on(disk: PowerLossDisk, proc: BusProcess) -> BusProcess:
 
 def cut_power(disk: PowerLossDisk, *procs: BusProcess) -> int:
     """The processes on ``disk`` die with the power, then what was not fsynced is gone.
-    Returns the bytes the cut dropped (the proof that it lost something)."""
+    Returns the bytes the cut dropped (the proof that it lost something). The cut comes
+    before waiting for them to end: one may be held in a write the disk stalls, which only
+    the cut ends (it fails: the power is gone)."""
     for proc in procs:
-        proc.kill()
-    return disk.cut()["dropped_bytes"]
+        if proc.proc is not None and proc.proc.poll() is None:
+            os.killpg(proc.proc.pid, signal.SIGKILL)
+    dropped = disk.cut()["dropped_bytes"]
+    for proc in procs:
+        proc.kill()  # waits for it
+    return dropped
 
 
 @dataclass
@@ -71,6 +79,8 @@ class Tally:
     datadir: Path  # the subscriber's
     cuts: list[float] = field(default_factory=list)  # wall times of the power cuts
     deadletters: set[str] = field(default_factory=set)
+    journal: set[str] = field(default_factory=set)  # segment lines seen before a cut
+    journal_lost: int = 0  # of those, missing at the end
 
     @property
     def handled(self) -> int:
@@ -96,7 +106,8 @@ class Tally:
         ages = [age for _, age in self.reruns()]
         return (f"acknowledged {len(self.acknowledged)}, handled {self.handled}, lost {len(self.lost)}, "
                 f"reruns {len(ages)} (oldest {max(ages, default=0):.3f} s before its cut), "
-                f"cuts {len(self.cuts)}")
+                f"cuts {len(self.cuts)}, journal events moved before a cut {len(self.journal)} "
+                f"(vanished {self.journal_lost})")
 
 
 def handler_runs(proc: BusProcess) -> dict[str, list[float]]:
@@ -134,11 +145,15 @@ def stream_under_power_cuts(power, bus_process, *, cut: str, cuts: int, seed: in
     tally = Tally([], {}, sub.datadir)
     for _ in range(cuts):
         time.sleep(rng.uniform(0.4, 1.2))  # the fault's random instant, not a synchronisation
-        tally.cuts.append(time.time())
-        if pub_disk:
-            assert cut_power(pub_disk, pub) > 0, "the cut dropped nothing: it proved nothing"
-        if sub_disk:
-            assert cut_power(sub_disk, sub) > 0, "the cut dropped nothing: it proved nothing"
+        on_the_cut_disks = [proc for proc, disk in ((pub, pub_disk), (sub, sub_disk)) if disk]
+        for proc in on_the_cut_disks:  # the power goes: they stop at once, together
+            proc.kill()  # (nothing stalls here: waiting for them is safe)
+        tally.cuts.append(time.time())  # every handler run that ended before this ended before the cut
+        for proc in (pub, sub):  # what the journals had moved out: it must all be there at the end
+            tally.journal |= segment_lines(proc.datadir)
+        for disk in (pub_disk, sub_disk):
+            if disk:
+                assert cut_power(disk) > 0, "the cut dropped nothing: it proved nothing"
         if pub_disk:  # on with the rest of the stream; ids are what it counted as acknowledged
             done = len(pub.published_ids())
             pub.start(*publishing, "--count", str(max(0, count - done)),
@@ -156,6 +171,7 @@ def stream_under_power_cuts(power, bus_process, *, cut: str, cuts: int, seed: in
     pub.stop()
     tally.acknowledged, tally.runs = acknowledged, handler_runs(sub)
     tally.deadletters = deadletters(sub.datadir) | deadletters(pub.datadir)
+    tally.journal_lost = len(tally.journal - segment_lines(sub.datadir) - segment_lines(pub.datadir))
     return tally
 
 
@@ -164,6 +180,7 @@ def check(tally: Tally) -> None:
     assert tally.lost == [], tally.summary()
     assert not tally.deadletters, tally.summary()
     assert tally.beyond_bound() == [], (tally.summary(), tally.beyond_bound()[:10])
+    assert tally.journal and tally.journal_lost == 0, tally.summary()
 
 
 # --- the tests --------------------------------------------------------------------------------------
@@ -284,3 +301,71 @@ def test_journal_events_moved_to_a_segment_before_a_power_cut_are_still_there_af
     after = segment_lines(datadir)
     assert moved <= after, f"{len(moved - after)} of the {len(moved)} events moved before the cut vanished"
     assert len(after) == 55
+
+
+
+@pytest.mark.parametrize("effect", ["kv", "send"])
+def test_what_a_handler_stored_or_sent_counts_once_when_the_power_goes_while_leveldb_writes_out_a_memtable(
+        power, bus_process, effect):
+    """LevelDB starts a new log file when its memtable is full and closes the old one
+    without fsyncing it: the old log's unsynced tail becomes durable only once the memtable
+    is written out as a table. A synced write to the new log meanwhile survives a cut that
+    the old tail does not: the store loses a write but keeps later ones. Caught there (the
+    table's writes stalled), a handler's lost run runs again; what it staged must count once:
+    its kv update (the next one read the lost one's value) and its command (the engine moved
+    the lost run's command into its stream, fsynced, before the cut)."""
+    disk = power("sub")
+    pub = bus_process("pub")
+    sink = bus_process("sink", "--command", "tx.note")
+    # What the runs stage is most of what the store writes, so that LevelDB's log switches
+    # mostly come right after a run's (unsynced) write, not after a (synced) receipt.
+    effect_args = ("--kv-count",) if effect == "kv" else ("--send-to", sink.address)
+    effect_args += ("--stage-pad", "2000")
+    sub = on(disk, bus_process("sub", "--subscribe", pub.address, TOPIC, "--handle", TOPIC, *effect_args))
+    sink.start()
+    pub.start("--publish", TOPIC, "--batch", "10", "--rate", "1000", "--pad", "100", "--count", "60000",
+              wait_ready=False)
+    sub.start()
+    pub.wait_ready()
+    store = disk.backing / "sub" / "store"
+
+    def logs() -> dict[int, int]:
+        """LevelDB's log files: number -> bytes on the disk (what was fsynced)."""
+        return {int(p.stem): p.stat().st_size for p in store.glob("*.log")}
+
+    dropped = 0
+    for _ in range(3):  # the old log's tail holds a run's write most times, not every time
+        wait_until(lambda: len(sub.done_counts()) >= 100, 30)
+        newest = max(logs())
+        disk.stall("*.ldb")  # the table of the next memtable written out does not reach the disk
+        wait_until(lambda: any(n > newest and size >= 65536 for n, size in logs().items()), 60,
+                   message="LevelDB to switch logs and fsync 64 KiB of the new one")
+        dropped += cut_power(disk, sub)
+        sub.start()
+    acknowledged = set(pub.published_ids())
+    pub.kill()  # enough published: restarted, it delivers what it acknowledged and publishes no more
+    pub.start("--publish", TOPIC, "--count", "0")
+    wait_until(lambda: acknowledged <= set(handler_runs(sub)), 60,
+               message=lambda: f"{len(set(handler_runs(sub)))} of {len(acknowledged)} handled")
+    handled = handler_runs(sub)
+    reruns = sum(len(times) - 1 for times in handled.values())
+    if effect == "send":
+        wanted = {int(parts[2]) for parts in sub.lines("done")}
+        wait_until(lambda: set(sink.done_counts()) >= wanted, 30,
+                   message=lambda: f"{len(set(sink.done_counts()) & wanted)} of {len(wanted)} commands")
+    sub.stop()
+    if effect == "kv":
+        kv = Store.open(sub.datadir / "store", create=False)
+        try:
+            count = kv.get_kv("count")
+        finally:
+            kv.close()
+        print(f"kv count {count}, handled {len(handled)}, reruns {reruns}, dropped {dropped} bytes")
+        assert count == len(handled), (f"kv count {count} for {len(handled)} messages handled "
+                                       f"({reruns} handler runs again after the cuts)")
+    else:
+        sink.stop()
+        twice = {n: times for n, times in sink.done_counts().items() if times > 1}
+        print(f"commands {len(sink.done_counts())}, twice {len(twice)}, handled {len(handled)}, "
+              f"reruns {reruns}, dropped {dropped} bytes")
+        assert not twice, f"{len(twice)} commands arrived twice ({reruns} handler runs again after the cuts)"
