@@ -290,7 +290,7 @@ class Store(Reads):
             failures = self._failures
             # A synced write covers every write that returned before it began (LevelDB
             # appends them to its log in order, and the fsync takes the log up to here).
-            unsynced_before = self._unsynced_writes
+            unsynced_before, began = self._unsynced_writes, time.monotonic() if sync else 0.0
             ticket = next(self._tickets)
             inflight = self._inflight
             inflight.add(ticket)
@@ -331,6 +331,10 @@ class Store(Reads):
                     self._unsynced_since = time.monotonic()
             elif self._unsynced_writes == unsynced_before:
                 self._unsynced_since = None  # none returned while this one was written
+            elif self._unsynced_since is not None and self._unsynced_since < began:
+                # Some returned meanwhile (a handler finishing during the engine's fsync):
+                # none older than this write's start can be uncovered.
+                self._unsynced_since = began
             if self._waiting:
                 cv.notify_all()  # someone waits for this write's outcome
             # Writes that may have gone into the log before this one, whose outcome a
