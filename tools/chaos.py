@@ -27,7 +27,8 @@ of a member of a two-member subscriber group (or of the publisher); a power cut 
 side's data directory on powerfs, tests/powerfs.py, a FUSE file system that keeps what was
 not fsynced in memory: the side's processes are killed and everything not fsynced is
 dropped, then they restart on what survived), to the subscriber, the publisher or both at
-once, where a handler may run again only for a run that ended within the bound the README
+once, every other cut after the stream paused for longer than that bound, where a handler
+may run again only for a run that ended within the bound the README
 states (less than RERUN_BOUND before the cut: "reruns after power cut"; older ones count as
 duplicated), every journal event moved to a segment before a cut must be in one at the end
 and each bus must come back as itself (the same node id: not a silently empty store), or it
@@ -228,6 +229,7 @@ class Chaos:
         self.cuts: list[float] = []  # power-loss: wall time of each cut
         self.cut_sides: list[str] = []
         self.dropped = 0  # bytes the cuts dropped (written, not fsynced)
+        self.quiet_cuts = 0  # cuts after the stream paused
         self.moved: set[str] = set()  # journal lines in segments at some cut
 
     # -- the workload --
@@ -349,6 +351,13 @@ class Chaos:
     def fault_power_loss(self, i: int) -> None:
         side = ("sub", "both", "pub")[i % 3]
         nodes = {"sub": [self.sub], "pub": [self.pub], "both": [self.pub, self.sub]}[side]
+        quiet = i % 2 == 1
+        if quiet:
+            # Every other cut comes after the stream paused for longer than the rerun bound:
+            # with no new message to fsync, the last runs' completions must be synced anyway.
+            self.pub.quiet.touch()
+            time.sleep(self.rng.uniform(1.2, 2.0))
+            self.quiet_cuts += 1
         for node in nodes:  # the power goes: both die at the same instant, then the disk forgets
             node.powered_off.add(node.pid)
             node.kill()
@@ -364,6 +373,8 @@ class Chaos:
                 self.run.state_errors.append(f"the {node.role} did not start after a power cut: "
                                              f"{node.tail()[-300:]!r}")
                 self.restart(node)
+        if quiet:
+            self.pub.quiet.unlink(missing_ok=True)
 
     def fault_pause(self, i: int) -> None:
         node = self.rng.choice((self.pub, self.sub))
@@ -487,7 +498,7 @@ class Chaos:
         sides = {side: self.cut_sides.count(side) for side in ("sub", "pub", "both")}
         run.notes.append(
             f"{len(self.cuts)} power cuts (subscriber {sides['sub']}, publisher {sides['pub']}, both "
-            f"{sides['both']}), {self.dropped // 1024} KiB written and not fsynced dropped; "
+            f"{sides['both']}; {self.quiet_cuts} after the stream paused 1.2-2 s), {self.dropped // 1024} KiB written and not fsynced dropped; "
             f"{len(self.moved)} journal events moved out before a cut, {len(vanished)} gone; reruns: "
             f"{len(ages)}, the oldest ended {max(ages, default=0.0):.3f} s before its cut")
 
