@@ -267,11 +267,15 @@ class PowerLossDisk:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        wait = 10.0
         if subprocess.run(["fusermount3", "-u", str(self.path)], capture_output=True).returncode != 0:
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)  # busy: detach
+            # Busy (a file still open): detach it. The file system process would then live as
+            # long as that file stays open: it is ended after a moment instead.
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+            wait = 2.0
         if self.proc is not None:
             try:
-                self.proc.wait(10)
+                self.proc.wait(wait)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
