@@ -4,6 +4,7 @@ silently kept everything would make every power-loss test pass for nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -160,3 +161,44 @@ def test_leveldb_on_it_keeps_every_synced_write_across_a_cut_and_opens_without_c
     synced = [k for k in keys if k.startswith(b"synced")]
     assert len(synced) == 3000  # every key up to the last synced put, the deleted one back
     assert not [k for k in keys if k.startswith(b"unsynced")]
+
+
+def test_a_stalled_write_waits_and_a_cut_fails_it_without_it_landing(disk):
+    import threading
+
+    path = disk.path / "table.ldb"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    disk.stall("*.ldb")
+    failed: list[OSError] = []
+
+    def writing() -> None:
+        try:
+            os.write(fd, b"after the power went")
+        except OSError as exc:
+            failed.append(exc)
+
+    writer = threading.Thread(target=writing)
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive(), "the stalled write returned"
+    (disk.path / "other").write_bytes(b"unaffected")  # other files are not held up
+    disk.cut()
+    writer.join(10)
+    os.close(fd)
+    assert failed and failed[0].errno == 5  # EIO: its process died with the power
+    assert path.read_bytes() == b""
+
+
+def test_the_disk_is_unmounted_and_its_process_ended_whatever_happened(tmp_path):
+    why = cannot_cut_power()
+    if why:
+        pytest.skip(why)
+    disk = PowerLossDisk(tmp_path / "mnt")
+    with pytest.raises(RuntimeError):
+        with disk:
+            held = open(disk.path / "held", "w")  # busy at exit: detached, not left mounted
+            raise RuntimeError("a test that failed")
+    with contextlib.suppress(OSError):  # its file system is gone: ENOTCONN
+        held.close()
+    assert not os.path.ismount(disk.path)
+    assert disk.proc is not None and disk.proc.poll() is not None
