@@ -11,12 +11,12 @@ renamed, then deleted from LevelDB), deletes segments older than the retention, 
 ``servicebus journal flush``) moves what the crash left in LevelDB.
 
 A segment, once written, is never written again, across power cuts too (the incremental
-audit reads each once, by name). Each move is three steps: a synced write that names the
-segment and the records it takes (which also makes those records durable: they can no
-longer vanish from the store while their segment exists, nor their numbers be reused), the
-segment file, then a synced write that deletes the records and the intent. A cut between
-the last two leaves the intent and the file: the next flush deletes the records named in
-the intent and does not write the file again.
+audit reads each once, by name). Each move: the segment is written to a temporary file
+and fsynced; a synced write names the segment and the records it holds (which also makes
+those records durable: they can no longer vanish from the store while their segment
+exists, nor their numbers be reused); the file is renamed; a synced write deletes the
+records and the intent. A cut between the last two leaves the intent and the file: the
+next flush deletes the records named in the intent and does not write the file again.
 
 Segment lines are JSON objects with ``event, ts, node, address, id, topic, kind, peer,
 attempt, role`` and ``error`` (absent when there is none): the audit job's input. ``role``
@@ -157,19 +157,26 @@ class Journal:
             if pending is not None and (self.dir / pending[0]).exists():
                 self._moved(*pending)  # a cut came after its file, before its delete
             while True:
-                seqs = self.store.journal_seqs(FLUSH_CHUNK)
-                if not seqs:
+                records = self.store.journal_records(FLUSH_CHUNK, FLUSH_BYTES)
+                if not records:
                     return moved
-                name = f"{self.node_id}-{seqs[0]:012d}.jsonl"
-                # Fsynced before the file exists: the intent, and with it (the log is synced
-                # up to here) every record the file will hold. A power cut may drop unsynced
-                # writes: a record in a segment must not be one of them, or the next start
-                # would number new records with its sequence number, and write their
+                tmp, lines, seqs = self._write_segment(records)
+                name = tmp.name[:-len(".tmp")]
+                # Fsynced before the file has its name: the intent, and with it (the log is
+                # synced up to here) every record the file holds. A power cut may drop
+                # unsynced writes: a record in a segment must not be one of them, or the next
+                # start would number new records with its sequence number and write their
                 # segment over this one (measured: 49 of 50 moved events lost).
                 batch = self.store.batch()
                 batch.put_meta(PENDING, msgpack.packb([name, seqs]))
                 self.store.write(batch, sync=True)
-                moved += self._write_segment(name, seqs)
+                os.replace(tmp, self.dir / name)
+                dir_fd = os.open(self.dir, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)  # the rename itself must survive a crash before we delete
+                finally:
+                    os.close(dir_fd)
+                moved += lines
                 self._moved(name, seqs)
 
     def _pending(self) -> tuple[str, list[int]] | None:
@@ -193,28 +200,18 @@ class Journal:
         batch.put_meta(PENDING, b"")
         self.store.write(batch, sync=True)
 
-    def _write_segment(self, name: str, seqs: list[int]) -> int:
-        """Write the segment file ``name`` holding the records ``seqs`` (sorted, at most
-        FLUSH_CHUNK), reading about FLUSH_BYTES at a time (one fsync per segment, and a
-        heap that stays flat however far behind the flush is); return how many events it
-        holds. A record written since ``seqs`` were read (a batch that took its number
-        earlier) is left for the next segment."""
+    def _write_segment(self, records: list[tuple[int, bytes]]) -> tuple[Path, int, list[int]]:
+        """Write one segment of up to FLUSH_CHUNK records, starting with ``records`` and
+        reading on about FLUSH_BYTES at a time (one fsync per segment, and a heap that stays
+        flat however far behind the flush is), to its temporary file, fsynced; return that
+        file, how many events it holds and the sequence numbers it took."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / name
-        tmp = path.with_name(path.name + ".tmp")
-        wanted, last = set(seqs), seqs[-1]
-        lines, after = 0, seqs[0] - 1
+        tmp = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl.tmp"
+        lines, seqs = 0, []
         with open(tmp, "w", encoding="utf-8") as fh:
-            while after < last:
-                records = self.store.journal_records(FLUSH_CHUNK, FLUSH_BYTES, after=after)
-                if not records:
-                    break
+            while records:
                 for seq, packed in records:
-                    after = seq
-                    if seq > last:
-                        break
-                    if seq not in wanted:
-                        continue
+                    seqs.append(seq)
                     try:
                         # Unpacked directly, not through schema.py: this runs for every
                         # event, and a shape check per event cost a visible share of it.
@@ -224,15 +221,11 @@ class Journal:
                         continue
                     fh.writelines(out)
                     lines += len(out)
+                room = FLUSH_CHUNK - len(seqs)
+                records = self.store.journal_records(room, FLUSH_BYTES, after=seqs[-1]) if room > 0 else []
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself must survive a crash before we delete
-        finally:
-            os.close(dir_fd)
-        return lines
+        return tmp, lines, seqs
 
     def _lines(self, events: list) -> list[str]:
         """JSON lines of one record's events. Everything but ts, id, attempt and error

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -338,12 +337,6 @@ class Reads:
                     if len(out) >= limit or size >= max_bytes:
                         break
         return out
-
-    def journal_seqs(self, limit: int) -> list[int]:
-        """The sequence numbers of the oldest ``limit`` journal records (keys only)."""
-        with self._op():
-            with self._db.iterator(prefix=_J, include_value=False, fill_cache=False) as it:
-                return [int.from_bytes(key[2:], "big") for key in itertools.islice(it, limit)]
 
     def last_journal_seq(self) -> int:
         with self._op():
