@@ -12,9 +12,11 @@ writes that record each outcome.
 - A request's handler is run once; its return value or exception is the reply.
 - What a handler stages with ``message.kv``/``publish``/``send`` (transaction.py) goes
   into the write that records its run: the completion, or the "done" mark of one of
-  several handlers. With events in it, that write goes through the publishers' group
-  commit (fsynced, ids made in commit order, as ``publish`` does); commands go to the
-  outbox keyspace in it, and the engine moves them into their streams.
+  several handlers. With anything staged, that write goes through the publishers' group
+  commit (fsynced, ids made in commit order, as ``publish`` does): later durable writes
+  depend on it (see _commit_staged). Commands go to the outbox keyspace in it, and the
+  engine moves them into their streams. A run that staged nothing is recorded unsynced:
+  a power cut may rerun it (the engine syncs within SYNC_INTERVAL, engine.py).
 """
 
 from __future__ import annotations
