@@ -8,7 +8,9 @@ acknowledged by this peer), ``acked`` (ids above the floor acknowledged out of o
 ``attempts`` (resend counts above 1). After a restart the consumer rescans from ``floor``,
 skips ``acked`` and resends the rest; it never resends what the peer acknowledged before the
 state was written. Writes of this state are not fsynced on their own: losing one costs a
-resend, which the receiver deduplicates (DESIGN.md section 9).
+resend, which the receiver deduplicates (DESIGN.md section 9). In a group a resend could go
+to another member, which would not: so a message's assignment to a member is fsynced before
+it is sent, and after a (re)load its member is waited for (sender.py).
 """
 
 from __future__ import annotations

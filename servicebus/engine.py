@@ -53,6 +53,11 @@ log = logging.getLogger("servicebus")
 
 READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
 RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
+# Unsynced writes (handler completions, acked deletes, cursors, journal moves) become durable
+# with the next synced write. A bus that receives and publishes nothing more makes none, so
+# the engine fsyncs once an unsynced write has waited this long: a power cut reruns only
+# handlers that finished within about this long before it (DESIGN.md rule 12, README).
+SYNC_INTERVAL = 0.2
 KEY_SWITCH_AFTER = 2.0  # a peer down this long with several keys listed: try its next key
 
 
@@ -342,6 +347,8 @@ class Engine(threading.Thread):
         batch = cast(Batch, out.batch)  # the core writes into what store.batch() made
         if out.journal:
             self.journal.record(batch, out.journal)
+        if not batch.sync and self.store.unsynced_for(now) >= SYNC_INTERVAL:
+            batch.sync = True  # idle turns come every TICK (0.1 s): the bound holds when idle
         if batch.ops or batch.sync:
             if out.handoff:
                 self.dispatcher.reserve([item.id for item in out.handoff])

@@ -295,7 +295,7 @@ def _check_meta(seen: _Seen, report: Callable, fix: _Fixes, datadir: Path | None
         problem = "does not decode" if name in seen.meta or name in seen.bad_meta else "missing"
         report("meta", name, problem, f"restored ({value.decode()})")
         fix(lambda b, n=name, v=value: b.put_meta(n, v))
-    for name in sorted(seen.bad_meta & {"address", "sync"}):
+    for name in sorted(seen.bad_meta & {"address", "sync", "journal_pending"}):
         report("meta", name, "does not decode", "dropped (written again by the bus)")
         fix(lambda b, n=name: b.delete_raw(KEYSPACES["meta"] + n.encode()))
 

@@ -171,10 +171,21 @@ def _node(value: bytes) -> str:
     return text
 
 
+def _journal_pending(value: bytes) -> Any:
+    """Empty, or [segment name, its records' sequence numbers] (journal.py)."""
+    if not value:
+        return None
+    name, seqs = msgpack.unpackb(value, raw=False)
+    _require(isinstance(name, str) and bool(seqs) and all(isinstance(s, int) for s in seqs),
+             "not a segment and its records")
+    return name, seqs
+
+
 META: dict[str, Callable[[bytes], Any]] = {
     "format": _decimal,
     "clock": _decimal,
     "journal_flushed": _decimal,
+    "journal_pending": _journal_pending,
     "node": _node,
     "address": lambda v: v.decode("utf-8"),
     "sync": _empty,

@@ -2,8 +2,9 @@
 
 It reports through files so the test never needs to parse logs:
 - ``--ready FILE`` is written once the bus is up (and its subscriptions confirmed);
-- each handler run appends ``start <id> <n> <attempt>`` and ``done <id> <n>`` lines to
-  ``--out FILE`` (plain appends reach the page cache, which survives SIGKILL);
+- each handler run appends ``start <id> <n> <attempt>`` and ``done <id> <n> <wall time>``
+  lines to ``--out FILE`` (plain appends reach the page cache, which survives SIGKILL; a
+  power-loss test keeps this file off the disk it cuts: it is the world outside the bus);
 - each ``publish`` that returned appends its id to ``--ids FILE``.
 """
 
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=0)
     ap.add_argument("--first", type=int, default=0, help="payload n of the first message")
     ap.add_argument("--batch", type=int, default=0, help="publish_many batches of this size")
+    ap.add_argument("--rate", type=float, default=0.0, help="publish at most this many messages a second")
     ap.add_argument("--ids", help="file of ids whose publish returned")
     ap.add_argument("--pad", type=int, default=200, help="payload padding bytes")
     ap.add_argument("--random-pad", action="store_true", help="incompressible padding")
@@ -63,6 +65,14 @@ def main() -> None:
     ap.add_argument("--ordered", action="store_true", help="subscribe ordered")
     ap.add_argument("--keys", type=int, default=0, help="publish with key n %% KEYS")
     ap.add_argument("--handler-ms", type=float, default=0.0, help="each handler run takes this long")
+    ap.add_argument("--kv-count", action="store_true",
+                    help="in its run, the handler counts in message.kv ('count', and 'n:<n>' = its "
+                         "attempt): committed with its completion, nothing else (an unsynced write)")
+    ap.add_argument("--stage-pad", type=int, default=0,
+                    help="padding bytes in what --kv-count and --send-to stage (the n:<n> value, the command)")
+    ap.add_argument("--send-to", metavar="ADDRESS",
+                    help="in its run, the handler sends tx.note {'n': n} to ADDRESS, nothing else "
+                         "(stored in the outbox with its completion)")
     ap.add_argument("--transact", metavar="ADDRESS",
                     help="in its run, the handler counts in message.kv, publishes TOPIC.done and "
                          "sends tx.note to ADDRESS (committed with the run)")
@@ -81,9 +91,14 @@ def main() -> None:
         append(args.out, f"start {message.id} {n} {message.attempt}")
         if args.transact:
             message.kv.update("count", lambda c: c + 1, 0)
-            message.kv.put(f"n:{n}", message.attempt)
+            message.kv.put(f"n:{n}", [message.attempt, "x" * args.stage_pad])
             message.publish(f"{message.topic}.done", {"n": n})
             message.send(args.transact, "tx.note", {"n": n})
+        if args.send_to:
+            message.send(args.send_to, "tx.note", {"n": n, "pad": "x" * args.stage_pad})
+        if args.kv_count:
+            message.kv.update("count", lambda c: c + 1, 0)
+            message.kv.put(f"n:{n}", [message.attempt, "x" * args.stage_pad])
         if args.handler_ms:
             threading.Event().wait(args.handler_ms / 1000)
         if args.fail_first and message.attempt == 1:
@@ -93,7 +108,7 @@ def main() -> None:
         if args.die_at is not None and n == args.die_at and not os.path.exists(args.marker):
             append(args.marker, "died")
             os.kill(os.getpid(), signal.SIGKILL)
-        append(args.out, f"done {message.id} {n}")
+        append(args.out, f"done {message.id} {n} {time.time():.6f}")
         return {"n": n, "pid": os.getpid()}
 
     if args.handle:
@@ -117,7 +132,12 @@ def main() -> None:
 
     if args.publish:
         n, end = args.first, args.first + args.count
+        began = time.monotonic()
         while n < end:
+            if args.rate:  # a steady stream, so that faults land mid-stream
+                ahead = (n - args.first) / args.rate - (time.monotonic() - began)
+                if ahead > 0:
+                    threading.Event().wait(ahead)
             size = max(1, args.batch)
             payloads = [{"n": i, "pad": os.urandom(args.pad) if args.random_pad else "x" * args.pad}
                         for i in range(n, min(end, n + size))]

@@ -1,17 +1,24 @@
 """Real faults for tests and tools/chaos: a small tmpfs as a full disk, network namespaces
-joined by a veth pair as a partition, libfaketime as a clock set back or forward. Each helper undoes what it set up; each says why it
-cannot run (not root, no such kernel feature) so callers skip with that reason."""
+joined by a veth pair as a partition, libfaketime as a clock set back or forward, a FUSE
+file system that loses what was not fsynced as a power cut. Each helper undoes what it set
+up; each says why it cannot run (not root, no such kernel feature) so callers skip with
+that reason."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
-__all__ = ["SmallDisk", "cannot_mount", "Partition", "cannot_partition", "cannot_drop_packets",
+__all__ = ["SmallDisk", "cannot_mount", "PowerLossDisk", "cannot_cut_power", "Partition", "cannot_partition", "cannot_drop_packets",
            "libfaketime", "moved_clock_env", "offset_seconds", "forget_moved_clock"]
 
 
@@ -190,3 +197,120 @@ class Partition:
     def clear(self) -> None:
         for side in "ab":
             subprocess.run([*self.prefix(side), "iptables", "-F", "INPUT"], capture_output=True)
+
+
+# --- power loss ------------------------------------------------------------------------------------
+
+POWERFS = Path(__file__).resolve().with_name("powerfs.py")
+
+
+@functools.cache
+def cannot_cut_power() -> str | None:
+    """Why a PowerLossDisk cannot be mounted here, or None. Tries one mount (once per
+    process): a container may refuse FUSE even to root."""
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing (no FUSE in this kernel or container)"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (Debian package fuse3)"
+    try:
+        import mfusepy  # noqa: F401  (loads libfuse: fails without it)
+    except ImportError:
+        return "mfusepy is not installed (pip install mfusepy; servicebus's dev extra has it)"
+    except OSError as exc:
+        return f"libfuse cannot be loaded (Debian package libfuse3-3): {exc}"
+    with tempfile.TemporaryDirectory(prefix="powerfs-probe-") as tmp:
+        try:
+            with PowerLossDisk(Path(tmp) / "mnt", timeout=10):
+                pass
+        except OSError as exc:
+            return f"a FUSE file system cannot be mounted here: {exc}"
+    return None
+
+
+class PowerLossDisk:
+    """A directory at ``path`` whose file data is kept in memory until fsynced, and lost at
+    ``cut()`` as in a power cut (``tests/powerfs.py``, in a process of its own, so killing
+    the processes that use it does not touch it). What survived is in ``backing``, which
+    plays the disk (``path`` + ".disk" unless given). Use as a context manager: it unmounts
+    on exit, whatever happened. The processes using it must be killed before ``cut()``: a
+    power cut stops them too, and one that lived on would go on writing over what was lost."""
+
+    def __init__(self, path: Path, backing: Path | None = None, timeout: float = 30.0) -> None:
+        self.path = Path(path)
+        self.backing = Path(backing) if backing is not None else self.path.with_name(self.path.name + ".disk")
+        self.control = self.backing.with_name(self.backing.name + ".control")
+        self.log = self.backing.with_name(self.backing.name + ".log")
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.cuts = 0
+        self.dropped_bytes = 0  # what the cuts lost: proof that they were real
+
+    def __enter__(self) -> "PowerLossDisk":
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.backing.mkdir(parents=True, exist_ok=True)
+        self.control.unlink(missing_ok=True)
+        with open(self.log, "ab") as log:
+            # Its own session: a signal to the tests' process groups never reaches it.
+            self.proc = subprocess.Popen([sys.executable, str(POWERFS), str(self.backing), str(self.path),
+                                          "--control", str(self.control)],
+                                         stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self._ask("ping")
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.__exit__()
+                    raise OSError(f"powerfs did not mount at {self.path}: {self.tail()}") from None
+                time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wait = 10.0
+        if subprocess.run(["fusermount3", "-u", str(self.path)], capture_output=True).returncode != 0:
+            # Busy (a file still open): detach it. The file system process would then live as
+            # long as that file stays open: it is ended after a moment instead.
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+            wait = 2.0
+        if self.proc is not None:
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        self.control.unlink(missing_ok=True)
+
+    def _ask(self, command: str) -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(self.timeout)
+            conn.connect(str(self.control))
+            conn.sendall(command.encode() + b"\n")
+            answer = conn.makefile("r").readline().strip()
+        if not answer.startswith("ok"):
+            raise OSError(f"powerfs {command}: {answer!r}")
+        return answer
+
+    def _numbers(self, answer: str) -> dict[str, int]:
+        return {key: int(value) for key, value in (word.split("=") for word in answer.split()[1:])}
+
+    def cut(self) -> dict[str, int]:
+        """Drop every write not fsynced. Returns ``dropped_files`` and ``dropped_bytes``."""
+        dropped = self._numbers(self._ask("cut"))
+        self.cuts += 1
+        self.dropped_bytes += dropped["dropped_bytes"]
+        return dropped
+
+    def stall(self, pattern: str | None) -> None:
+        """Writes and fsyncs of files whose name matches the glob ``pattern`` wait, until
+        ``stall(None)`` or the next cut (e.g. ``"*.ldb"``: LevelDB caught writing out a
+        memtable, the moment its old log's unsynced tail is neither dropped nor durable)."""
+        self._ask(f"stall {pattern or ''}")
+
+    def stats(self) -> dict[str, int]:
+        """``dirty_files``, ``dirty_bytes`` (not fsynced yet), ``fsyncs``, ``cuts``."""
+        return self._numbers(self._ask("stats"))
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""

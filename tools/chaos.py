@@ -23,7 +23,16 @@ namespaces joined by a veth pair (link down, then iptables random drop), healed;
 on a small tmpfs, then freed; the wall clock moved back (publisher) and forward past the
 dedupe window (subscriber) with libfaketime; store damage (missing CURRENT, a garbage
 record, a truncated table, flipped bits) followed by `servicebus check --repair`; kill -9
-of a member of a two-member subscriber group (or of the publisher); kill -9 of either side
+of a member of a two-member subscriber group (or of the publisher); a power cut (either
+side's data directory on powerfs, tests/powerfs.py, a FUSE file system that keeps what was
+not fsynced in memory: the side's processes are killed and everything not fsynced is
+dropped, then they restart on what survived), to the subscriber, the publisher or both at
+once, every other cut after the stream paused for longer than that bound, where a handler
+may run again only for a run that ended within the bound the README
+states (less than RERUN_BOUND before the cut: "reruns after power cut"; older ones count as
+duplicated), every journal event moved to a segment before a cut must be in one at the end
+and each bus must come back as itself (the same node id: not a silently empty store), or it
+counts as a state error; kill -9 of either side
 of an ordered subscription, where "out of order" counts messages first handled after one
 published later (must be 0); kill -9 of a subscriber whose handler counts in
 ``message.kv`` and publishes a forwarded event in its transaction (or of its publisher),
@@ -43,6 +52,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -57,8 +67,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults import (  # noqa: E402
-    Partition, SmallDisk, cannot_drop_packets, cannot_mount, cannot_partition, forget_moved_clock,
-    libfaketime, moved_clock_env)
+    Partition, PowerLossDisk, SmallDisk, cannot_cut_power, cannot_drop_packets, cannot_mount,
+    cannot_partition, forget_moved_clock, libfaketime, moved_clock_env)
 
 NODE = str(ROOT / "tools" / "chaos_node.py")
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -79,7 +89,14 @@ KINDS = {
     "ordered-kill": (2, 10),
     # A handler's kv count and forwarded event in its transaction; the subscriber (mostly) killed.
     "transaction-kill": (2, 10),
+    # The power goes under the subscriber, the publisher or both: what was not fsynced is lost.
+    "power-loss": (2, 12),
 }
+# A handler may run again after a power cut only if its run ended less than this before the
+# cut: the bus syncs unsynced writes SYNC_INTERVAL (0.2 s) after they were made, plus an
+# engine turn and a synced write (here through a FUSE file system in Python, on 2 shared
+# cores), or while LevelDB writes out a full memtable (README, Guarantees).
+RERUN_BOUND = 1.0
 DAMAGE = ("missing CURRENT", "garbage record", "truncated table", "flipped bits")
 
 
@@ -92,7 +109,7 @@ def log(text: str) -> None:
 
 class Node:
     def __init__(self, role: str, work: Path, bind: str, prefix: list[str], peer: str | None = None,
-                 disk: SmallDisk | None = None, name: str | None = None,
+                 disk: SmallDisk | PowerLossDisk | None = None, name: str | None = None,
                  options: tuple[str, ...] = (), handled: str = "handled") -> None:
         self.role, self.bind, self.prefix, self.peer, self.disk = role, bind, prefix, peer, disk
         self.name, self.options = name or role, options
@@ -106,6 +123,7 @@ class Node:
         self.handled = work / handled
         self.proc: subprocess.Popen | None = None
         self.killed: set[int] = set()  # pids ended with SIGKILL
+        self.powered_off: set[int] = set()  # pids ended by a power cut (SIGKILL, then the cut)
         self.pids: set[int] = set()  # every pid it ran as
         self.clock = ""  # libfaketime offset of the running process
 
@@ -187,6 +205,7 @@ class Run:
     lost: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     reruns_after_kill: int = 0
+    reruns_after_power_cut: int = 0  # within RERUN_BOUND of the cut (the README's bound)
     handovers_after_kill: int = 0  # group: stored by a member killed before it acked, also given to another
     out_of_order: int = 0  # ordered: handled (first time) after a message published later
     state_errors: list[str] = field(default_factory=list)  # transaction: kv count != messages handled
@@ -206,12 +225,23 @@ class Chaos:
         self.pub: Node = None  # type: ignore[assignment]
         self.subs: list[Node] = []  # every subscriber process (two members for group-kill)
         self.sink: Node | None = None  # transaction-kill: receives what the subscriber forwards
+        self.power: dict[str, PowerLossDisk] = {}  # power-loss: each side's disk
+        self.cuts: list[float] = []  # power-loss: wall time of each cut
+        self.cut_sides: list[str] = []
+        self.dropped = 0  # bytes the cuts dropped (written, not fsynced)
+        self.quiet_cuts = 0  # cuts after the stream paused
+        self.moved: set[str] = set()  # journal lines in segments at some cut
 
     # -- the workload --
 
     def setup(self, stack: ExitStack) -> None:
         part, disks = self.env.partition, {}
-        if self.env.can_mount:
+        if self.kind == "power-loss":
+            # Entered before the nodes' stop callback: they stop first, then it unmounts.
+            for role in ("pub", "sub"):
+                self.power[role] = stack.enter_context(PowerLossDisk(self.work / f"{role}-power"))
+            disks = dict(self.power)
+        elif self.env.can_mount:
             for role in ("pub", "sub"):
                 disks[role] = stack.enter_context(SmallDisk(self.work / f"{role}-disk", 64))
         port = self.rng.randrange(20000, 60000)
@@ -318,6 +348,34 @@ class Chaos:
         node.kill()
         self.restart(node)
 
+    def fault_power_loss(self, i: int) -> None:
+        side = ("sub", "both", "pub")[i % 3]
+        nodes = {"sub": [self.sub], "pub": [self.pub], "both": [self.pub, self.sub]}[side]
+        quiet = i % 2 == 1
+        if quiet:
+            # Every other cut comes after the stream paused for longer than the rerun bound:
+            # with no new message to fsync, the last runs' completions must be synced anyway.
+            self.pub.quiet.touch()
+            time.sleep(self.rng.uniform(1.2, 2.0))
+            self.quiet_cuts += 1
+        for node in nodes:  # the power goes: both die at the same instant, then the disk forgets
+            node.powered_off.add(node.pid)
+            node.kill()
+        self.cuts.append(time.time())  # a run that ended before this ended before the cut
+        self.cut_sides.append(side)
+        self.moved |= journal_lines(self.pub.datadir) | journal_lines(self.sub.datadir)
+        for node in nodes:
+            self.dropped += self.power[node.role].cut()["dropped_bytes"]
+        for node in nodes:
+            node.start(wait=False)  # the publisher waits for its subscriber, which waits for it
+        for node in nodes:
+            if not node.wait_ready():
+                self.run.state_errors.append(f"the {node.role} did not start after a power cut: "
+                                             f"{node.tail()[-300:]!r}")
+                self.restart(node)
+        if quiet:
+            self.pub.quiet.unlink(missing_ok=True)
+
     def fault_pause(self, i: int) -> None:
         node = self.rng.choice((self.pub, self.sub))
         node.signal(signal.SIGSTOP)
@@ -370,13 +428,15 @@ class Chaos:
         acked = self.pub.acks.read_text().split() if self.pub.acks.exists() else []
         handlings: dict[str, list[int]] = {}
         order: list[str] = []  # ids in the order they were first handled
+        ended: dict[tuple[str, int], float] = {}  # (id, pid) -> when that run ended
         if self.sub.handled.exists():
             for line in self.sub.handled.read_text().splitlines():
                 parts = line.split()
-                if len(parts) == 2:
+                if len(parts) == 3:  # id, pid, wall time
                     if parts[0] not in handlings:
                         order.append(parts[0])
                     handlings.setdefault(parts[0], []).append(int(parts[1]))
+                    ended[parts[0], int(parts[1])] = float(parts[2])
         run = self.run
         run.acknowledged = len(acked)
         run.handled = sum(1 for mid in acked if mid in handlings)
@@ -386,11 +446,19 @@ class Chaos:
             run.deadletters |= {json.loads(line)["id"] for line in listed.stdout.splitlines()}
         run.lost = [mid for mid in acked if mid not in handlings
                     and mid not in run.reported_lost and mid not in run.deadletters]
-        killed = {pid for sub in self.subs for pid in sub.killed}
+        killed = {pid for sub in self.subs for pid in sub.killed} - self.sub.powered_off
+        powered_off = self.sub.powered_off
         members = {pid: sub.name for sub in self.subs for pid in sub.pids}
         for mid, pids in handlings.items():
             for earlier, later in zip(pids, pids[1:]):
-                if earlier in killed:
+                if earlier in powered_off:
+                    at = ended.get((mid, earlier), 0.0)
+                    cut = next((c for c in self.cuts if c >= at), None)
+                    if cut is not None and cut - at <= RERUN_BOUND:
+                        run.reruns_after_power_cut += 1  # within the README's bound
+                    else:
+                        run.duplicated.append(mid)
+                elif earlier in killed:
                     run.reruns_after_kill += 1  # the documented window (see the docstring)
                 elif members.get(earlier) != members.get(later) and killed:
                     run.handovers_after_kill += 1  # the documented group bound (README)
@@ -398,12 +466,41 @@ class Chaos:
                     run.duplicated.append(mid)
         if self.kind == "ordered-kill":
             run.out_of_order = sum(1 for a, b in zip(order, order[1:]) if b < a)
+        if self.kind == "power-loss":
+            self.count_power_loss(handlings, ended)
         if self.sink is not None:
             self.count_effects(acked, handlings)
         if len(self.subs) > 1:  # proof that the group shared the work
             share = {sub.name: sum(1 for pids in handlings.values() if members.get(pids[0]) == sub.name)
                      for sub in self.subs}
             run.notes.append("first handled by member: " + ", ".join(f"{k} {v}" for k, v in share.items()))
+
+    def count_power_loss(self, handlings: dict[str, list[int]], ended: dict[tuple[str, int], float]) -> None:
+        """What power-loss checks beyond lost and duplicated: journal events moved out before
+        a cut are still in a segment, each bus came back as itself (a store that came back
+        empty would start a new node), and the figures that prove the cuts were real."""
+        run = self.run
+        vanished = self.moved - journal_lines(self.pub.datadir) - journal_lines(self.sub.datadir)
+        if vanished:
+            run.state_errors.append(f"{len(vanished)} journal events moved to a segment before a cut are gone")
+        for node in (self.pub, self.sub):
+            ids = set(re.findall(r"bus ([0-9a-f]{16}) up at", node.log.read_text(errors="replace")))
+            if len(ids) != 1:
+                run.state_errors.append(f"the {node.role} came back as another node ({sorted(ids)}): "
+                                        "its store was replaced")
+        ages = []
+        for mid, pids in handlings.items():
+            for earlier in pids[:-1]:
+                at = ended.get((mid, earlier), 0.0)
+                cut = next((c for c in self.cuts if c >= at), None)
+                if earlier in self.sub.powered_off and cut is not None:
+                    ages.append(cut - at)
+        sides = {side: self.cut_sides.count(side) for side in ("sub", "pub", "both")}
+        run.notes.append(
+            f"{len(self.cuts)} power cuts (subscriber {sides['sub']}, publisher {sides['pub']}, both "
+            f"{sides['both']}; {self.quiet_cuts} after the stream paused 1.2-2 s), {self.dropped // 1024} KiB written and not fsynced dropped; "
+            f"{len(self.moved)} journal events moved out before a cut, {len(vanished)} gone; reruns: "
+            f"{len(ages)}, the oldest ended {max(ages, default=0.0):.3f} s before its cut")
 
     def count_effects(self, acked: list[str], handlings: dict[str, list[int]]) -> None:
         """A transacting handler's effects: one forwarded event per acknowledged message at the
@@ -457,6 +554,12 @@ class Chaos:
                 return
             time.sleep(0.5)
         self.run.notes.append(f"not everything arrived within {timeout:.0f}s of healing")
+
+
+def journal_lines(datadir: Path) -> set[str]:
+    """Every line of a bus's journal segments (each is whole: written, fsynced, renamed)."""
+    return {line for path in (datadir / "journal").glob("*.jsonl")
+            for line in path.read_text(errors="replace").splitlines()}
 
 
 def damage(store: Path, how: str, rng: random.Random) -> str:
@@ -514,6 +617,9 @@ def environment(stack: ExitStack) -> Environment:
             why_not["packet-loss"] = no_drop
     if libfaketime() is None:
         why_not["clock"] = "libfaketime is not installed (Debian package faketime)"
+    no_power = cannot_cut_power()
+    if no_power:
+        why_not["power-loss"] = no_power
     return Environment(partition, not no_mount, why_not)
 
 
@@ -551,21 +657,21 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
 
 def table(runs: list[Run]) -> str:
     head = ("fault", "injected", "acknowledged", "handled", "lost", "duplicated",
-            "reruns after kill -9", "group handovers after kill -9", "out of order",
+            "reruns after kill -9", "reruns after power cut", "group handovers after kill -9", "out of order",
             "reported lost by repair", "state errors", "dead letters", "seconds")
     rows = []
     for r in runs:
         if r.skipped:
-            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", "", "", "", ""))
+            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", "", "", "", "", ""))
             continue
         rows.append((r.kind, r.faults, r.acknowledged, r.handled, len(r.lost), len(r.duplicated),
-                     r.reruns_after_kill, r.handovers_after_kill, r.out_of_order,
+                     r.reruns_after_kill, r.reruns_after_power_cut, r.handovers_after_kill, r.out_of_order,
                      len(r.reported_lost), len(r.state_errors), len(r.deadletters), f"{r.seconds:.0f}"))
     done = [r for r in runs if not r.skipped]
     rows.append(("total", sum(r.faults for r in done), sum(r.acknowledged for r in done),
                  sum(r.handled for r in done), sum(len(r.lost) for r in done),
                  sum(len(r.duplicated) for r in done), sum(r.reruns_after_kill for r in done),
-                 sum(r.handovers_after_kill for r in done), sum(r.out_of_order for r in done),
+                 sum(r.reruns_after_power_cut for r in done), sum(r.handovers_after_kill for r in done), sum(r.out_of_order for r in done),
                  sum(len(r.reported_lost) for r in done), sum(len(r.state_errors) for r in done),
                  sum(len(r.deadletters) for r in done),
                  f"{sum(r.seconds for r in done):.0f}"))

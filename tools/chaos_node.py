@@ -6,7 +6,7 @@ SIGKILL of this process), so the orchestrator never parses logs:
 - ``--ready FILE``: written once the bus is up;
 - publisher: each id whose ``publish_many`` returned is appended to ``--acks FILE`` (an
   acknowledged message: the bus promised it);
-- subscriber: each handler run appends ``<id> <pid>`` to ``--handled FILE``; with
+- subscriber: each handler run appends ``<id> <pid> <wall time>`` to ``--handled FILE``; with
   ``--transact`` the handler also counts in ``message.kv`` and publishes a ``chaos.forwarded``
   event naming the id, both committed with its completion (the count is written to
   ``--kv-out FILE`` at a clean stop);
@@ -94,7 +94,7 @@ def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
             if args.transact:  # both land with the completion, or neither does
                 message.kv.update("handled", lambda n: n + 1, 0)
                 message.publish(FORWARDED, {"of": message.id})
-            append(fd, f"{message.id} {pid}\n")
+            append(fd, f"{message.id} {pid} {time.time():.6f}\n")
             if args.transact:
                 pause(0.005)  # runs that last a moment: some kills land between staging and commit
 

@@ -169,6 +169,8 @@ class Core:
         s.intent_ids.clear()
         s.stream_peers = {}
         s.gc_floor.clear()
+        s.parked.clear()
+        s.filling_since = None
         s.orphans_due = True
         s.out = Effects(batch)
         replies = self.load()
@@ -275,6 +277,8 @@ class Core:
             if consumer.dirty:
                 consumer.dirty = False
                 batch.put_delivery(consumer.peer, consumer.stream, consumer.record())
+        if s.parked:
+            batch.sync = True  # their assignments are in it: sent once it is durable
         return s.out
 
     def committed(self, batch: WriteBatch) -> Effects:
@@ -286,6 +290,10 @@ class Core:
         done.to_peers, done.to_router = [], []
         s.turn_ids.clear()
         s.outbox_moving.clear()  # written: the store no longer holds them
+        if s.parked:  # their assignments are durable now: sent this turn, before newer frames
+            parked, s.parked = s.parked, {}
+            for peer, items in parked.items():
+                s.outbox.setdefault(peer, [])[:0] = items
         return done
 
     def abandon(self) -> Effects:
@@ -297,6 +305,7 @@ class Core:
         s.turn_ids.clear()
         s.new.clear()
         s.outbox.clear()
+        s.parked.clear()  # their assignments were not written: resent when due, maybe elsewhere
         s.outbox_moving.clear()  # not moved after all: a reload queues them again
         return done
 
@@ -368,7 +377,7 @@ class Core:
 
     def poll_timeout(self, now: float) -> float:
         """How long the shell may wait for input before the core has something to do."""
-        if self.s.tick_due:
+        if self.s.tick_due or self.s.parked:  # parked frames go after the next commit
             return 0.0
         tick = WAITING_PING if self.s.waiting_peers else TICK
         return max(0.0, min(tick, self._next_tick - now))

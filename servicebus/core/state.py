@@ -134,6 +134,9 @@ class State:
     new: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # written this turn
     # peer -> (kind, or (kind, stream) for an ordered consumer's frame, envelope)
     outbox: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
+    # Frames of group messages just given to a member: sent only once the batch recording
+    # that assignment is fsynced (next turn), as the outbox after the commit (sender.py).
+    parked: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
     turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)
     gc_floor: dict[str, str | None] = field(default_factory=dict)
     # Outbox keys (handlers' commands) moved into streams by the batch being built.
@@ -143,6 +146,7 @@ class State:
     ttl_streams: set[str] = field(default_factory=set)
     orphans_due: bool = True
     tick_due: bool = True  # run the timers at the next turn, whatever the time
+    filling_since: float | None = None  # first window fill since the (re)load (sender.py)
     new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon
     waiting_peers: bool = False  # some down peer has messages waiting
     # Delayed messages are held until the id clock passes their id's time (not_due).

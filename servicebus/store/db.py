@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +126,10 @@ class Store(Reads):
         self._tickets = itertools.count()
         self._inflight: set[int] = set()  # writes inside LevelDB now
         self._unsynced = False  # an unsynced write was made since opening
+        # When the oldest unsynced write that no synced write is known to cover was made
+        # (monotonic), or None; and how many unsynced writes have returned (see _writing).
+        self._unsynced_since: float | None = None
+        self._unsynced_writes = 0
         self._waiting = 0  # writes waiting for the outcome of others
         self.generation = 0  # bumped by reopen(): batches of an older handle are copied
         self._pid = os.getpid()
@@ -375,6 +380,9 @@ class Store(Reads):
             if self._failure is not None:
                 raise StoreWriteError(f"the store refuses writes since one failed ({self._failure})")
             failures = self._failures
+            # A synced write covers every write that returned before it began (LevelDB
+            # appends them to its log in order, and the fsync takes the log up to here).
+            unsynced_before, began = self._unsynced_writes, time.monotonic() if sync else 0.0
             ticket = next(self._tickets)
             inflight = self._inflight
             inflight.add(ticket)
@@ -410,6 +418,15 @@ class Store(Reads):
             inflight.discard(ticket)
             if not sync:
                 self._unsynced = True  # close() syncs once more (cheaper than knowing if it must)
+                self._unsynced_writes += 1
+                if self._unsynced_since is None:
+                    self._unsynced_since = time.monotonic()
+            elif self._unsynced_writes == unsynced_before:
+                self._unsynced_since = None  # none returned while this one was written
+            elif self._unsynced_since is not None and self._unsynced_since < began:
+                # Some returned meanwhile (a handler finishing during the engine's fsync):
+                # none older than this write's start can be uncovered.
+                self._unsynced_since = began
             if self._waiting:
                 cv.notify_all()  # someone waits for this write's outcome
             # Writes that may have gone into the log before this one, whose outcome a
@@ -460,6 +477,12 @@ class Store(Reads):
     def write_many(self, batches: list[Batch], *, sync: bool) -> None:
         """Apply several batches as one atomic write (one fsync with ``sync``)."""
         self._writing(batches, sync)
+
+    def unsynced_for(self, now: float) -> float:
+        """How long (seconds, monotonic ``now``) the oldest write that may not survive a power
+        cut has been waiting for a synced write to cover it; 0.0 if none."""
+        since = self._unsynced_since
+        return 0.0 if since is None else now - since
 
     def sync(self) -> None:
         """Make every earlier unsynced write durable (one fsync of the log)."""

@@ -237,3 +237,15 @@ def test_the_size_on_disk_skips_a_file_compaction_deletes_while_it_is_counted(st
     monkeypatch.setattr(Path, "iterdir", lambda self: iter([*real_iterdir(self), ghost]))
     monkeypatch.setattr(Path, "is_file", lambda self: True if self == ghost else real_is_file(self))
     assert store.size_on_disk() > 0
+
+
+def test_the_store_says_how_long_an_unsynced_write_has_waited_for_a_synced_one(store):
+    import time
+
+    assert store.unsynced_for(time.monotonic()) == 0.0
+    batch = store.batch()
+    batch.put_meta("sync", b"")
+    store.write(batch, sync=False)
+    assert store.unsynced_for(time.monotonic() + 5) >= 5  # the engine syncs past SYNC_INTERVAL
+    store.sync()
+    assert store.unsynced_for(time.monotonic() + 5) == 0.0
