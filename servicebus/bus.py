@@ -646,7 +646,7 @@ class Bus:
                 break
             out.append(DeadLetter(mid, rec.get("origin", "?"), rec.get("reason", "?"), rec.get("error"),
                                   rec.get("topic"), rec.get("kind"), rec.get("attempts"),
-                                  rec.get("peer"), int(rec.get("at") or 0)))
+                                  rec.get("peer"), int(rec.get("at") or 0), rec.get("not_replayable")))
         return out
 
     def counters(self) -> dict[str, int]:

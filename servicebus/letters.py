@@ -5,7 +5,9 @@ A dead letter is a msgpack map in the ``x/`` keyspace. Every one has ``origin``
 ``error`` and ``at`` (wall-clock ms). Those with a readable message add ``kind``, ``topic``
 and ``record`` (the stored message, which ``servicebus replay`` puts back); incoming ones
 add ``attempts``, outgoing ones ``peer`` and ``stream``; damaged ones keep ``raw`` bytes
-instead of ``record``.
+instead of ``record``. A message received with fields that are not valid (``invalid``)
+keeps its ``header`` and ``body`` bytes as they came instead, and says why it cannot be
+replayed in ``not_replayable``: replay leaves such letters alone.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 
 from .clock import wall_ms
 from .delivery import OutgoingRecord
-from .protocol import KIND_NAMES
+from .protocol import KIND_NAMES, Invalid
 from .stored import IncomingRecord
 
-__all__ = ["incoming_letter", "outgoing_letter", "damaged_letter"]
+__all__ = ["incoming_letter", "outgoing_letter", "damaged_letter", "invalid_letter"]
 
 
 def incoming_letter(reason: str, error: str | None, attempts: int,
@@ -44,3 +46,13 @@ def damaged_letter(origin: str, error: str, raw: bytes, peer: str | None = None,
     if peer is not None:
         letter.update(peer=peer, stream=stream)
     return letter
+
+
+def invalid_letter(kind: int, sender: str, reply_to: str, message: Invalid) -> dict[str, Any]:
+    """A received message whose fields are not valid (``protocol.Invalid``: from an older or
+    hostile sender): what it said, as it came. No message to handle can be made of it."""
+    return {"origin": "incoming", "reason": "invalid", "error": message.error, "attempts": 0,
+            "at": wall_ms(), "kind": KIND_NAMES.get(kind, "event"), "topic": message.topic,
+            "sender": sender, "reply_to": reply_to, "header": message.header, "body": message.body,
+            "not_replayable": "its fields are not valid, so no message to handle can be made "
+                              "of it; its header and body are kept as they came"}
