@@ -403,6 +403,21 @@ def test_headers_are_refused_unless_a_receiver_reads_them_with_its_stricter_rule
         check_ttl_headers(None, {"a": [{(1, 2): 3}]})
 
 
+def test_a_ttl_is_refused_at_publish_unless_every_receiver_can_keep_its_end():
+    # A receiver takes expires up to the year 9999 (a datetime shows no more): what publish
+    # accepts, it must accept (DESIGN rule 11). An endless ttl raised OverflowError.
+    from servicebus.outgoing import prepare_command, prepare_event
+
+    prepare_event("t", [1], max_payload=LIMIT, ttl=100 * 365 * 86400.0)
+    for ttl in (float("inf"), float("nan"), 1e13):
+        with pytest.raises(ValueError, match="ttl must be a positive number of seconds"):
+            prepare_event("t", [1], max_payload=LIMIT, ttl=ttl)
+        with pytest.raises(ValueError, match="ttl must be a positive number of seconds"):
+            prepare_command(ADDR, "c", 1, max_payload=LIMIT, ttl=ttl)
+    with pytest.raises(ValueError, match="ttl .* ends after the year 9999"):
+        prepare_event("t", [1], max_payload=LIMIT, ttl=2 * 365 * 86400.0, deliver_at=253402000000)
+
+
 # --- a message no receiver can decode: a dead letter for that message alone --------------------
 
 
