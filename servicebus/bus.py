@@ -356,6 +356,8 @@ class Bus:
         def rest(batch: Any) -> bool:
             tx.write_state(batch)
             sends[:] = tx.write_sends(batch, part, "bus")
+            for letter in tx.letters:
+                batch.put_deadletter(engine.ids.next(), letter)
             return False
         with runner.kv_lock if tx.updates else nullcontext():
             tx.resolve_updates()
