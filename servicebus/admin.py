@@ -269,14 +269,27 @@ def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) ->
     return Rows(rows, total)
 
 
-def _deadletter_row(mid: str, rec: dict, now: int) -> dict:
+def letter_body(rec: dict) -> bytes | None:
+    """A dead letter's payload bytes: its message record's, or its own ``body`` (a message
+    that was not valid, a SQL outbox row: no record could be made of them)."""
     inner = rec.get("record") or []
-    body = inner[-1] if inner and isinstance(inner[-1], bytes) else None
+    if inner and isinstance(inner[-1], bytes):
+        return inner[-1]
+    body = rec.get("body")
+    return body if isinstance(body, bytes) else None
+
+
+def _deadletter_row(mid: str, rec: dict, now: int) -> dict:
+    body = letter_body(rec)
     return {
         "id": mid, "origin": rec.get("origin"), "reason": rec.get("reason"), "error": rec.get("error"),
         "kind": rec.get("kind"), "topic": rec.get("topic"), "attempts": rec.get("attempts"),
         "peer": rec.get("peer"), "age_s": _age(rec.get("at"), now),
         "payload": None if body is None else payload_of(body),
+        # New in 0.2: why replay leaves it alone (None: it can be replayed), and where a
+        # letter that was never a message came from (a SQL outbox row: table, row, token).
+        "not_replayable": rec.get("not_replayable"),
+        "source": jsonable(rec.get("source")),
     }
 
 
@@ -332,9 +345,8 @@ def export_rows(store: Store) -> Iterator[dict]:
                "correlation_id": reply.correlation_id, "payload": payload_of(reply.body),
                "body": b64(reply.body)}
     for mid, letter in store.deadletters():
-        inner = letter.get("record") or []
-        body = inner[-1] if inner and isinstance(inner[-1], bytes) else b""
-        yield {"type": "deadletter", **_deadletter_row(mid, letter, now), "body": b64(body)}
+        yield {"type": "deadletter", **_deadletter_row(mid, letter, now),
+               "body": b64(letter_body(letter) or b"")}
 
 
 def export(store: Store, out: Path, progress: Callable[[int], None] | None = None) -> int:

@@ -356,6 +356,8 @@ class Bus:
         def rest(batch: Any) -> bool:
             tx.write_state(batch)
             sends[:] = tx.write_sends(batch, part, "bus")
+            for letter in tx.letters:
+                batch.put_deadletter(engine.ids.next(), letter)
             return False
         with runner.kv_lock if tx.updates else nullcontext():
             tx.resolve_updates()
@@ -646,7 +648,7 @@ class Bus:
                 break
             out.append(DeadLetter(mid, rec.get("origin", "?"), rec.get("reason", "?"), rec.get("error"),
                                   rec.get("topic"), rec.get("kind"), rec.get("attempts"),
-                                  rec.get("peer"), int(rec.get("at") or 0)))
+                                  rec.get("peer"), int(rec.get("at") or 0), rec.get("not_replayable")))
         return out
 
     def counters(self) -> dict[str, int]:

@@ -77,7 +77,11 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
         batch = writer.batch
         row = {"id": mid, "topic": rec.get("topic"), "reason": rec.get("reason")}
         origin = rec.get("origin")
-        if "record" not in rec:
+        if rec.get("not_replayable"):
+            # Nothing in it can be put back as it is (a message whose fields were not
+            # valid, a SQL outbox row that could not be a message): it stays, to look at.
+            row.update(result="skipped", detail=f"not replayable: {rec['not_replayable']}")
+        elif "record" not in rec:
             row.update(result="skipped", detail=f"its record is damaged ({rec.get('error')}); "
                                                 "servicebus export shows what is left of it")
         elif origin == "incoming":

@@ -10,11 +10,16 @@ from typing import Any, NamedTuple
 
 from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER
-from .protocol import MAX_HEADERS, encode_headers, encode_payload, validate_address
+from .protocol import MAX_HEADERS, MAX_MS, encode_headers, encode_payload, validate_address
 from .stored import OutboxSend
 from .topics import validate_topic
 
-__all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_event", "prepare_command"]
+__all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_event", "prepare_command",
+           "MAX_TTL"]
+
+# Seconds a ttl may be, at most: far past any use, and its end well below the year 10000,
+# past which a receiver refuses an expires (protocol.MAX_MS; a datetime shows no more).
+MAX_TTL = 1000 * 365 * 86400
 
 
 def check_seconds(value: object, what: str) -> None:
@@ -25,6 +30,9 @@ def check_seconds(value: object, what: str) -> None:
 def check_ttl_headers(ttl: float | None, headers: dict[str, Any] | None) -> None:
     if ttl is not None:
         check_seconds(ttl, "ttl")
+        if not ttl <= MAX_TTL:  # infinity and NaN too: int() of them raised OverflowError
+            raise ValueError(f"ttl must be a positive number of seconds up to {MAX_TTL} (1,000 "
+                             f"years), not {ttl!r}")
     if headers is not None:
         if not isinstance(headers, dict) or not all(isinstance(k, str) for k in headers):
             raise TypeError("headers must be a dict with str keys")
@@ -63,7 +71,13 @@ def due_ms(delay: float | None, deliver_at: float | datetime | None) -> int | No
 
 
 def _expires(ttl: float | None, due: int | None) -> int | None:
-    return None if ttl is None else (due or wall_ms()) + int(ttl * 1000)
+    if ttl is None:
+        return None
+    expires = (due or wall_ms()) + int(ttl * 1000)
+    if expires >= MAX_MS:  # what every receiver takes (DESIGN rule 11)
+        raise ValueError(f"ttl {ttl!r} from {'deliver_at' if due else 'now'} ends after the year "
+                         "9999, later than a receiver keeps")
+    return expires
 
 
 def _check_size(body: bytes, limit: int) -> bytes:

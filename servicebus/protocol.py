@@ -11,7 +11,11 @@ is a msgpack array of the payloads, each already msgpack-encoded by the publishe
 are forwarded as bytes and never re-encoded). Control kinds carry a map and an empty body.
 
 This module imports neither zmq nor plyvel. Anything malformed raises ``ProtocolError``
-with a short ``reason`` (used as a counter name by the engine).
+with a short ``reason`` (used as a counter name by the engine), but for what is wrong with
+one message of a batch alone: its payload too large (``Batch.oversize``), not decodable
+(``Batch.undecodable``) or its own fields not valid (``Batch.invalid``). Those are set
+apart by their id and the rest of the frame goes on (DESIGN rule 11); a message whose id
+cannot be used refuses its frame (``bad_id``), as nothing could ack it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "MAGIC",
     "Kind",
     "Envelope",
+    "Invalid",
     "Batch",
     "Ack",
     "Nack",
@@ -78,6 +83,14 @@ MAX_ID_LEN = 64
 MAX_NAME_LEN = 64
 MAX_ADDRESS_LEN = 512
 MAX_REASON_LEN = 4096
+# What a message's times (ms since the epoch) and attempt number may be: below the year
+# 10000, which a datetime (Message.sent, .expires, the CLI) cannot show, and far below
+# what msgpack stores (2**64 - 1, which a TTL moved onto our clock passed); an attempt the
+# audit reads as a 32-bit INT. The sender's own values are in range by far.
+MAX_MS = 253_402_300_800_000
+MAX_ATTEMPT = 2**31 - 1
+_FIELDS = ("id", "topic", "sent", "attempt", "expires", "correlation_id", "headers")
+_TOPIC_SHOWN = 300  # characters of an invalid message's topic kept on its dead letter
 
 
 class Kind(IntEnum):
@@ -125,6 +138,21 @@ class Batch(NamedTuple):
     # with msgpack's error: not in ``messages``; the receiver acks each and keeps it as a
     # dead letter, raw bytes and all (the rest of the frame is fine; DESIGN rule 11).
     undecodable: tuple[tuple[Envelope, str], ...] = ()
+    # Messages whose own fields are not valid (an older or hostile sender), their id aside:
+    # not in ``messages``; the receiver acks each and keeps it as a dead letter (rule 11).
+    invalid: tuple["Invalid", ...] = ()
+
+
+class Invalid(NamedTuple):
+    """A message of a batch whose id can be used but whose other fields are not valid: a
+    bad topic, times or attempt out of range, headers that are not a map or that a
+    receiver cannot read, a header array of the wrong length, a payload that is not bin."""
+
+    id: str
+    error: str  # the field and what is wrong with it
+    topic: str | None  # as sent, if a str (perhaps not a valid topic; cut to 300 chars)
+    header: bytes  # its header array, msgpack: as it came, or re-encoded from what was read
+    body: bytes  # its payload as it came (a payload that was not bin: re-encoded)
 
 
 class Ack(NamedTuple):
@@ -497,14 +525,30 @@ def _str(value: Any, field: str, limit: int) -> str:
     return value
 
 
-def _opt_str(value: Any, field: str, limit: int) -> str | None:
-    return None if value is None else _str(value, field, limit)
-
-
 def _int(value: Any, field: str, minimum: int = 0) -> int:
     if type(value) is not int or value < minimum:
         raise ProtocolError("bad_field", f"{field} must be an int >= {minimum}")
     return value
+
+
+def _ms(value: Any, field: str) -> int:
+    if type(value) is not int or not 0 <= value < MAX_MS:
+        raise ProtocolError("bad_field", f"{field} must be an int from 0 to {MAX_MS - 1} "
+                            "(ms since the epoch, before the year 10000)")
+    return value
+
+
+def _attempt(value: Any) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_ATTEMPT:
+        raise ProtocolError("bad_field", f"attempt must be an int from 1 to {MAX_ATTEMPT}")
+    return value
+
+
+def _headers(value: Any) -> dict[str, Any] | None:
+    """A message's headers that are not a map: None, or refused."""
+    if value is None:
+        return None
+    raise ProtocolError("bad_field", f"headers must be a map, not {type(value).__name__}")
 
 
 _valid_topics: set[str] = set()  # a bus sees few distinct topics, each thousands of times
@@ -559,12 +603,14 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     if len(kind_b) != 1 or kind_b[0] not in Kind._value2member_map_:
         raise ProtocolError("unknown_kind")
     kind = Kind(kind_b[0])
+    if kind in MESSAGE_KINDS:
+        header, parts = _batch_header(header_b)
+        if not isinstance(header, dict):
+            raise ProtocolError("bad_header", "header must be a map")
+        return _decode_batch(kind, header, body_b, max_payload, parts)
     header = _unpack(header_b, "header")
     if not isinstance(header, dict):
         raise ProtocolError("bad_header", "header must be a map")
-
-    if kind in MESSAGE_KINDS:
-        return _decode_batch(kind, header, body_b, max_payload)
     if body_b:
         raise ProtocolError("bad_body", f"{kind.name} carries no body")
     if kind is Kind.ACK:
@@ -604,6 +650,128 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     if not isinstance(z, list) or not all(isinstance(c, str) and len(c) <= 16 for c in z) or len(z) > 8:
         raise ProtocolError("bad_field", "z must be a short list of codec names")
     return Pong(sender, boot, None if limit is None else _int(limit, "max", 1), tuple(z))
+
+
+class _Unread:
+    """In place of a field of a message's header that a receiver cannot read (msgpack
+    refused it: a map key that is not a str or bytes, a str that is not UTF-8): its error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _batch_header(data: bytes) -> tuple[Any, list[bytes] | None]:
+    """A batch frame's header, and None; or, when it does not decode as a whole, what
+    ``_read_apart`` makes of it and each message's header bytes. The second reading runs
+    only then: the hot path is one C call, as for every other kind."""
+    try:
+        return _unpackb(data, raw=False, strict_map_key=True, use_list=True), None
+    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
+        error = exc
+    try:
+        return _read_apart(data)
+    except ProtocolError:
+        raise
+    except Exception:  # noqa: BLE001 - not one message's: the frame's, as the first reading said
+        pass
+    raise ProtocolError("bad_msgpack", f"header: {type(error).__name__}") from error
+
+
+def _reader(data: bytes) -> Any:
+    reader = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(1, len(data)))
+    reader.feed(data)
+    return reader
+
+
+def _next_part(reader: Any, data: bytes) -> bytes:
+    """The bytes of the next whole msgpack object ``reader`` holds, skipped unread."""
+    start = reader.tell()
+    reader.skip()
+    return data[start:reader.tell()]
+
+
+def _read_apart(data: bytes) -> tuple[dict[Any, Any], list[bytes]]:
+    """A batch header that msgpack refused as a whole, read part by part, so that one
+    message's header that a receiver cannot read is that message's problem alone (DESIGN
+    rule 11): each message's array is read on its own and, if it is refused, each of its
+    fields, a refused one standing as an ``_Unread``. Anything else refused is the frame's
+    (raises): the header's own keys and values, a message whose bytes cannot even be
+    skipped (cut short, junk), bytes after the header. Returns the header as ``decode``
+    reads it and the bytes of each message's array, as they came."""
+    reader = _reader(data)
+    header: dict[Any, Any] = {}
+    parts: list[bytes] = []
+    for _ in range(reader.read_map_header()):
+        key = reader.unpack()
+        if type(key) is not str and type(key) is not bytes:
+            raise ValueError(f"{type(key).__name__} is not allowed for map key")
+        if key != "msgs":
+            header[key] = reader.unpack()
+            continue
+        count = reader.read_array_header()
+        if count > MAX_BATCH:
+            raise ProtocolError("oversize", f"{count} messages in one frame")
+        metas: list[Any] = []
+        parts = []
+        for _ in range(count):
+            part = _next_part(reader, data)
+            parts.append(part)
+            try:
+                metas.append(_unpackb(part, raw=False, strict_map_key=True))
+            except Exception:  # noqa: BLE001 - read its fields one by one
+                metas.append(_fields_apart(part))
+        header[key] = metas
+    if reader.tell() != len(data):
+        raise ValueError("extra data after the header")
+    return header, parts
+
+
+def _fields_apart(part: bytes) -> Any:
+    """A message's header array that msgpack refused, field by field (``_read_apart``)."""
+    reader = _reader(part)
+    try:
+        count = reader.read_array_header()
+    except Exception as exc:  # not an array: no id to name it by (the frame is refused)
+        return _Unread(f"{type(exc).__name__}: {exc}")
+    fields: list[Any] = []
+    for _ in range(count):
+        field = _next_part(reader, part)
+        try:
+            fields.append(_unpackb(field, raw=False, strict_map_key=True))
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types
+            fields.append(_Unread(f"{type(exc).__name__}: {exc}"))
+    return fields
+
+
+def _invalid(meta: Any, body: Any, error: str, part: bytes | None) -> Invalid:
+    """A message that is not valid (``error`` says why), set apart by its id; or, if its id
+    cannot be used, ``ProtocolError`` for the frame: a message nobody can name cannot be
+    acked (its sender resends it, and the rest of an ordered lane waits behind it, anyway),
+    deduplicated or kept as a dead letter, and the rest of its frame handled without it
+    would be a gap nobody sees; refused, it is counted and logged as malformed."""
+    if type(meta) is not list or not meta:
+        what = meta.error if isinstance(meta, _Unread) else f"{type(meta).__name__} {_show(meta)}"
+        raise ProtocolError("bad_id", f"a message's header is not an array that starts with its "
+                            f"id ({what}): it cannot be acked or kept")
+    mid = meta[0]
+    if type(mid) is not str or not mid or len(mid) > MAX_ID_LEN:
+        what = f"cannot be read ({mid.error})" if isinstance(mid, _Unread) else (
+            f"must be a non-empty str of at most {MAX_ID_LEN}, not {type(mid).__name__} {_show(mid)}")
+        raise ProtocolError("bad_id", f"a message's id {what}: it cannot be acked or kept")
+    for name, value in zip(_FIELDS, meta):
+        if isinstance(value, _Unread):
+            error = f"{name}: a receiver cannot read it ({value.error})"
+            break
+    topic = meta[1] if len(meta) > 1 and type(meta[1]) is str else None
+    if part is None:
+        try:
+            part = _pack(meta)
+        except Exception:  # noqa: BLE001 - what msgpack read, it writes; should it not, nothing is lost but a copy
+            part = b""
+    return _tuple(Invalid, (mid, error[:MAX_REASON_LEN], topic and topic[:_TOPIC_SHOWN], part,
+                            body if type(body) is bytes else _pack(body)))
 
 
 def frame_body_limit(count: int, max_payload: int) -> int:
@@ -653,7 +821,8 @@ def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
         raise ProtocolError("bad_compression", str(exc)[:200]) from exc
 
 
-def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload: int) -> Batch:
+def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload: int,
+                  parts: list[bytes] | None = None) -> Batch:
     _require(header, "sender", "reply_to", "msgs")
     sender = _str(header["sender"], "sender", MAX_NAME_LEN)
     reply_to = _address(header["reply_to"], "reply_to")
@@ -664,7 +833,7 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
         raise ProtocolError("oversize", f"{len(metas)} messages in one frame")
     sent_at = header.get("now")
     if sent_at is not None:
-        sent_at = _int(sent_at, "now")
+        sent_at = _ms(sent_at, "now")
     if "z" in header:
         body_b = _decompress(header["z"], body_b, frame_body_limit(len(metas), max_payload))
     try:
@@ -680,27 +849,35 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
     out = []
     oversize = []
     undecodable = []
+    invalid = []
+    max_ms, max_id = MAX_MS, MAX_ID_LEN
     for meta, body in zip(metas, bodies):
-        if not isinstance(meta, list) or len(meta) != 7:
-            raise ProtocolError("bad_field", "each message header must be a 7-item array")
-        if not isinstance(body, bytes):
-            raise ProtocolError("bad_body", "payloads must be msgpack bin")
+        # One message's fields that are not valid set that message apart, not its frame: a
+        # frame refused is resent for ever and an ordered lane waits behind it (rule 11).
+        if type(meta) is not list or len(meta) != 7 or type(body) is not bytes:
+            invalid.append(_invalid(meta, body, _shape(meta, body), _part(meta, metas, parts)))
+            continue
         mid, topic, sent, attempt, expires, corr, headers = meta
         if len(body) > max_payload:
-            oversize.append(_str(mid, "id", MAX_ID_LEN))  # refused by id, the rest accepted
+            oversize.append(_id(mid))  # refused by id, the rest accepted
             continue
-        if headers is not None and not isinstance(headers, dict):
-            raise ProtocolError("bad_field", "headers must be a map")
-        env = _tuple(Envelope, (  # per message: skips the NamedTuple's keyword parsing
-            _str(mid, "id", MAX_ID_LEN),
-            _topic(topic),
-            _int(sent, "sent"),
-            body,
-            _int(attempt, "attempt", 1),
-            None if expires is None else _int(expires, "expires"),
-            _opt_str(corr, "correlation_id", MAX_ID_LEN),
-            headers or None,
-        ))
+        try:
+            # Per message, 20-40k times a second: each check inline, its function called
+            # only to raise, and the NamedTuple made without its keyword parsing.
+            env = _tuple(Envelope, (
+                mid if type(mid) is str and 0 < len(mid) <= max_id else _id(mid),
+                _topic(topic),
+                sent if type(sent) is int and 0 <= sent < max_ms else _ms(sent, "sent"),
+                body,
+                attempt if type(attempt) is int and 1 <= attempt <= MAX_ATTEMPT else _attempt(attempt),
+                None if expires is None else (
+                    expires if type(expires) is int and 0 <= expires < max_ms else _ms(expires, "expires")),
+                None if corr is None else _str(corr, "correlation_id", max_id),
+                (headers or None) if type(headers) is dict else _headers(headers),
+            ))
+        except ProtocolError as exc:
+            invalid.append(_invalid(meta, body, exc.detail, _part(meta, metas, parts)))
+            continue
         try:
             # Payloads are checked here so that junk never reaches a handler; decode_payload.
             _unpackb(body, raw=False, strict_map_key=False)
@@ -710,4 +887,29 @@ def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload
             undecodable.append((env, f"{type(exc).__name__}: {exc}"[:MAX_REASON_LEN]))
             continue
         out.append(env)
-    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize), tuple(undecodable))
+    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize), tuple(undecodable),
+                 tuple(invalid))
+
+
+def _id(value: Any) -> str:
+    if type(value) is not str or not value or len(value) > MAX_ID_LEN:
+        raise ProtocolError("bad_id", f"id must be a non-empty str of at most {MAX_ID_LEN}")
+    return value
+
+
+def _part(meta: Any, metas: list[Any], parts: list[bytes] | None) -> bytes | None:
+    """The bytes ``meta`` came in, when the header was read apart (``_read_apart``)."""
+    if parts:
+        for other, part in zip(metas, parts):
+            if other is meta:
+                return part
+    return None
+
+
+def _shape(meta: Any, body: Any) -> str:
+    """What is wrong with a message's header array or payload as a whole."""
+    if type(meta) is not list:
+        return f"a message's header must be an array, not {type(meta).__name__}"
+    if len(meta) != 7:
+        return f"the message's header has {len(meta)} fields; expected 7 ({', '.join(_FIELDS)})"
+    return f"payload must be msgpack bin, not {type(body).__name__}"

@@ -153,18 +153,21 @@ class BusStatus:
 class DeadLetter:
     """A message that will not be delivered or handled without an operator (``servicebus
     replay`` puts it back). ``origin`` is ``incoming`` (received here: its handler failed,
-    crashed or it expired) or ``outgoing`` (it could not be delivered from here: expired,
-    too large, refused, its subscriber removed)."""
+    crashed or it expired, or it could not be read: ``undecodable``, ``invalid``),
+    ``outgoing`` (it could not be delivered from here: expired, too large, refused, its
+    subscriber removed) or ``sql_outbox`` (a row of a ``SqlOutbox`` table that could not
+    be a message: ``invalid``). ``not_replayable`` says why replay leaves one alone."""
 
     id: str
     origin: str
-    reason: str  # handler_failed, handler_crashed, expired, too_large, refused, damaged, ...
+    reason: str  # handler_failed, handler_crashed, expired, too_large, refused, damaged, undecodable, invalid, ...
     error: str | None  # the exception's type and text, or the receiver's reason
     topic: str | None  # the event topic or command name
     kind: str | None  # event, command or reply
     attempts: int | None  # handler runs (incoming)
     peer: str | None  # the receiver it was for (outgoing)
     at_ms: int  # when it became a dead letter, ms since the epoch (wall clock)
+    not_replayable: str | None = None  # why replay cannot put it back; None: it can
 
     @property
     def at(self) -> datetime:

@@ -10,6 +10,14 @@ relay moves committed rows into the bus afterwards. Here each relay step is exac
    ``bus.kv``;
 3. delete the rows from the table, then the marks.
 
+A row that cannot be a message (written by other means than ``publish``/``send``: a bad
+topic, kind or address, a payload or headers that do not decode, a payload over the bus's
+``max_payload``, a bad ttl) is not left to stop every relay step after it: in step 2 it
+becomes a dead letter in the bus instead (``bus.deadletters()``, ``servicebus deadletters``:
+origin ``sql_outbox``, reason ``invalid``, the error, the table, row id, token and columns,
+the payload's bytes), marked and deleted as every moved row is, so exactly once. Replay
+leaves such a letter alone (it says why): only a corrected row can be moved.
+
 A crash after 2 leaves rows whose mark exists: the next relay deletes them without moving
 them again. A crash (or a bus that cannot write) after the table delete leaves marks whose
 row is gone: every later relay step forgets those (``forget_stale_marks``), so they do not
@@ -45,6 +53,7 @@ except ImportError as exc:  # the extra is not installed
     raise ImportError("servicebus.sql needs SQLAlchemy: pip install 'servicebus[sql]'") from exc
 
 from .errors import BusError
+from .letters import sql_outbox_letter
 from .outgoing import check_seconds, prepare_command, prepare_event
 from .protocol import decode_payload, encode_payload
 from .transaction import MAX_KEY_BYTES
@@ -94,7 +103,11 @@ class SqlOutbox:
     other means may leave it NULL (the relay gives it one before moving it) or set it to a
     string that is never used again, such as a random UUID; never a value a row had before.
     A table made by an earlier 0.2.0.dev0 (rows marked by id) has no ``token``:
-    ``upgrade_table()`` adds it."""
+    ``upgrade_table()`` adds it.
+
+    ``relayed`` counts the rows this object moved into the bus as messages, ``deadlettered``
+    those that could not be messages and are dead letters in the bus instead (the module
+    docstring says which); ``relay()`` returns how many it moved, the latter not counted."""
 
     def __init__(self, bus: Any, engine: sa.Engine, *, table_name: str = "servicebus_outbox",
                  metadata: sa.MetaData | None = None, batch: int = 100,
@@ -139,6 +152,7 @@ class SqlOutbox:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.relayed = 0  # rows moved into the bus by this object
+        self.deadlettered = 0  # rows that could not be messages: dead letters in the bus
 
     # --- writing, in the service's transaction ---------------------------------------------
 
@@ -209,17 +223,23 @@ class SqlOutbox:
             marks = {key for key, _ in self.bus.kv.items(self._marks)}
             keys = [self._marks + row.token for row in rows]
             fresh = [row for row, key in zip(rows, keys) if key not in marks]
+            letters: list[tuple[Any, str]] = []
             if fresh:
                 with self.bus.transaction() as tx:
                     for row in fresh:
-                        payload = decode_payload(row.payload)
-                        headers = None if row.headers is None else decode_payload(row.headers)
-                        if row.kind == COMMAND:
-                            tx.send(row.address, row.topic, payload, ttl=row.ttl, headers=headers)
-                        else:
-                            tx.publish(row.topic, payload, ttl=row.ttl, headers=headers)
+                        error = _stage(tx, row)
+                        if error is not None:
+                            # Not left to fail every step after it (DESIGN rule 11): kept
+                            # as a dead letter, marked and deleted as a moved row is.
+                            tx.stage_deadletter(sql_outbox_letter(t.name, row, error))
+                            letters.append((row, error))
                         tx.kv[self._marks + row.token] = row.id
-                self.relayed += len(fresh)  # in the bus now, whatever happens to the rest
+                # In the bus now, whatever happens to the rest.
+                self.relayed += len(fresh) - len(letters)
+                self.deadlettered += len(letters)
+                for row, error in letters:
+                    log.error("sql outbox %s: row %s (token %s) cannot be a message and is a dead "
+                              "letter in the bus: %s", t.name, row.id, row.token, error)
             if len(fresh) < len(rows):
                 log.info("sql outbox %s: %d row(s) moved before a stop were not moved again",
                          t.name, len(rows) - len(fresh))
@@ -238,7 +258,7 @@ class SqlOutbox:
             if stale:
                 log.info("sql outbox %s: forgot %d mark(s) of rows deleted before a stop",
                          t.name, len(stale))
-            return len(fresh), len(rows) == self.batch
+            return len(fresh) - len(letters), len(rows) == self.batch
 
     def _gone(self, keys: list[str]) -> list[str]:
         """Those of the mark ``keys`` whose row is no longer in the table."""
@@ -401,6 +421,35 @@ class SqlOutbox:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stage(tx: Any, row: Any) -> str | None:
+    """Stage the message ``row`` holds in ``tx``; or, if it cannot be one, say why (nothing
+    staged). Checked as ``publish``/``send`` check: what they refuse, a row cannot carry."""
+    kind, payload, headers = row.kind, row.payload, row.headers
+    if kind != EVENT and kind != COMMAND:
+        return f"kind must be {EVENT!r} or {COMMAND!r}, not {str(kind)[:40]!r}"
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return f"payload must be bytes (msgpack), not {type(payload).__name__}"
+    try:
+        value = decode_payload(bytes(payload))
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types on junk
+        return f"payload does not decode: {type(exc).__name__}: {exc}"
+    if headers is not None:
+        if not isinstance(headers, (bytes, bytearray, memoryview)):
+            return f"headers must be bytes (msgpack) or NULL, not {type(headers).__name__}"
+        try:
+            headers = decode_payload(bytes(headers))
+        except Exception as exc:  # noqa: BLE001
+            return f"headers do not decode: {type(exc).__name__}: {exc}"
+    try:
+        if kind == COMMAND:
+            tx.send(row.address, row.topic, value, ttl=row.ttl, headers=headers)
+        else:
+            tx.publish(row.topic, value, ttl=row.ttl, headers=headers)
+    except (TypeError, ValueError) as exc:  # the checks' (BacklogFull and the like go on up)
+        return str(exc)
+    return None
 
 
 def _usable(token: Any) -> bool:

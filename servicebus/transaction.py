@@ -175,8 +175,8 @@ class Transaction:
     """What one handler's run (or one ``bus.transaction()``) stages: state writes, events,
     commands. ``kv``, ``publish`` and ``send`` check their input at once, as ``Bus`` does."""
 
-    __slots__ = ("store", "max_value", "writes", "updates", "events", "sends", "_kv", "_inject",
-                 "_admit")
+    __slots__ = ("store", "max_value", "writes", "updates", "events", "sends", "letters", "_kv",
+                 "_inject", "_admit")
 
     def __init__(self, store: Any, max_value: int,
                  inject: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
@@ -191,6 +191,7 @@ class Transaction:
         self.updates: list[tuple[str, Callable[[Any], Any], Any]] = []
         self.events: list[StagedEvent] = []
         self.sends: list[OutboxSend] = []
+        self.letters: list[dict[str, Any]] = []  # dead letters (stage_deadletter)
         self._kv: TransactionKeyValue | None = None
 
     @property
@@ -223,8 +224,14 @@ class Transaction:
             cmd = cmd._replace(headers=self._inject(cmd.headers))
         self.sends.append(cmd)
 
+    def stage_deadletter(self, letter: dict[str, Any]) -> None:
+        """Stage a dead letter (a record from ``letters.py``), stored under a new id with the
+        rest: what a ``bus.transaction()`` was given that can never be a message (a
+        ``SqlOutbox`` row), kept for an operator in the same write as what it goes with."""
+        self.letters.append(letter)
+
     def empty(self) -> bool:
-        return not (self.writes or self.updates or self.events or self.sends)
+        return not (self.writes or self.updates or self.events or self.sends or self.letters)
 
     def resolve_updates(self) -> None:
         """Run the ``update`` functions on the values in the store (this run's own writes

@@ -2,9 +2,9 @@
 
 A message is acked only once it is durable here: stored as incoming in this turn's batch
 (which is then fsynced) or already stored, handled or dead-lettered (a resend: acked
-again, not handled again). One whose payload does not decode (from an older or hostile
-publisher) is stored as a dead letter instead, with its raw bytes, and acked the same way:
-it alone, not its frame, is refused (DESIGN rule 11). Handled ids are remembered for
+again, not handled again). One whose payload does not decode or whose own fields are not
+valid (from an older or hostile publisher) is stored as a dead letter instead, with its raw
+bytes, and acked the same way: it alone, not its frame, is refused (DESIGN rule 11). Handled ids are remembered for
 ``dedupe_window``, counted on the bus clock (clock.py), then pruned.
 """
 
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from .. import protocol as P
-from ..letters import incoming_letter
+from ..letters import incoming_letter, invalid_letter
 from ..protocol import KIND_NAMES
 from .state import Incoming, State, incoming_record
 
@@ -24,6 +24,7 @@ __all__ = ["Receiver", "PRUNE_BATCH"]
 
 _tuple = tuple.__new__  # a NamedTuple without its keyword-parsing __new__: runs per message
 PRUNE_BATCH = 10_000  # handled ids past the dedupe window deleted per turn, at most
+_WHY = {"undecodable": "its payload does not decode", "invalid": "its fields are not valid"}
 
 
 class Receiver:
@@ -40,7 +41,7 @@ class Receiver:
             if reason is not None:
                 s.count_refused(reason, frame.reply_to, source)
                 ids = [env.id for env in frame.messages] + list(frame.oversize) + [
-                    env.id for env, _ in frame.undecodable]
+                    env.id for env, _ in frame.undecodable] + [m.id for m in frame.invalid]
                 s.out.to_router.append((ident, P.encode_nack(ids, (
                     f"reply address {frame.reply_to[:200]!r} refused: {reason}"))))
                 return
@@ -49,12 +50,15 @@ class Receiver:
                 allowed = entry.may_send
                 denied = [env.id for env in frame.messages if not allowed(env.topic)]
                 denied += [env.id for env, _ in frame.undecodable if not allowed(env.topic)]
+                # One whose name is not even a str cannot be judged: refused.
+                denied += [m.id for m in frame.invalid if m.topic is None or not allowed(m.topic)]
                 if denied:
                     s.counters["refused_command_not_allowed"] += len(denied)
                     s.out.to_router.append((ident, P.encode_nack(denied, "command not allowed for this key")))
                     frame = frame._replace(
                         messages=tuple(e for e in frame.messages if allowed(e.topic)),
-                        undecodable=tuple(u for u in frame.undecodable if allowed(u[0].topic)))
+                        undecodable=tuple(u for u in frame.undecodable if allowed(u[0].topic)),
+                        invalid=tuple(m for m in frame.invalid if m.topic is not None and allowed(m.topic)))
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
         stored = False
@@ -71,7 +75,8 @@ class Receiver:
         handoff = s.out.handoff
         for env, was_seen in zip(frame.messages, known):
             if skew and env.expires is not None:
-                env = env._replace(expires=max(0, env.expires + skew))
+                # Within what a datetime shows (Message.expires), as it was sent (protocol.MAX_MS).
+                env = env._replace(expires=min(P.MAX_MS - 1, max(0, env.expires + skew)))
             mid = env.id
             acks.append(mid)
             if was_seen or mid in seen:
@@ -85,41 +90,48 @@ class Receiver:
             stored = True
             if jon:
                 jev.append(("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt, None))
-        if frame.undecodable:
-            stored = self._undecodable(frame, acks) or stored
-        s.counters["received"] += len(frame.messages) + len(frame.undecodable)
+        if frame.undecodable or frame.invalid:
+            stored = self._set_apart(frame, acks) or stored
+        s.counters["received"] += len(frame.messages) + len(frame.undecodable) + len(frame.invalid)
         if stored:
             batch.sync = True  # the acks leave only after the fsync
 
-    def _undecodable(self, frame: P.Batch, acks: list[str]) -> bool:
-        """Messages of ``frame`` whose payload does not decode: each a dead letter
-        (``undecodable``, its raw bytes and msgpack's error kept), journaled as received
-        and dead-lettered, and acked once that is fsynced, so that its sender stops
+    def _set_apart(self, frame: P.Batch, acks: list[str]) -> bool:
+        """Messages of ``frame`` that no handler can be given: a payload that does not
+        decode (``undecodable``: the message's record kept, raw payload and all, and
+        msgpack's error) or fields that are not valid (``invalid``: its header and payload
+        bytes as they came, and which field is wrong). Each is a dead letter, journaled as
+        received and dead-lettered, and acked once that is fsynced, so that its sender stops
         resending it and an ordered subscription goes on past it. True if any was stored."""
         s = self.s
         kind = int(frame.kind)
-        known = s.store.seen_many([env.id for env, _ in frame.undecodable])
+        apart: list[tuple[str, str | None, int, str, str, P.Envelope | P.Invalid]] = [
+            (env.id, env.topic, env.attempt, "undecodable", error, env) for env, error in frame.undecodable]
+        apart += [(m.id, m.topic, 0, "invalid", m.error, m) for m in frame.invalid]
+        known = s.store.seen_many([mid for mid, *_ in apart])
         stored = False
-        for (env, error), was_seen in zip(frame.undecodable, known):
-            mid = env.id
+        for (mid, topic, attempt, reason, error, message), was_seen in zip(apart, known):
             acks.append(mid)
             if was_seen or mid in s.turn_ids:
                 s.counters["duplicates"] += 1
                 continue
             s.turn_ids.add(mid)
-            record = incoming_record(kind, frame.sender, frame.reply_to, env)
-            s.out.batch.put_deadletter(mid, incoming_letter("undecodable", error, 0, record))
+            if isinstance(message, P.Invalid):
+                letter = invalid_letter(kind, frame.sender, frame.reply_to, message)
+            else:
+                letter = incoming_letter(reason, error, 0, incoming_record(
+                    kind, frame.sender, frame.reply_to, message))
+            s.out.batch.put_deadletter(mid, letter)
             stored = True
             if s.journal_on:
                 ts, kname = s.wall(), KIND_NAMES[kind]
                 peer = frame.reply_to
-                s.out.journal.append(("received", ts, mid, env.topic, kname, peer, env.attempt, None))
-                s.out.journal.append(("deadlettered", ts, mid, env.topic, kname, peer, 0,
-                                      f"undecodable: {error}"))
-            total = s.tally(s.counters, "undecodable", "undecodable")
+                s.out.journal.append(("received", ts, mid, topic, kname, peer, attempt, None))
+                s.out.journal.append(("deadlettered", ts, mid, topic, kname, peer, 0, f"{reason}: {error}"))
+            total = s.tally(s.counters, reason, reason)
             if total is not None:
-                log.error("dead letter: %s %s from %s: its payload does not decode (%s); %d so far",
-                          env.topic, mid, frame.reply_to, error, total)
+                log.error("dead letter: %s %s from %s: %s (%s); %d so far", topic, mid, frame.reply_to,
+                          _WHY[reason], error, total)
         return stored
 
     def prune_publish_keys(self) -> bool:

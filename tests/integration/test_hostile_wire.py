@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -250,6 +251,99 @@ def test_an_undecodable_message_from_an_older_publisher_does_not_stop_an_ordered
             proc.kill()
             proc.wait(10)
         proc.stdout.close()
+
+
+# --- a message whose own fields are not valid: a dead letter for that message alone --------------
+
+CLI = str(Path(sys.executable).parent / "servicebus")
+
+
+def ack_reader(dealer: zmq.Socket) -> tuple[set[str], Callable[[], set[str]]]:
+    """The ids a raw DEALER was acked, and a function that reads what has come since."""
+    acked: set[str] = set()
+
+    def read() -> set[str]:
+        while dealer.poll(0):
+            reply = P.decode(dealer.recv_multipart(), max_payload=1 << 20)
+            assert isinstance(reply, P.Ack), reply
+            acked.update(reply.ids)
+        return acked
+    return acked, read
+
+
+def test_messages_with_bad_fields_in_a_raw_ordered_frame_are_dead_letters_and_the_lane_goes_on(
+        make_bus, raw):
+    from servicebus import admin as A
+    from servicebus.delivery import ORDER_HEADER
+
+    bus = make_bus("sub")
+    handled: list[int] = []
+    bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
+    ids = [f"{k:024x}" for k in range(1, 8)]
+    lane = {ORDER_HEADER: "stream-1"}
+    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, P.encode_payload({"n": n}), 1, None, None, lane)
+            for n, mid in enumerate(ids)]
+    envs[2] = envs[2]._replace(topic="user signup")  # not a topic
+    envs[4] = envs[4]._replace(headers={**lane, "x": {1: 2}})  # a map no receiver reads in a header
+    frame = P.encode_batch(P.Kind.EVENT, "hostile", "tcp://127.0.0.1:9", envs)
+    dealer = raw(bus.address)
+    acked, read_acks = ack_reader(dealer)
+
+    dealer.send_multipart(frame)
+    wait_until(lambda: read_acks() == set(ids), 10, message=lambda: f"acked {sorted(acked)}")
+    wait_until(lambda: len(handled) == 5, 10, message=lambda: f"handled {handled}")
+    assert handled == [0, 1, 3, 5, 6]  # in order, past the two that are not valid
+    letters = {letter.id: letter for letter in bus.deadletters()}
+    assert sorted(letters) == [ids[2], ids[4]]
+    assert {(d.origin, d.reason) for d in letters.values()} == {("incoming", "invalid")}
+    topic, headers = letters[ids[2]], letters[ids[4]]
+    assert topic.topic == "user signup" and "whitespace" in (topic.error or "")
+    assert headers.topic == TOPIC and re.match(r"headers: .*map key", headers.error or ""), headers.error
+    rows = {row["id"]: row for row in A.query_live(bus.datadir, "deadletters", {})}
+    assert (rows[ids[2]]["payload"], rows[ids[4]]["payload"]) == ({"n": 2}, {"n": 4})  # kept
+    assert bus.status().malformed == 0
+
+    acked.clear()
+    dealer.send_multipart(frame)  # resent (its acks lost): acked again, nothing twice
+    wait_until(lambda: read_acks() == set(ids), 10)
+    assert bus.drain(10)
+    assert handled == [0, 1, 3, 5, 6] and len(bus.deadletters()) == 2
+
+    bus.close()
+    # Nothing in them makes a message to handle: replay says so, and leaves them.
+    replay = subprocess.run([CLI, "replay", str(bus.datadir), "--all", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0, replay.stderr
+    rows = [json.loads(line) for line in replay.stdout.splitlines()]
+    assert [(r["id"], r["result"]) for r in rows] == [(ids[2], "skipped"), (ids[4], "skipped")]
+    assert all("not replayable" in r["detail"] for r in rows), rows
+    shown = subprocess.run([CLI, "deadletters", str(bus.datadir), "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert [json.loads(line)["id"] for line in shown.stdout.splitlines()] == [ids[2], ids[4]]
+
+
+def test_a_ttl_past_any_clock_from_a_raw_dealer_is_a_dead_letter_and_the_bus_goes_on(make_bus, raw):
+    # An expires of 2**64 - 1 ms, moved onto this bus's clock by the frame's "now", no
+    # longer fitted msgpack's ints when the message was stored: the engine stopped on
+    # OverflowError and every later call raised BusBrokenError (DESIGN rule 10).
+    bus = make_bus("sub")
+    handled: list[int] = []
+    bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
+    ids = [f"{k:024x}" for k in range(1, 4)]
+    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, P.encode_payload({"n": n}), 1, None, None, {})
+            for n, mid in enumerate(ids)]
+    envs[1] = envs[1]._replace(expires=2**64 - 1)
+    dealer = raw(bus.address)
+    acked, read_acks = ack_reader(dealer)
+    dealer.send_multipart(P.encode_batch(P.Kind.EVENT, "hostile", "tcp://127.0.0.1:9", envs, sent_at=1))
+    wait_until(lambda: read_acks() == set(ids), 10,
+               message=lambda: f"acked {sorted(acked)}; the bus: {bus.status()}")
+    wait_until(lambda: sorted(handled) == [0, 2], 10, message=lambda: f"handled {handled}")
+    [letter] = bus.deadletters()
+    assert (letter.id, letter.reason) == (ids[1], "invalid")
+    assert (letter.error or "").startswith("expires must be an int"), letter.error
+    bus.publish("after", 1)  # the bus goes on
+    assert bus.status().running
 
 
 # --- what every way in accepts, every receiver decodes (DESIGN rule 11) ---------------------------

@@ -5,8 +5,11 @@ the rows and forgetting its marks, and whatever ids the database hands out after
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgpack
 import pytest
 
 sa = pytest.importorskip("sqlalchemy", reason="the sql extra (SQLAlchemy) is not installed")
@@ -294,6 +298,158 @@ def test_bad_input_is_refused_in_the_services_transaction_not_at_the_relay(servi
             outbox.publish(conn, TOPIC, object())
     with pytest.raises(ValueError, match="batch"):
         SqlOutbox(bus, engine, batch=0)
+
+
+# --- a row that cannot be a message: a dead letter, and the rows after it go on -----------------
+
+CLI = str(Path(sys.executable).parent / "servicebus")
+
+
+def write_row(conn, outbox: SqlOutbox, **columns) -> None:
+    """A row as another service or a hand-written INSERT might leave it: nothing checked."""
+    conn.execute(outbox.table.insert().values(
+        **{"kind": "event", "topic": TOPIC, "payload": encode_payload({"n": -1}), **columns}))
+
+
+BAD_ROWS = {  # what is wrong with the row: (its columns, what its dead letter's error says)
+    "a bad topic": (dict(topic="order placed"), r"topic 'order placed' contains a whitespace"),
+    "an unknown kind": (dict(kind="cmd"), r"kind must be 'event' or 'command', not 'cmd'"),
+    "a command without an address": (dict(kind="command", topic="order.note"),
+                                     r"address must be a str, not NoneType"),
+    "a bad address": (dict(kind="command", topic="order.note", address="not-an-address"),
+                      r"address 'not-an-address' is not of the form tcp://host:port"),
+    "a payload that does not decode": (dict(payload=b"\xc1"), r"payload does not decode: "),
+    "a payload over max_payload": (dict(payload=encode_payload(b"x" * (1 << 20))),
+                                   r"payload is 1048581 bytes encoded; max_payload is 1048576"),
+    "headers that do not decode": (dict(headers=b"\x81\xc1"), r"headers do not decode: "),
+    "headers that are not a map": (dict(headers=encode_payload([1, 2])), r"headers must be a dict"),
+    "headers a receiver cannot read": (dict(headers=msgpack.packb({"a": {1: 2}})),
+                                       r'headers\["a"\]: map key 1 is an int'),
+    "a ttl that is not positive": (dict(ttl=-1.0), r"ttl must be a positive number of seconds"),
+    "an endless ttl": (dict(ttl=float("inf")), r"ttl must be a positive number of seconds"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_ROWS))
+def test_a_row_that_cannot_be_a_message_is_a_dead_letter_and_the_rows_after_it_go_on(service, what):
+    from servicebus import admin as A
+
+    bus, sub, engine, orders, outbox, events, notes = service
+    columns, why = BAD_ROWS[what]
+    outbox.batch = 2  # the bad row in a relay step with a good one, the rest in others
+    commit_rows(engine, outbox, range(3))
+    with engine.begin() as conn:
+        write_row(conn, outbox, **columns)
+    commit_rows(engine, outbox, range(3, 6))
+    t = outbox.table
+    with engine.connect() as conn:
+        token = conn.execute(sa.select(t.c.token).where(t.c.id == 4)).scalar_one()
+    assert outbox.relay() == 6 and outbox.deadlettered == 1
+    wait_until(lambda: len(events) == 6, 15, message=lambda: f"rows {sorted(events)} arrived")
+    assert sub.drain(10)
+    assert set(events) == set(range(6)) and set(events.values()) == {1}
+    assert outbox_rows(engine, outbox) == 0 and not bus.kv.items(MARKS)
+    [letter] = bus.deadletters()
+    assert (letter.origin, letter.reason) == ("sql_outbox", "invalid")
+    assert re.search(why, letter.error or ""), letter.error
+    assert letter.not_replayable and "row" in letter.not_replayable
+    [row] = A.query_live(bus.datadir, "deadletters", {})
+    assert row["source"] == {"table": "servicebus_outbox", "row_id": 4, "token": token,
+                             "kind": columns.get("kind", "event"), "address": columns.get("address"),
+                             "ttl": columns.get("ttl"), "headers": A.jsonable(columns.get("headers"))}
+    assert row["payload"] == A.payload_of(columns.get("payload", encode_payload({"n": -1})))
+
+
+def test_a_payload_written_as_text_is_a_dead_letter_too(service):
+    bus, sub, engine, orders, outbox, events, notes = service
+    with engine.begin() as conn:  # SQLite keeps what it is given, whatever the column's type
+        conn.execute(sa.text("INSERT INTO servicebus_outbox (token, kind, topic, payload, ttl) "
+                             "VALUES ('t-1', 'event', :topic, 'not bytes', 'soon')"), {"topic": TOPIC})
+    commit_rows(engine, outbox, [1])
+    assert outbox.relay() == 1
+    wait_until(lambda: events == {1: 1}, 15, message=lambda: f"{events}")
+    [letter] = bus.deadletters()
+    assert letter.reason == "invalid" and "payload must be bytes" in (letter.error or ""), letter.error
+
+
+def test_on_every_database_rows_that_cannot_be_messages_are_dead_letters_and_the_rest_arrive(
+        db, make_bus):
+    engine = sa.create_engine(db)
+    bus, sub = make_bus("svc"), make_bus("sub")
+    got = counting_handler(sub, TOPIC)
+    sub.subscribe(bus.address, TOPIC, wait=10)
+    outbox = SqlOutbox(bus, engine, batch=3)
+    outbox.create_table()
+    try:
+        for n in range(4):
+            commit_rows(engine, outbox, [n])
+            with engine.begin() as conn:
+                write_row(conn, outbox, **list(BAD_ROWS.values())[n * 3][0])
+        with outbox:
+            wait_until(lambda: set(got) == set(range(4)), 15, message=lambda: f"{sorted(got)}")
+            assert sub.drain(10)
+            wait_until(lambda: outbox_rows(engine, outbox) == 0 and not bus.kv.items(MARKS), 10,
+                       message="the table and the marks to empty")
+        assert set(got.values()) == {1}
+        letters = bus.deadletters()
+        assert [d.reason for d in letters] == ["invalid"] * 4 and outbox.deadlettered == 4
+    finally:
+        engine.dispose()
+
+
+def test_a_row_that_cannot_be_a_message_is_a_dead_letter_once_whatever_instant_the_relay_stops(
+        service, monkeypatch):
+    bus, sub, engine, orders, outbox, events, notes = service
+    with engine.begin() as conn:
+        write_row(conn, outbox, topic="order placed")
+    commit_rows(engine, outbox, [1])
+
+    def stopped(self, *args, **kwargs):
+        raise RuntimeError("stopped here")
+    # After the letter and the event went into the bus, before the rows left the table:
+    monkeypatch.setattr(sa.Table, "delete", stopped)
+    with pytest.raises(RuntimeError, match="stopped here"):
+        outbox.relay()
+    monkeypatch.undo()
+    assert SqlOutbox(bus, engine).relay() == 0  # marked: deleted, neither moved nor letter again
+    # Between the rows' delete and the marks' (a mark left of a row that is gone):
+    with engine.begin() as conn:
+        write_row(conn, outbox, topic="order placed again")
+    StopBetweenTheDeletes(monkeypatch, outbox)
+    with pytest.raises(RuntimeError, match="between the deletes"):
+        outbox.relay()
+    monkeypatch.undo()
+    assert outbox.relay() == 0
+    wait_until(lambda: events == {1: 1}, 15, message=lambda: f"{events}")
+    assert [d.error.split(" contains")[0] for d in bus.deadletters()] == [
+        "topic 'order placed'", "topic 'order placed again'"]
+    assert outbox_rows(engine, outbox) == 0 and not bus.kv.items(MARKS)
+
+
+def test_replay_leaves_the_dead_letter_of_an_outbox_row_and_says_why(service):
+    bus, sub, engine, orders, outbox, events, notes = service
+    with engine.begin() as conn:
+        write_row(conn, outbox, topic="order placed", payload=b"\xc1")
+    assert outbox.relay() == 0 and outbox.deadlettered == 1
+    [letter] = bus.deadletters()
+    bus.close()
+    shown = subprocess.run([CLI, "deadletters", str(bus.datadir), "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    [row] = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert (row["id"], row["origin"], row["reason"], row["topic"]) == (
+        letter.id, "sql_outbox", "invalid", "order placed")
+    assert row["payload"] == {"undecodable": base64.b64encode(b"\xc1").decode()}  # as it was
+    assert row["source"]["table"] == "servicebus_outbox" and row["source"]["row_id"] == 1
+    replay = subprocess.run([CLI, "replay", str(bus.datadir), "--all", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0, replay.stderr
+    [done] = [json.loads(line) for line in replay.stdout.splitlines()]
+    assert (done["id"], done["result"]) == (letter.id, "skipped")
+    assert done["detail"].startswith("not replayable: ") and "servicebus_outbox" in done["detail"]
+    again = subprocess.run([CLI, "deadletters", str(bus.datadir), "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert [json.loads(line)["id"] for line in again.stdout.splitlines()] == [letter.id]
 
 
 # --- marks never match another row --------------------------------------------------------------

@@ -5,6 +5,7 @@ import ast
 import os
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from servicebus import protocol as P
@@ -390,3 +391,63 @@ def test_an_undecodable_message_is_kept_as_a_dead_letter_and_the_rest_of_its_fra
     assert (letter["reason"], letter["origin"], letter["record"].body) == ("undecodable", "incoming", raw)
     assert "unhashable" in letter["error"]
     assert sub.core.s.counters["undecodable"] == 1 and sub.core.s.counters["duplicates"] == 3
+
+
+def raw_batch(reply_to, metas, now=None):
+    """A batch frame as an older or hostile sender makes it: message header arrays as given."""
+    head = {"sender": "old", "reply_to": reply_to, "msgs": metas}
+    if now is not None:
+        head["now"] = now
+    bodies = msgpack.packb([P.encode_payload(n) for n in range(len(metas))])
+    return P.decode([P.MAGIC, bytes([P.Kind.EVENT]), msgpack.packb(head), bodies], max_payload=1 << 20)
+
+
+def test_a_message_with_a_bad_field_is_a_dead_letter_acked_and_the_rest_of_its_frame_is_handled():
+    net = Network()
+    sub = net.node("tcp://127.0.0.1:2001")
+    old = net.node("tcp://127.0.0.1:2002")  # the sender: only the acks it gets are looked at
+    metas = [[f"m{n}", TOPIC, 1, 1, None, None, {}] for n in range(3)]
+    metas[1][1] = "bad topic"
+    frame = raw_batch(old.address, metas)
+    for _ in range(2):  # and once more, as a resend: nothing twice
+        sub.core.on_router(old.address.encode(), frame, net.clock.monotonic(), "127.0.0.1")
+        net.run(seconds=0.1)
+    assert sub.payloads() == [0, 2] and sorted(sub.store.handled) == ["m0", "m2"]
+    letter = sub.store.letters["m1"]
+    assert (letter["origin"], letter["reason"], letter["topic"], letter["kind"]) == (
+        "incoming", "invalid", "bad topic", "event")
+    assert letter["error"].startswith("topic 'bad topic' contains a whitespace")
+    assert msgpack.unpackb(letter["header"]) == metas[1] and letter["body"] == P.encode_payload(1)
+    assert (letter["sender"], letter["reply_to"]) == ("old", old.address)
+    assert "not_replayable" in letter  # its fields cannot make a message to handle
+    acked = [mid for ack in net.sent(sub.address, old.address, P.Ack) for mid in ack.ids]
+    assert sorted(acked) == ["m0", "m0", "m1", "m1", "m2", "m2"]  # all of them, each time
+    assert sub.core.s.counters["invalid"] == 1 and sub.core.s.counters["duplicates"] == 3
+    assert not sub.core.s.malformed
+
+
+def test_a_message_with_a_bad_field_in_a_command_frame_from_a_refused_address_is_refused_with_the_rest():
+    net = Network()
+    server = net.node("tcp://127.0.0.1:2000")
+    metas = [["m1", "work", 1, 1, None, "c1", {}], ["m2", "work", 1, 0, None, "c2", {}]]
+    head = {"sender": "forger", "reply_to": "tcp://10.0.0.1:3", "msgs": metas}
+    frame = P.decode([P.MAGIC, bytes([P.Kind.COMMAND]), msgpack.packb(head),
+                      msgpack.packb([b"\x01", b"\x02"])], max_payload=1 << 20)
+    server.core.on_router(b"x", frame, 0.0, "127.0.0.1")
+    [(_, nack)] = server.core.take_router_frames()
+    assert P.decode(nack, max_payload=1 << 20).ids == ("m1", "m2")  # both refused, neither kept
+    net.run(seconds=0.1)
+    assert not server.store.incoming and not server.store.letters
+
+
+def test_a_ttl_moved_onto_this_bus_clock_stays_within_what_a_datetime_shows():
+    # "now" says how far the sender's clock is behind ours: its expires is moved by that
+    # much, and must not land past the year 9999 (Message.expires is a datetime).
+    net = Network()
+    sub = net.node("tcp://127.0.0.1:2001")
+    last = 253_402_300_800_000 - 1
+    frame = raw_batch("tcp://127.0.0.1:2002", [["m0", TOPIC, 1, 1, last, None, {}]], now=0)
+    sub.core.on_router(b"x", frame, net.clock.monotonic(), "127.0.0.1")
+    net.run(seconds=0.1)
+    [item] = sub.handled
+    assert item.record.expires == last
