@@ -4,7 +4,7 @@ import logging
 
 from .aio import AsyncBus
 from .bus import Bus
-from .config import BusConfig
+from .model.config import BusConfig
 from .errors import (
     AdminUnavailable,
     BacklogFull,
@@ -28,8 +28,8 @@ from .errors import (
     TransportError,
     WaitTimeout,
 )
-from .records import BusStatus, DeadLetter, Message, PeerStatus
-from .timeouts import HandlerTimeout
+from .model.records import BusStatus, DeadLetter, Message, PeerStatus
+from .handling.timeouts import HandlerTimeout
 
 __all__ = [
     "Bus",
@@ -62,6 +62,18 @@ __all__ = [
     "Reject",
     "HandlerTimeout",
 ]
+
+
+
+def __getattr__(name: str) -> object:
+    # ``from servicebus import metrics`` (README): the Prometheus hook, imported on first use
+    # since it needs the ``metrics`` extra.
+    if name == "metrics":
+        from .hooks import metrics
+
+        return metrics
+    raise AttributeError(f"module 'servicebus' has no attribute {name!r}")
+
 
 __version__ = "0.2.0.dev0"  # the one place: setup.cfg reads it (version = attr: ...)
 

@@ -18,10 +18,10 @@ from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from .bus import Bus
-from .handlers import Handler, handler_name
-from .outgoing import check_seconds
-from .records import BusStatus, Message
-from .timeouts import HandlerTimeout, timeout_text
+from .handling.handlers import Handler, handler_name
+from .model.outgoing import check_seconds
+from .model.records import BusStatus, Message
+from .handling.timeouts import HandlerTimeout, timeout_text
 
 __all__ = ["AsyncBus"]
 

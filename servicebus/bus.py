@@ -21,26 +21,26 @@ from pathlib import Path
 from typing import Any
 
 
-from . import engine as E
+from .engine import loop as E
 from . import forks
-from .sockets import Sockets
-from .config import BusConfig
-from .dispatch import Dispatcher
-from .handlers import handler_name
-from .timeouts import Watchdog
+from .engine.sockets import Sockets
+from .model.config import BusConfig
+from .handling.dispatch import Dispatcher
+from .handling.handlers import handler_name
+from .handling.timeouts import Watchdog
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
-from .admin import ENDPOINT_FILE, OFF_FILE, live_status
-from .journal import Journal
-from .keys import load_keys
-from .lockfile import DataDirLock
-from .outgoing import check_seconds, due_ms, prepare_command, prepare_event
-from .protocol import Kind, validate_address, validate_bind, validate_group
-from .stored import ReplyRecord
-from .records import BusStatus, DeadLetter, Message
-from .requests import PendingRequests
+from .ops.admin import ENDPOINT_FILE, OFF_FILE, live_status
+from .hooks.journal import Journal
+from .wire.keys import load_keys
+from .store.lockfile import DataDirLock
+from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
+from .wire.protocol import Kind, validate_address, validate_bind, validate_group
+from .model.stored import ReplyRecord
+from .model.records import BusStatus, DeadLetter, Message
+from .handling.requests import PendingRequests
 from .store import Store
-from .transaction import KeyValue, Transaction
-from .topics import validate_pattern, validate_topic
+from .handling.transaction import KeyValue, Transaction
+from .wire.topics import validate_pattern, validate_topic
 
 __all__ = ["Bus"]
 
@@ -66,7 +66,7 @@ class Bus:
         self.metrics_address: str | None = None  # with metrics_port: where they are served
         self._tracer: Any = None
         if self.config.tracing:
-            from . import tracing  # ImportError naming the extra without it
+            from .hooks import tracing  # ImportError naming the extra without it
 
             self._tracer = tracing.tracer()
         self._close_lock = threading.Lock()
@@ -138,7 +138,7 @@ class Bus:
         runner = dispatcher.runner
         runner.publisher = engine  # message.publish/send commit with the handler's run
         if self._tracer is not None:
-            from .tracing import current_context
+            from .hooks.tracing import current_context
 
             runner.inject = current_context
         self.kv = KeyValue(store, self._commit_kv, runner.kv_lock, self.config.max_payload,
@@ -157,7 +157,7 @@ class Bus:
         engine.start()
         journal.start()  # its first flush moves what a crash left behind
         if self.config.metrics_port is not None:
-            from .metrics import serve  # ImportError naming the extra without it
+            from .hooks.metrics import serve  # ImportError naming the extra without it
 
             server, _thread = serve(self, self.config.metrics_port, self.config.metrics_bind)
             self.metrics_address = f"http://{self.config.metrics_bind}:{server.server_port}/metrics"
@@ -318,7 +318,7 @@ class Bus:
         bodies, expires, headers, due = event.bodies, event.expires, event.headers, event.due
         try:
             if self._tracer is not None:
-                from .tracing import producing
+                from .hooks.tracing import producing
 
                 with producing(self._tracer, "publish", topic, headers) as traced:
                     return engine.publish(topic, bodies, expires, traced, dedupe_key, due, latest,
@@ -404,7 +404,7 @@ class Bus:
         engine = self._check_open()
         future: Future = Future()
         if self._tracer is not None:
-            from .tracing import producing
+            from .hooks.tracing import producing
 
             with producing(self._tracer, "send", command, headers) as traced:
                 engine.submit(E.SendCmd(address, command, body, expires, traced, correlation_id,
@@ -601,7 +601,7 @@ class Bus:
             stable = name if name is not None else handler_name(fn)  # of the function itself
             run = fn if timeout is None else self._watchdog.limit(fn, timeout, stable or topic)
             if self._tracer is not None:
-                from .tracing import consuming
+                from .hooks.tracing import consuming
 
                 run = consuming(self._tracer, run)
             self._dispatcher.register(kind, topic, run, stable)

@@ -53,10 +53,10 @@ except ImportError as exc:  # the extra is not installed
     raise ImportError("servicebus.sql needs SQLAlchemy: pip install 'servicebus[sql]'") from exc
 
 from .errors import BusError
-from .letters import sql_outbox_letter
-from .outgoing import check_seconds, prepare_command, prepare_event
-from .protocol import decode_payload, encode_payload
-from .transaction import MAX_KEY_BYTES
+from .model.letters import sql_outbox_letter
+from .model.outgoing import check_seconds, prepare_command, prepare_event
+from .wire.protocol import decode_payload, encode_payload
+from .handling.transaction import MAX_KEY_BYTES
 
 __all__ = ["SqlOutbox", "OutboxTableError"]
 

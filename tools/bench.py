@@ -439,7 +439,7 @@ def _run_servicebus(name: str, count: int, tmp: Path) -> dict:
 def curve_keys(run_dir: Path, pub_addr: str, subs_addrs: list[str]) -> tuple[str, list[str]]:
     """Key directories for a publisher and its subscribers, each trusting the other side."""
     import zmq.auth
-    from servicebus.keys import keygen
+    from servicebus.wire.keys import keygen
 
     def make(name: str) -> tuple[Path, str]:
         public, _secret = keygen(run_dir / "keys" / name)

@@ -59,9 +59,9 @@ def install(side: str) -> None:
     """Probe this process's bus classes: ``side`` is "pub" or "sub"."""
     from servicebus.core import Published
     from servicebus.core.machine import Core
-    from servicebus.dispatch import Dispatcher
-    from servicebus.engine import Engine
-    from servicebus.sockets import Sockets
+    from servicebus.handling.dispatch import Dispatcher
+    from servicebus.engine.loop import Engine
+    from servicebus.engine.sockets import Sockets
     from servicebus.store import Store
 
     synced = lambda self, batches, sync: sync  # noqa: E731 - only the fsynced writes

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from ..delivery import Consumer, is_command_stream
-from ..letters import outgoing_letter
+from ..model.delivery import Consumer, is_command_stream
+from ..model.letters import outgoing_letter
 from .expiry import Expiry
 from .state import State
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..stored import OutboxSend, ReplyRecord
+from ..model.stored import OutboxSend, ReplyRecord
 
 __all__ = ["Published", "SendCmd", "QueueReply", "QueueSend", "SubscribeCmd", "Supersede"]
 

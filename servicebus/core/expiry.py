@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from ..delivery import Consumer, OutgoingRecord, is_command_stream, unpack_outgoing
-from ..letters import damaged_letter, outgoing_letter
-from ..protocol import KIND_NAMES, Kind
+from ..model.delivery import Consumer, OutgoingRecord, is_command_stream, unpack_outgoing
+from ..model.letters import damaged_letter, outgoing_letter
+from ..wire.protocol import KIND_NAMES, Kind
 from .state import Peer, State
 
 __all__ = ["Expiry", "EXPIRY_SCAN"]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from .. import protocol as P
-from ..delivery import Consumer, base_stream, event_stream, stream_target
+from ..wire import protocol as P
+from ..model.delivery import Consumer, base_stream, event_stream, stream_target
 from ..errors import SubscribeRefused
-from ..stored import IntentRecord, SubscriptionRecord, subscription_options
+from ..model.stored import IntentRecord, SubscriptionRecord, subscription_options
 from .commands import SubscribeCmd
 from .peers import PeerLimit, Roster
 from .state import Intent, State

@@ -23,15 +23,15 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .. import protocol as P
-from ..clock import BusClock, wall_ms
-from ..config import BusConfig
-from ..delivery import (Consumer, base_stream, event_stream, group_peer, is_command_stream,
+from ..wire import protocol as P
+from ..model.clock import BusClock, wall_ms
+from ..model.config import BusConfig
+from ..model.delivery import (Consumer, base_stream, event_stream, group_peer, is_command_stream,
                         is_priority_stream, stream_target)
-from ..ids import IdGenerator
-from ..policy import AddressPolicy, OwnAddress
-from ..trust import Keys
-from ..records import PeerStatus
+from ..model.ids import IdGenerator
+from ..wire.policy import AddressPolicy, OwnAddress
+from ..wire.trust import Keys
+from ..model.records import PeerStatus
 from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .backlog import Backlog
 from .expiry import Expiry

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from .. import protocol as P
-from ..delivery import Consumer, group_peer, is_command_stream
-from ..stored import DeliveryRecord
+from ..wire import protocol as P
+from ..model.delivery import Consumer, group_peer, is_command_stream
+from ..model.stored import DeliveryRecord
 from .state import Peer, State
 
 __all__ = ["Roster", "PeerLimit", "DOWN_PING", "WAITING_PING", "WAITING_FAST"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from ..clock import BusClock
-from ..stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
+from ..model.clock import BusClock
+from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 
 __all__ = ["StoreView", "WriteBatch", "Links"]
 

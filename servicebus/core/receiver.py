@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .. import protocol as P
-from ..letters import incoming_letter, invalid_letter
-from ..protocol import KIND_NAMES
+from ..wire import protocol as P
+from ..model.letters import incoming_letter, invalid_letter
+from ..wire.protocol import KIND_NAMES
 from .state import Incoming, State, incoming_record
 
 log = logging.getLogger("servicebus")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 
-from .. import protocol as P
-from ..delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
+from ..wire import protocol as P
+from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
                         is_command_stream, is_delayed, stream_target)
-from ..ids import id_millis
-from ..protocol import FRAME_BYTES, KIND_NAMES, Kind, header_bytes
+from ..model.ids import id_millis
+from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind, header_bytes
 from collections.abc import Iterable
 from .expiry import Expiry
 from .state import Peer, State

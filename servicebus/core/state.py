@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..clock import BusClock
-from ..config import BusConfig
-from ..delivery import Consumer
-from ..ids import IdGenerator
-from ..protocol import Envelope
-from ..stored import subscription_options, IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
-from ..policy import AddressPolicy, OwnAddress
-from ..trust import Keys, PeerEntry
+from ..model.clock import BusClock
+from ..model.config import BusConfig
+from ..model.delivery import Consumer
+from ..model.ids import IdGenerator
+from ..wire.protocol import Envelope
+from ..model.stored import subscription_options, IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
+from ..wire.policy import AddressPolicy, OwnAddress
+from ..wire.trust import Keys, PeerEntry
 from .ports import Links, StoreView, WriteBatch
 
 log = logging.getLogger("servicebus")

@@ -11,16 +11,16 @@ from typing import Any
 
 import logging
 
-from ..topics import is_pattern, matches
-from ..delivery import (Consumer, base_stream, command_stream, event_stream, is_group_peer,
+from ..wire.topics import is_pattern, matches
+from ..model.delivery import (Consumer, base_stream, command_stream, event_stream, is_group_peer,
                         is_priority_stream, pack_outgoing, priority_stream, stream_target)
-from ..stored import DeliveryRecord
-from ..protocol import Kind
+from ..model.stored import DeliveryRecord
+from ..wire.protocol import Kind
 from .commands import Published, QueueReply, QueueSend, SendCmd, Supersede
 from .backlog import Backlog
 from .peers import Roster
 from .ports import WriteBatch
-from ..stored import JournalEvent
+from ..model.stored import JournalEvent
 from .state import State
 
 __all__ = ["Streams", "GC_BUDGET"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..clock import BusClock
-from ..letters import damaged_letter
-from ..stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
+from ..model.clock import BusClock
+from ..model.letters import damaged_letter
+from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
                       SubscriptionRecord)
 from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair
 

@@ -15,7 +15,7 @@ import plyvel
 
 from ..errors import LockedError, StoreError, StoreWriteError
 from ..forks import forked_error, keep_forever, watch
-from ..schema import REPAIR_HINT
+from .schema import REPAIR_HINT
 from .batch import Batch
 from .keys import FORMAT_VERSION, _H, _M
 from .mark import MARK_NAME, MarkFile

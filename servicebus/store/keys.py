@@ -9,7 +9,7 @@ from typing import Any
 
 import msgpack
 
-from ..packer import pack
+from ..model.packer import pack
 
 __all__ = ["FORMAT_VERSION", "SEP", "KEYSPACES"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..clock import BusClock
-from .. import schema
+from ..model.clock import BusClock
+from . import schema
 from ..errors import CorruptRecordError
-from ..stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
+from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
                       SubscriptionRecord)
 from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
 

@@ -322,7 +322,7 @@ def as_nobody(walkable_dir):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv, to run the CLI as another user")
     probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                            sys.executable, "-c", "import servicebus.cli"], capture_output=True,
+                            sys.executable, "-c", "import servicebus.ops.cli"], capture_output=True,
                            text=True, timeout=60, cwd="/", env=os.environ)
     if probe.returncode != 0:
         pytest.skip(f"uid {NOBODY} cannot run this venv's python and import servicebus from "
@@ -415,7 +415,7 @@ def test_a_listing_cut_at_its_limit_says_so_from_a_stopped_bus_too_and_counts_wi
 
 
 def test_a_listing_from_a_bus_that_does_not_say_its_total_says_there_may_be_more_when_full():
-    from servicebus.clitable import cut_notice
+    from servicebus.ops.clitable import cut_notice
 
     assert cut_notice(100, None, 100)["note"].startswith("100 shown, the limit: there may be more")
     assert cut_notice(40, None, 100) is None  # under its limit: the whole listing

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from servicebus.clock import wall_ms
-from servicebus.admin import query_live
+from servicebus.model.clock import wall_ms
+from servicebus.ops.admin import query_live
 from servicebus.testing import free_address, wait_until
 
 from ..conftest import counting_handler, faketime

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from servicebus import Bus, RemoteError, RequestTimeout
-from servicebus.admin import query_live
+from servicebus.ops.admin import query_live
 from servicebus.testing import free_address, wait_until
 
 

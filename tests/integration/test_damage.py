@@ -15,7 +15,7 @@ import plyvel
 import pytest
 
 from servicebus import Bus, StoreError
-from servicebus.lockfile import probe
+from servicebus.store.lockfile import probe
 from servicebus.store import Store
 from servicebus.testing import free_address, wait_until
 
@@ -162,14 +162,14 @@ OPEN_STEPS = [
     ("servicebus.bus.DataDirLock.acquire", "taking the lock"),
     ("servicebus.bus.Store.open", "opening the store"),
     ("servicebus.store.Store.bus_clock", "reading the bus clock"),
-    ("servicebus.sockets.Sockets.bind_router", "binding the router"),
-    ("servicebus.sockets.Sockets.bind_admin", "binding the admin endpoint"),
+    ("servicebus.engine.sockets.Sockets.bind_router", "binding the router"),
+    ("servicebus.engine.sockets.Sockets.bind_admin", "binding the admin endpoint"),
     ("servicebus.bus.Journal.__init__", "making the journal"),
     ("servicebus.bus.Dispatcher.__init__", "making the dispatcher"),
     ("servicebus.core.machine.Core.load", "loading delivery state"),
-    ("servicebus.dispatch.Dispatcher.start", "starting the workers"),
-    ("servicebus.engine.Engine.start", "starting the engine"),
-    ("servicebus.journal.Journal.start", "starting the journal"),
+    ("servicebus.handling.dispatch.Dispatcher.start", "starting the workers"),
+    ("servicebus.engine.loop.Engine.start", "starting the engine"),
+    ("servicebus.hooks.journal.Journal.start", "starting the journal"),
 ]
 
 

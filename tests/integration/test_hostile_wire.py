@@ -18,7 +18,7 @@ import msgpack
 import pytest
 import zmq
 
-from servicebus import protocol as P
+from servicebus.wire import protocol as P
 from servicebus.testing import free_address, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -163,8 +163,8 @@ def journal_events(datadir: Path) -> list[dict]:
 
 
 def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_lane_goes_on(make_bus, raw):
-    from servicebus import admin as A
-    from servicebus.delivery import ORDER_HEADER
+    from servicebus.ops import admin as A
+    from servicebus.model.delivery import ORDER_HEADER
 
     bus = make_bus("sub")
     handled: list[int] = []
@@ -207,7 +207,7 @@ def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_
 OLD_PUBLISHER = textwrap.dedent("""
     import sys
     from servicebus import Bus, outgoing
-    from servicebus.packer import pack
+    from servicebus.model.packer import pack
     from servicebus.testing import wait_until
 
     outgoing.encode_payload = pack  # as a publisher that did not check what receivers decode
@@ -273,8 +273,8 @@ def ack_reader(dealer: zmq.Socket) -> tuple[set[str], Callable[[], set[str]]]:
 
 def test_messages_with_bad_fields_in_a_raw_ordered_frame_are_dead_letters_and_the_lane_goes_on(
         make_bus, raw):
-    from servicebus import admin as A
-    from servicebus.delivery import ORDER_HEADER
+    from servicebus.ops import admin as A
+    from servicebus.model.delivery import ORDER_HEADER
 
     bus = make_bus("sub")
     handled: list[int] = []
@@ -353,7 +353,7 @@ WHERE = r'payload\[1\]\["a"\]: map key \(1, 2\) is a tuple; a receiver cannot de
 
 
 def test_every_way_to_publish_or_send_refuses_what_no_receiver_can_decode(make_bus, tmp_path):
-    from servicebus.stub import StubBus
+    from servicebus.testing.stub import StubBus
 
     bus = make_bus("bus")
     other = make_bus("other")

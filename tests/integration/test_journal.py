@@ -105,7 +105,7 @@ def test_a_restarted_bus_never_overwrites_an_earlier_segment(tmp_path):
 def test_every_way_a_message_stops_being_owed_is_journaled(tmp_path):
     import zmq
 
-    from servicebus import protocol as P
+    from servicebus.wire import protocol as P
 
     pub_dir = tmp_path / "pub"
     with Bus(free_address(), pub_dir) as pub:

@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 
 from servicebus import Bus
-from servicebus.clock import wall_ms
-from servicebus.ids import id_millis
+from servicebus.model.clock import wall_ms
+from servicebus.model.ids import id_millis
 from servicebus.testing import free_address, free_port, wait_until
 
 from ..conftest import subscriber_gone
@@ -72,7 +72,7 @@ def test_the_age_of_the_oldest_message_owed_is_exported_per_subscriber(make_bus)
 def test_register_adds_a_bus_to_the_applications_registry_with_handler_times(make_bus):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from servicebus import metrics
+    from servicebus import metrics  # the public name (README)
 
     registry = CollectorRegistry()
     pub, sub = make_bus("pub"), make_bus("sub")

@@ -54,7 +54,7 @@ def test_the_wheel_has_the_one_version_the_data_files_the_extras_and_the_console
         assert f"Requires-Dist: {dependency}" in metadata
     for extra in ("audit", "compression", "bench", "dev"):
         assert f"Provides-Extra: {extra}" in metadata
-    assert "servicebus = servicebus.cli:main" in entry_points
+    assert "servicebus = servicebus.ops.cli:main" in entry_points
     for name in ("servicebus/py.typed", "servicebus/audit/log4j2.properties",
                  "servicebus/core/machine.py", "servicebus/store/__init__.py"):
         assert name in names
@@ -68,9 +68,9 @@ def test_the_installed_wheel_imports_and_runs_its_command_line_tool(wheel, tmp_p
                                capture_output=True, text=True, timeout=120)
     assert installed.returncode == 0, installed.stderr[-2000:]
     # The dependencies come from this environment; servicebus itself from the wheel.
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import servicebus, servicebus.cli;"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import servicebus, servicebus.ops.cli;"
             "assert servicebus.__file__.startswith(sys.argv[1]), servicebus.__file__;"
-            "print(servicebus.__version__); sys.argv = ['servicebus', '--help']; servicebus.cli.main()")
+            "print(servicebus.__version__); sys.argv = ['servicebus', '--help']; servicebus.ops.cli.main()")
     ran = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr[-2000:]

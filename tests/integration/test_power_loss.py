@@ -255,7 +255,7 @@ def test_a_handler_that_finished_a_second_before_a_power_cut_does_not_run_again(
 JOURNAL_BEFORE_THE_CUT = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from servicebus.journal import Journal
+    from servicebus.hooks.journal import Journal
     from servicebus.store import Store
 
     datadir = Path(sys.argv[1])
@@ -295,7 +295,7 @@ def test_journal_events_moved_to_a_segment_before_a_power_cut_are_still_there_af
     moved = segment_lines(datadir)
     assert len(moved) == 50
     assert disk.cut()["dropped_bytes"] > 0
-    from servicebus.journal import Journal  # the restarted bus: new events, flushed
+    from servicebus.hooks.journal import Journal  # the restarted bus: new events, flushed
 
     store = Store.open(datadir / "store")
     try:

@@ -18,8 +18,8 @@ import pytest
 import zmq
 
 from servicebus import Bus, BusClosedError, LockedError
-from servicebus import protocol as P
-from servicebus.lockfile import probe
+from servicebus.wire import protocol as P
+from servicebus.store.lockfile import probe
 from servicebus.testing import free_address, wait_until
 
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -452,7 +452,7 @@ def test_a_write_made_after_the_last_sync_is_synced_by_close(tmp_path):
 
 
 def test_checking_the_lock_never_makes_a_starting_bus_fail(tmp_path):
-    from servicebus.lockfile import DataDirLock
+    from servicebus.store.lockfile import DataDirLock
 
     stop = threading.Event()
 

@@ -18,8 +18,8 @@ import pytest
 import zmq
 
 from servicebus import SubscribeRefused
-from servicebus import admin as A
-from servicebus import protocol as P
+from servicebus.ops import admin as A
+from servicebus.wire import protocol as P
 from servicebus.testing import free_address, wait_until
 
 TOPIC = "user.signup"
@@ -308,7 +308,7 @@ def test_the_admin_endpoint_writes_no_file_and_export_is_streamed_to_the_cli(mak
 
 
 def make_keys(folder: Path, name: str) -> tuple[Path, str]:
-    from servicebus.keys import keygen
+    from servicebus.wire.keys import keygen
     import zmq.auth
 
     public, _secret = keygen(folder / name)
@@ -506,7 +506,7 @@ def test_a_killed_bus_with_a_long_data_path_leaves_no_admin_directory_behind_for
 
 def _expected_admin_folder(datadir: Path) -> Path:
     """Where a bus on ``datadir`` puts its admin socket (the folder itself is not made)."""
-    from servicebus.sockets import admin_folder
+    from servicebus.engine.sockets import admin_folder
 
     return admin_folder(datadir)[0]
 
@@ -568,7 +568,7 @@ def test_a_bus_whose_admin_folder_was_taken_by_another_user_starts_without_admin
 
 def test_the_admin_socket_is_bound_in_the_folder_that_was_checked_even_if_that_is_swapped_after(
         make_bus, tmp_path, monkeypatch):
-    from servicebus import sockets as S
+    from servicebus.engine import sockets as S
 
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("binds through /proc/self/fd (Linux)")

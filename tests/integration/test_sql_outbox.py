@@ -24,7 +24,7 @@ import pytest
 sa = pytest.importorskip("sqlalchemy", reason="the sql extra (SQLAlchemy) is not installed")
 
 from servicebus.errors import StoreWriteError  # noqa: E402
-from servicebus.protocol import encode_payload  # noqa: E402
+from servicebus.wire.protocol import encode_payload  # noqa: E402
 from servicebus.sql import OutboxTableError, SqlOutbox  # noqa: E402
 from servicebus.testing import free_address, wait_until  # noqa: E402
 
@@ -332,7 +332,7 @@ BAD_ROWS = {  # what is wrong with the row: (its columns, what its dead letter's
 
 @pytest.mark.parametrize("what", list(BAD_ROWS))
 def test_a_row_that_cannot_be_a_message_is_a_dead_letter_and_the_rows_after_it_go_on(service, what):
-    from servicebus import admin as A
+    from servicebus.ops import admin as A
 
     bus, sub, engine, orders, outbox, events, notes = service
     columns, why = BAD_ROWS[what]

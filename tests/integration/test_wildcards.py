@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from servicebus.testing import free_address, wait_until
-from servicebus.topics import matches
+from servicebus.wire.topics import matches
 
 
 @pytest.mark.parametrize("pattern, topic, expected", [

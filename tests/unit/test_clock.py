@@ -2,9 +2,9 @@
 
 import time
 
-from servicebus.clock import BusClock
-from servicebus.ids import IdGenerator, id_millis
-from servicebus.journal import Journal
+from servicebus.model.clock import BusClock
+from servicebus.model.ids import IdGenerator, id_millis
+from servicebus.hooks.journal import Journal
 from servicebus.store import Store
 from servicebus.testing import FakeClock
 

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from servicebus.commit import GroupCommit
+from servicebus.engine.commit import GroupCommit
 from servicebus.errors import StoreError
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from servicebus import protocol as P
-from servicebus.policy import AddressPolicy, OwnAddress
+from servicebus.wire import protocol as P
+from servicebus.wire.policy import AddressPolicy, OwnAddress
 from servicebus.testing import FakeStore, Network
 
 LOCAL = f"localhost:{os.getuid()}:{os.getgid()}:1"  # a Unix-socket peer of this user
@@ -74,8 +74,8 @@ def test_the_core_and_every_module_it_imports_use_neither_zmq_nor_plyvel():
             assert imported.split(".")[0] not in ("zmq", "plyvel"), f"{name} imports {imported}"
             if imported.startswith("servicebus.") and imported != "servicebus":
                 todo.append(imported)
-    assert {"servicebus.core.machine", "servicebus.protocol", "servicebus.stored"} <= seen
-    assert not seen & {"servicebus.store", "servicebus.sockets", "servicebus.engine"}
+    assert {"servicebus.core.machine", "servicebus.wire.protocol", "servicebus.model.stored"} <= seen
+    assert not seen & {"servicebus.store", "servicebus.engine.sockets", "servicebus.engine.loop"}
 
 
 def test_a_lost_ack_is_resent_with_attempt_2_and_the_receiver_acks_again_without_handling_twice(net):
@@ -260,7 +260,7 @@ def test_an_alias_of_its_own_address_is_learnt_from_a_pong():
 
 @pytest.mark.parametrize("entry", ["", "ipc://", "not a host", "10.0.0.0/33"])
 def test_a_bad_allow_peers_entry_is_refused_when_the_bus_is_configured(entry):
-    from servicebus.config import BusConfig
+    from servicebus.model.config import BusConfig
     with pytest.raises(ValueError, match="allow_peers"):
         BusConfig(allow_peers=(entry,))
 
@@ -350,7 +350,7 @@ def test_a_new_address_beyond_max_peers_is_refused_with_the_option_named():
 
 def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_twice(net):
     from servicebus.core import QueueSend
-    from servicebus.stored import OutboxSend
+    from servicebus.model.stored import OutboxSend
 
     sender, receiver = net.node("sender"), net.node("receiver")
     key = "01handled\x00h:000000"
@@ -370,7 +370,7 @@ def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_
 def test_a_max_batch_larger_than_any_receiver_takes_in_one_frame_is_refused_when_the_bus_is_configured():
     # A receiver drops a frame of more than MAX_BATCH messages whole: the publisher would
     # resend the same frames for ever.
-    from servicebus.config import BusConfig
+    from servicebus.model.config import BusConfig
     assert BusConfig(max_batch=P.MAX_BATCH).max_batch == P.MAX_BATCH
     with pytest.raises(ValueError, match="max_batch"):
         BusConfig(max_batch=P.MAX_BATCH + 1)

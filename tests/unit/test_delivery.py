@@ -1,5 +1,5 @@
-from servicebus.delivery import Consumer, backoff, pack_outgoing, unpack_outgoing
-from servicebus.protocol import Kind
+from servicebus.model.delivery import Consumer, backoff, pack_outgoing, unpack_outgoing
+from servicebus.wire.protocol import Kind
 
 
 def test_in_order_acks_move_the_floor():

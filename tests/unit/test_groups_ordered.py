@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from servicebus import protocol as P
-from servicebus.delivery import group_peer
+from servicebus.wire import protocol as P
+from servicebus.model.delivery import group_peer
 from servicebus.testing import Network
 
 TOPIC = "orders.created"

@@ -3,9 +3,9 @@ import re
 import msgpack
 import pytest
 
-from servicebus import protocol as P
+from servicebus.wire import protocol as P
 from servicebus.errors import ProtocolError
-from servicebus.protocol import Kind
+from servicebus.wire.protocol import Kind
 
 LIMIT = 1 << 20
 ADDR = "tcp://127.0.0.1:5555"
@@ -393,7 +393,7 @@ def test_fuzzed_payloads_are_accepted_exactly_when_a_receiver_decodes_them_and_r
 
 
 def test_headers_are_refused_unless_a_receiver_reads_them_with_its_stricter_rules():
-    from servicebus.outgoing import check_ttl_headers
+    from servicebus.model.outgoing import check_ttl_headers
 
     check_ttl_headers(None, {"a": {"b": [1, (2, 3)]}, "c": {b"k": None}})
     with pytest.raises(TypeError, match=r'headers\["a"\]: map key 1 is an int; a receiver reads '
@@ -406,7 +406,7 @@ def test_headers_are_refused_unless_a_receiver_reads_them_with_its_stricter_rule
 def test_a_ttl_is_refused_at_publish_unless_every_receiver_can_keep_its_end():
     # A receiver takes expires up to the year 9999 (a datetime shows no more): what publish
     # accepts, it must accept (DESIGN rule 11). An endless ttl raised OverflowError.
-    from servicebus.outgoing import prepare_command, prepare_event
+    from servicebus.model.outgoing import prepare_command, prepare_event
 
     prepare_event("t", [1], max_payload=LIMIT, ttl=100 * 365 * 86400.0)
     for ttl in (float("inf"), float("nan"), 1e13):

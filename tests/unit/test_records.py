@@ -23,9 +23,9 @@ def test_message_without_ttl_or_headers():
 
 
 def test_every_dead_letter_has_origin_reason_error_and_time_and_what_replay_needs():
-    from servicebus.delivery import OutgoingRecord
-    from servicebus.letters import damaged_letter, incoming_letter, outgoing_letter
-    from servicebus.stored import IncomingRecord
+    from servicebus.model.delivery import OutgoingRecord
+    from servicebus.model.letters import damaged_letter, incoming_letter, outgoing_letter
+    from servicebus.model.stored import IncomingRecord
 
     out = outgoing_letter("expired", None, OutgoingRecord(2, "charge", 1, 2, "c1", None, b"\x01"),
                           "tcp://10.0.0.1:1", "c:tcp://10.0.0.1:1")

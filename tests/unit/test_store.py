@@ -2,7 +2,7 @@ import pytest
 
 from servicebus.errors import StoreError
 from servicebus.store import Store
-from servicebus.stored import IncomingRecord, RunState
+from servicebus.model.stored import IncomingRecord, RunState
 
 
 def test_subscriptions_and_intents_round_trip_and_delete(store):

@@ -3,9 +3,9 @@ import os
 import pytest
 
 from servicebus.errors import LockedError
-from servicebus.ids import IdGenerator, id_millis
-from servicebus.lockfile import DataDirLock, probe, read_owner
-from servicebus.topics import validate_topic
+from servicebus.model.ids import IdGenerator, id_millis
+from servicebus.store.lockfile import DataDirLock, probe, read_owner
+from servicebus.wire.topics import validate_topic
 
 
 @pytest.mark.parametrize("topic", ["a", "user.signup", "x" * 255, "é.ü"])

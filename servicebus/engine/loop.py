@@ -1,0 +1,655 @@
+"""The engine: the I/O shell around the delivery core, on the one thread that owns every
+socket (through ``Sockets``), the timers and the group commit.
+
+User threads never touch a socket. They append a command to a queue, poke an eventfd and
+wait on a ``concurrent.futures.Future``. One turn of the loop (DESIGN.md section 9):
+
+1. read: the wake-up fd, the ROUTER (messages, subscribes, pings), the admin endpoint and
+   every DEALER (acks, pongs), then the queued user commands, each fed to the core;
+2. commit: the core's batch in one ``WriteBatch``, fsynced only if something visible waits
+   on it (a publish returning, an ack leaving, a subscription being confirmed);
+3. release: resolve futures, hand received messages to the dispatcher, send acks;
+4. send: the core fills windows and runs its timers; the frames it asks for go out.
+
+The state machine itself is in ``servicebus.core``; this module only does I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any, cast
+
+import zmq
+
+from ..wire import protocol as P
+from .adminserve import AdminReply, AdminServer
+from ..model.clock import BusClock
+from .commit import GroupCommit
+from ..model.config import BusConfig
+from ..core import Core, Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
+from ..handling.dispatch import Dispatcher
+from ..model.delivery import priority_stream
+from ..hooks.watch import Watches
+from ..errors import BacklogFull, BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
+from ..model.ids import IdGenerator
+from ..hooks.journal import Journal
+from ..handling.requests import PendingRequests
+from .sockets import Sockets
+from ..store import MARK_INTERVAL, Batch, Store
+from ..model.stored import OutboxSend
+from ..handling.transaction import StagedEvent
+
+__all__ = ["Engine", "Drain", "Snapshot", "SendCmd", "QueueReply", "SubscribeCmd"]
+
+log = logging.getLogger("servicebus")
+
+READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
+RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
+# Unsynced writes (handler completions, acked deletes, cursors, journal moves) become durable
+# with the next synced write. A bus that receives and publishes nothing more makes none, so
+# the engine fsyncs once an unsynced write has waited this long: a power cut reruns only
+# handlers that finished within about this long before it (DESIGN.md rule 12, README).
+SYNC_INTERVAL = 0.2
+KEY_SWITCH_AFTER = 2.0  # a peer down this long with several keys listed: try its next key
+
+
+def _property(frame: zmq.Frame, name: str) -> str | None:
+    """A ZeroMQ message property: "Peer-Address", or with CURVE "User-Id" (the client's
+    public key, as the ZAP handler names it)."""
+    try:
+        return str(frame.get(name))
+    except zmq.ZMQError:  # a transport or mechanism without one
+        return None
+
+
+@dataclass
+class Drain:
+    future: Future
+
+
+@dataclass
+class Snapshot:
+    future: Future
+
+
+class Engine(threading.Thread):
+    def __init__(self, *, config: BusConfig, store: Store, clock: BusClock, sockets: Sockets,
+                 address: str, node_id: str, dispatcher: Dispatcher, requests: PendingRequests,
+                 journal: Journal, datadir: Path | None = None) -> None:
+        super().__init__(name="servicebus-engine", daemon=True)
+        self.config = config
+        self.store = store
+        self.sockets = sockets
+        self.address = address
+        self.node_id = node_id
+        self.dispatcher = dispatcher
+        self.watches = Watches()  # Bus.once/any/all
+        self.requests = requests
+        self.journal = journal
+        self.datadir = datadir
+
+        self._queue: deque[Any] = deque()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
+        self._stopping = False
+        self._shut = False  # _shutdown has emptied the queue for good
+        self._submit_lock = threading.Lock()
+        self.failure: BaseException | None = None
+        sockets.watch(self._wake_fd)
+
+        self._degraded: str | None = None  # why the store cannot be written, if it cannot
+        self._next_mark = 0.0  # the store's next high-water mark (store/mark.py)
+        self._next_recover = 0.0
+        self._drains: list[Future] = []
+        self._dedupe_lock = threading.Lock()  # publishes with a dedupe key, one at a time
+        self.clock = clock
+        self._key_tried: dict[str, float] = {}  # address -> when its next CURVE key was tried
+        self._admin: AdminServer | None = None
+        if sockets.admin is not None:
+            self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
+                                      lambda cmd: self._queue.append(cmd))  # _queue is replaced
+
+        self.committer = GroupCommit(store, self._on_published)
+        self._count_lock = threading.Lock()
+        self.published = 0  # ids handed out by publish(), on user threads
+        self.backlog_refused = 0  # publishes refused by backlog_policy (user threads)
+        self._room = threading.Condition()  # publishers waiting for max_backlog room
+        self.fsyncs = 0
+        try:
+            # Above every id the store refers to, whatever the wall clock says now (ids.py).
+            self.ids = IdGenerator(after=store.highest_own_id())
+            self.core = Core(config=config, store=store, links=sockets, batch=store.batch(),
+                             address=address, node_id=node_id, boot=os.urandom(6).hex(),
+                             ids=self.ids, clock=clock, journal_on=journal.enabled,
+                             now=time.monotonic(), uid=os.getuid(), trust=sockets.keys,
+                             aliases=sockets.bound)
+            self._queue.extend(self.core.load())  # replies stored before a crash
+        except BaseException:
+            self.close_wake()  # the bus never gets this engine to close it
+            raise
+
+    # --- user-thread side -------------------------------------------------------------
+
+    def submit(self, command: Any) -> None:
+        if self.failure is not None:
+            raise self.broken()
+        # Under the lock _shutdown empties the queue with: a command is either in the
+        # queue before that (and failed by it) or refused here, never left in a dead queue.
+        with self._submit_lock:
+            if self._stopping or self._shut or not self.is_alive() and self.ident is not None:
+                raise BusClosedError("the bus is closed")
+            self._queue.append(command)
+        self.wake()
+
+    def broken(self) -> BusBrokenError:
+        """The error every call gets once this engine stopped on an error of its own."""
+        return BusBrokenError(f"the bus cannot go on: its engine stopped on {self.failure!r}; "
+                              "close it and open it again")
+
+    def wake(self) -> None:
+        # Under the lock, and never after close_wake(): a write to a closed descriptor
+        # would land in whatever file reuses its number (a journal segment, a LevelDB log).
+        with self._wake_lock:
+            if self._wake_fd < 0:
+                return
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except BlockingIOError:
+                pass  # already signalled (counter full): the engine will look anyway
+
+    def close_wake(self) -> None:
+        """Close the wake-up descriptor; later ``wake()`` calls do nothing. Called once the
+        engine thread has ended (or never started)."""
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.close(self._wake_fd)
+                self._wake_fd = -1
+
+    def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
+                headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
+                due: int | None = None, latest: bool = False, priority: int = 0) -> list[str]:
+        """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
+        return their ids once fsynced (see ``commit.py``). Thread-safe. With
+        ``dedupe_key`` (one body): the id of an earlier publish with that key within
+        ``publish_dedupe_window``, storing nothing, or a new one stored with the key."""
+        if not self.store.writable:
+            # Not even an id for nobody's event: a bus that cannot write cannot deliver.
+            raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
+        if self.core.s.full_streams:
+            self._backpressure(topic, priority)
+        if dedupe_key is not None:
+            # Keyed publishes one at a time: the lookup and the write that stores the key
+            # must not interleave with another publish of the same key.
+            with self._dedupe_lock:
+                found = self.store.get_publish_key(dedupe_key)
+                now = self.clock.now()
+                within = found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000)
+                if within and not latest:
+                    return [found[0]]  # type: ignore[index]
+                ids = self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due, priority)
+                if within and found is not None and found[0] != ids[0]:
+                    self.submit(Supersede(found[0], topic))
+                return ids
+        nobody = not self.core.streams.targets(topic)
+        if nobody:  # asked again, not while the engine reloads who subscribes (_recover)
+            with self.committer.exclusive():
+                nobody = not self.core.streams.targets(topic)
+        if nobody:  # nothing to store
+            ids = self.ids.many(len(bodies)) if due is None else self.ids.delayed(len(bodies), due)
+            with self._count_lock:
+                self.published += len(ids)
+            return ids
+        return self._commit(topic, bodies, expires, headers, None, due, priority)
+
+    def _backpressure(self, topic: str, priority: int) -> None:
+        """A subscriber of ``topic`` is at ``max_backlog``: apply ``backlog_policy``
+        (core/backlog.py). Raises ``BacklogFull``, or returns when there is room (or the
+        policy is to drop the oldest)."""
+        cfg, s = self.config, self.core.s
+        policy = cfg.backlog_policy
+        if policy == "drop_oldest":
+            return
+        deadline = time.monotonic() + (cfg.backlog_timeout if policy == "block" else 0.0)
+        with self._room:
+            while True:
+                full = [level for st in self.core.streams.targets(topic)
+                        if (level := priority_stream(st, priority)) in s.full_streams]
+                if not full:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    with self._count_lock:
+                        self.backlog_refused += 1
+                    who = [c.peer for c in s.consumers.copy().values()
+                           if c.stream in full and c.backlog >= (cfg.max_backlog or 0)]
+                    raise BacklogFull(
+                        f"{', '.join(who[:3]) or 'a subscriber'} of {topic!r} has "
+                        f"max_backlog ({cfg.max_backlog}) messages waiting"
+                        + (f" (waited {cfg.backlog_timeout:g}s)" if policy == "block" else "")
+                        + "; nothing was stored")
+                self._room.wait(min(left, 0.5))
+
+    def _commit(self, topic: str, bodies: list[bytes], expires: int | None,
+                headers: dict[str, Any] | None,
+                key: tuple[str, int, tuple[str, int] | None] | None, due: int | None,
+                priority: int = 0) -> list[str]:
+        stage, journal = self.core.streams.stage_publish, self.journal
+
+        def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
+            ids, streams, events = stage(batch, topic, bodies, expires, headers, due, priority)
+            journal.record(batch, events)
+            if key is not None:  # stored even with nobody subscribed: a retry finds it
+                name, now, old = key
+                if old is not None:  # past the window, not pruned yet: its index entry goes
+                    batch.forget_publish_key(name, old[1])
+                batch.put_publish_key(name, ids[0], now)
+            return ids, streams, expires is not None
+
+        return self.committer.commit(build)[0]
+
+    # --- a handler's transaction (runner.Publisher) -----------------------------------------
+
+    def commit_transaction(self, events: list[StagedEvent], rest: Callable[[Batch], bool]) -> bool:
+        """Store a handler's events with the rest of its run's write, fsynced, through the
+        publishers' group commit (ids in commit order, the engine told in that order)."""
+        if not self.store.writable:
+            raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
+        stage, journal = self.core.streams.stage_publish, self.journal
+        marked = [False]
+
+        def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
+            ids: list[str] = []
+            streams: list[tuple[str, list[tuple[str, bytes]]]] = []
+            for e in events:
+                got, into, journaled = stage(batch, e.topic, [e.body], e.expires, e.headers, e.due,
+                                             e.priority)
+                ids += got
+                streams += into
+                journal.record(batch, journaled)
+            marked[0] = rest(batch)
+            return ids, streams, any(e.expires is not None for e in events)
+
+        self.committer.commit(build)
+        return marked[0]
+
+    def queue_sends(self, sends: list[tuple[str, OutboxSend]]) -> None:
+        for key, send in sends:
+            try:
+                self.submit(QueueSend(key, send))
+            except BusError:
+                return  # closing or broken: the outbox keeps them for the next start
+
+    def backpressure(self, topic: str, priority: int) -> None:
+        if self.core.s.full_streams:
+            self._backpressure(topic, priority)
+
+    def _on_published(self, results: list[tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]]) -> None:
+        # Under the commit lock, in commit order: the engine sees new ids in stream order.
+        with self._count_lock:
+            for ids, streams, ttl in results:
+                self.published += len(ids)
+                for stream, items in streams:
+                    self._queue.append(Published(stream, items, ttl=ttl))
+        self.wake()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping = True
+        self.wake()
+        self.join(timeout)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                timeout = 0 if self._queue else self.core.poll_timeout(now)
+                poller = self.sockets.poller if self._degraded is None else self.sockets.degraded_poller
+                self._turn(dict(poller.poll(int(timeout * 1000))))
+            self.core.collect_soon()  # leave no acknowledged message behind in the store
+            self._turn({})  # last commands and acks before the sockets close
+            if self._degraded is None:
+                batch = cast(Batch, self.core.out.batch)  # the core writes into ours
+                self.journal.record(batch, self.core.out.journal)
+                self.core.save_clock()
+                try:
+                    self.store.write(batch, sync=True)
+                except StoreError as exc:
+                    log.error("last write at close failed: %s (as after a crash: what it held "
+                              "is redone after the next start)", exc)
+        except BaseException as exc:  # noqa: BLE001
+            self.failure = exc
+            log.exception("servicebus engine stopped by an unexpected error")
+        finally:
+            self._shutdown()
+
+    def _turn(self, events: dict) -> None:
+        if self._degraded is None and not self.store.writable:
+            self._degrade(StoreWriteError(self.store.failure or "the store refuses writes"))
+        if self._degraded is not None:
+            self._degraded_turn(events)
+            return
+        now = time.monotonic()
+        core = self.core
+        self._read(events, now)
+        self._run_commands(now)
+
+        # commit: one fsync for everything this turn that someone waits on
+        out = core.prepare(now)
+        batch = cast(Batch, out.batch)  # the core writes into what store.batch() made
+        if out.journal:
+            self.journal.record(batch, out.journal)
+        if not batch.sync and self.store.unsynced_for(now) >= SYNC_INTERVAL:
+            batch.sync = True  # idle turns come every TICK (0.1 s): the bound holds when idle
+        if batch.ops or batch.sync:
+            if out.handoff:
+                self.dispatcher.reserve([item.id for item in out.handoff])
+            try:
+                self.store.write(batch, sync=batch.sync)
+            except StoreError as exc:
+                self._degrade(exc)  # nothing of this turn happened: no ack, no release
+                return
+            if batch.sync:
+                self.fsyncs += 1
+            batch = self.store.batch()
+        done = core.committed(batch)
+
+        # release
+        for future, value in done.release:
+            if not future.done():
+                if isinstance(value, BaseException):  # a refused subscribe (handshake.py)
+                    future.set_exception(value)
+                else:
+                    future.set_result(value)
+        if len(done.release) > 1:
+            # Several callers were waiting on this commit: let them run and queue their next
+            # call before the next turn, so that it commits them together (group commit).
+            os.sched_yield()  # releases the GIL (see commit.py)
+        if done.handoff:
+            # Before the acks: a worker takes a while to wake up, the acks go meanwhile.
+            self.dispatcher.submit(done.handoff)
+            if self.watches.active:
+                self.watches.offer(done.handoff)
+        for ident, ids in done.acks.items():
+            self._send_router(ident, P.encode_ack(ids))
+
+        # send
+        if core.advance(now):
+            self.requests.expire(now)
+            if self.sockets.keys is not None:
+                self._switch_keys(now)
+        if core.s.full_changed:  # max_backlog: publishers waiting for room look again
+            core.s.full_changed = False
+            with self._room:
+                self._room.notify_all()
+        self._send_frames(now)
+        if self._drains:
+            self._check_drains()
+        if now >= self._next_mark:
+            self._next_mark = now + MARK_INTERVAL
+            try:
+                self.store.mark()  # what synced writes made durable, outside the store too
+            except StoreError:
+                pass  # the store refuses writes now: the next turn degrades (as for any write)
+
+    def _read(self, events: dict, now: float) -> None:
+        sockets = self.sockets
+        self._read_wake(events)
+        if sockets.monitor is not None and sockets.monitor in events:
+            self._count_handshakes()
+        if sockets.router in events:
+            self._read_router(now)
+        if self._admin is not None and self._admin.sock in events:
+            self._admin.read()
+        for sock in events:
+            address = sockets.address_of(sock)
+            if address is not None:
+                self._read_dealer(address, sock, now)
+        # NACKs a pong led to (subscribes naming an alias of this bus): at once too.
+        for ident, reply in self.core.take_router_frames():
+            self._send_router(ident, reply)
+
+    def _count_handshakes(self) -> None:
+        s = self.core.s
+        for name in self.sockets.handshake_failures():
+            total = s.tally(s.counters, name, "handshake_failed")
+            if total is not None:
+                log.warning("a peer failed the CURVE handshake (%s: a NULL client or an unknown "
+                            "key); %d so far", name, total)
+
+    def _read_wake(self, events: dict) -> None:
+        if self._wake_fd in events:
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass  # read by an earlier turn already
+
+    def _switch_keys(self, now: float) -> None:
+        """A peer that stays down although peers.toml lists several keys for it may have
+        switched to another: try the next one every KEY_SWITCH_AFTER seconds."""
+        peers = self.core.s.peers
+        for address in self.sockets.switchable:
+            peer = peers.get(address)
+            if peer is None or peer.up or now - peer.down_since < KEY_SWITCH_AFTER:
+                continue
+            if now - self._key_tried.get(address, 0.0) < KEY_SWITCH_AFTER:
+                continue
+            self._key_tried[address] = now
+            if self.sockets.try_next_key(address):
+                log.info("peer %s does not answer: trying the next key peers.toml lists for it", address)
+
+    def _send_frames(self, now: float) -> None:
+        failed: set[str] = set()
+        sent = 0
+        for address, frames, count in self.core.take_frames():
+            if address in failed:
+                continue
+            if self.sockets.send_peer(address, frames):
+                sent += count
+            else:
+                failed.add(address)
+                self.core.unreachable(address, now)
+        self.core.s.counters["sent"] += sent
+
+    def _send_router(self, ident: bytes, frames: list[bytes]) -> None:
+        if not self.sockets.send_router(ident, frames):
+            self.core.s.counters["router_send_failed"] += 1
+
+    # --- a store that cannot be written ---------------------------------------------------
+
+    def _degrade(self, exc: BaseException) -> None:
+        """A write failed (a full disk, an I/O error). What this turn would have done did
+        not happen: nobody is released, nothing acked, nothing handed to handlers. Until
+        the store can be written again the engine neither receives (peers see it down and
+        keep their messages) nor sends; every RECOVER_INTERVAL it tries to reopen the
+        store, then reloads its delivery state from it, exactly as after a restart."""
+        self._degraded = str(exc)
+        self.core.s.counters["store_failures"] += 1
+        log.error("the store cannot be written (%s): receiving and sending are paused; the bus "
+                  "retries every %.1fs and goes on by itself once writing works", exc, RECOVER_INTERVAL)
+        failed = StoreWriteError(f"the store cannot be written: {exc}")
+        dropped = self.core.abandon()
+        for future, _value in dropped.release:
+            if not future.done():
+                future.set_exception(failed)
+        self.dispatcher.unreserve([item.id for item in dropped.handoff])
+        self._next_recover = time.monotonic() + RECOVER_INTERVAL
+
+    def _degraded_turn(self, events: dict) -> None:
+        now = time.monotonic()
+        self._read_wake(events)
+        if self.sockets.monitor is not None and self.sockets.monitor in events:
+            self._count_handshakes()
+        if self._admin is not None and self._admin.sock in events:
+            self._admin.read()
+        failed = StoreWriteError(f"the store cannot be written: {self._degraded}")
+        queue = self._queue
+        while queue:
+            cmd = queue.popleft()
+            if isinstance(cmd, (SendCmd, SubscribeCmd)):
+                if not cmd.future.done():
+                    cmd.future.set_exception(failed)
+            elif isinstance(cmd, Supersede):
+                pass  # best effort: the older message is delivered too
+            elif not isinstance(cmd, (Published, QueueReply, QueueSend)):  # in the store: reloaded
+                self._engine_command(cmd, now)
+        self.requests.expire(now)
+        if now >= self._next_recover:
+            self._next_recover = now + RECOVER_INTERVAL
+            if self.store.writable or self.store.reopen():
+                self._recover()
+
+    def _recover(self) -> None:
+        log.warning("the store can be written again (it had failed: %s); reloading delivery "
+                    "state and going on", self._degraded)
+        self._degraded = None
+        # Publishing threads (retrying since the store failed) write again from the moment
+        # it reopened. Reloading clears, then rebuilds, the subscriptions their writes go
+        # by: a publish in between would find nobody subscribed and store nothing. So no
+        # publish is built meanwhile; one reported before is in the store, read from it.
+        with self.committer.exclusive():
+            self._queue = deque(c for c in self._queue
+                                if not isinstance(c, (Published, QueueReply, QueueSend, Supersede)))
+            # As at a start: cursors, subscriptions, intents, stored replies ...
+            self._queue.extend(self.core.reload(self.store.batch()))
+        # ... and the handlers get whatever is stored and not in memory, off this thread.
+        threading.Thread(target=self.dispatcher.refill, name="servicebus-refill", daemon=True).start()
+
+    # --- reading -----------------------------------------------------------------------
+
+    def _decode(self, frames: list[bytes]) -> P.Frame | None:
+        try:
+            return P.decode(frames, max_payload=self.config.max_payload)
+        except BusError as exc:
+            self.core.malformed(getattr(exc, "reason", "malformed"), str(exc))
+            return None
+
+    def _read_router(self, now: float) -> None:
+        router, core = self.sockets.router, self.core
+        assert router is not None
+        curve = self.sockets.keys is not None
+        for _ in range(READ_LIMIT):
+            try:
+                # The identity part uncopied: it carries the connection's Peer-Address.
+                # Not cached by identity: a peer may choose its identity, and the ROUTER
+                # hands an identity over to the latest connection that claims it.
+                first = router.recv(zmq.NOBLOCK, copy=False)
+                frames = [first.bytes]
+                while router.getsockopt(zmq.RCVMORE):
+                    frames.append(router.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if len(frames) < 2:
+                core.malformed("bad_frame_count", f"{len(frames)} frame(s)")
+                continue
+            frame = self._decode(frames[1:])
+            if frame is not None:
+                # Only frames that name an address to connect to need to know where they
+                # came from (events, the bulk, do not).
+                events = isinstance(frame, P.Batch) and frame.kind != P.Kind.COMMAND
+                if events or isinstance(frame, P.Ping):
+                    core.on_router(frames[0], frame, now)
+                else:
+                    user = _property(first, "User-Id") if curve else None
+                    core.on_router(frames[0], frame, now, _property(first, "Peer-Address"), user)
+        for ident, reply in core.take_router_frames():  # pongs and nacks, at once
+            self._send_router(ident, reply)
+
+    def _read_dealer(self, address: str, sock: zmq.Socket, now: float) -> None:
+        for _ in range(READ_LIMIT):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frame = self._decode(frames)
+            if frame is not None:
+                self.core.on_dealer(address, frame, now)
+                if sock.closed:  # the core let the connection go (an alias of this bus)
+                    return
+
+    # --- user commands -----------------------------------------------------------------
+
+    def _run_commands(self, now: float) -> None:
+        queue, core = self._queue, self.core
+        while queue:
+            cmd = queue.popleft()
+            try:
+                if isinstance(cmd, (Published, SendCmd, QueueReply, QueueSend, SubscribeCmd, Supersede)):
+                    core.command(cmd, now)
+                else:
+                    self._engine_command(cmd, now)
+            except Exception as exc:  # a bad command fails its caller, not the engine
+                if cmd.future is None:
+                    raise
+                if not cmd.future.done():
+                    cmd.future.set_exception(exc)
+
+    def _engine_command(self, cmd: Any, now: float) -> None:
+        if isinstance(cmd, AdminReply):
+            self.sockets.send_admin(cmd.ident, cmd.data)
+        elif isinstance(cmd, Drain):
+            self._drains.append(cmd.future)
+        elif isinstance(cmd, Snapshot):
+            cmd.future.set_result(self._snapshot(now))
+        else:
+            raise TypeError(f"unknown engine command {cmd!r}")
+
+    # --- drain and status --------------------------------------------------------------
+
+    def idle(self) -> bool:
+        if self._degraded is not None or self._queue or not self.core.idle():
+            return False
+        if len(self.requests):
+            return False
+        return self.dispatcher.idle
+
+    def _check_drains(self) -> None:
+        self._drains = [f for f in self._drains if not f.done()]
+        if self._drains and self.idle():
+            for fut in self._drains:
+                fut.set_result(True)
+            self._drains = []
+
+    def _snapshot(self, now: float) -> dict:
+        snap = self.core.snapshot(now)
+        counters = Counter(snap["counters"])
+        counters["fsyncs"] += self.fsyncs + self.committer.fsyncs
+        counters["published"] += self.published
+        if self.backlog_refused:
+            counters["backlog_refused"] += self.backlog_refused
+        counters["requests_expired"] += self.dispatcher.runner.requests_expired
+        snap["counters"] = dict(counters)
+        snap["store_error"] = self._degraded or self.store.failure
+        return snap
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        err: BusError = BusClosedError("the bus closed before this call completed")
+        if self.failure is not None:
+            err = self.broken()
+        with self._submit_lock:
+            self._shut = True
+            queued, self._queue = list(self._queue), deque()
+        for cmd in queued:
+            if cmd.future is not None and not cmd.future.done():
+                cmd.future.set_exception(err)
+        for fut in self._drains:
+            if not fut.done():
+                fut.set_result(False)
+        for fut in self.core.waiters():
+            if not fut.done():
+                fut.set_exception(err)
+        self.requests.close(err)
+        if self._admin is not None:
+            self._admin.close()
+        self.sockets.close()

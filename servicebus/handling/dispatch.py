@@ -1,0 +1,474 @@
+"""Hands received messages to worker threads owned by the bus: a bounded work queue,
+parking, refills from the store, and the workers themselves.
+
+The engine hands over incoming messages only after they are fsynced (and acked). From then
+on the dispatcher owns their ``n/`` and ``r/`` records; ``runner.py`` runs one message
+(handlers, retries, dead letters, replies) and ``handlers.py`` holds who handles what.
+Messages without a handler yet stay in the store ("parked") and are dispatched when one
+registers. At most ``dispatch_queue`` messages are held in memory; the rest wait in the
+store and are read back as the queue empties.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from ..model.clock import BusClock, wall_ms
+from ..model.config import BusConfig
+from ..core.state import Incoming
+from ..model.delivery import KEY_HEADER, ORDER_HEADER, PRIORITY_HEADER
+from ..errors import CorruptRecordError, StoreError
+from ..wire.topics import is_pattern, matches
+from .handlers import Handler, Handlers
+from ..hooks.journal import Journal
+from ..wire.protocol import Kind
+from .requests import PendingRequests
+from .runner import Runner
+from ..store import Store
+from ..model.stored import ReplyRecord
+
+__all__ = ["Dispatcher", "RUN"]
+
+log = logging.getLogger("servicebus")
+
+RUN = 16  # ready messages a worker takes at once, at most
+# A message of priority p is queued as if it had arrived p times this long earlier: it goes
+# before lower ones that arrived less than that before it, and after those that waited
+# longer (so a steady stream of high ones never holds a low one back for good).
+PRIORITY_STEP = 1.0
+
+LaneKey = tuple[str, str, "str | None"]
+
+
+def lane_of(item: Incoming) -> LaneKey | None:
+    """The lane of a message from an ordered subscription: (publisher, subscription,
+    key). A lane's messages are handled one at a time in id order (publish order)."""
+    headers = item.record.headers
+    if not headers:
+        return None
+    order = headers.get(ORDER_HEADER)
+    if type(order) is not str:
+        return None
+    key = headers.get(KEY_HEADER)
+    return (item.record.reply_to, order, key if type(key) is str else None)
+
+
+class _Lane:
+    """One lane's state: the message queued, running or waiting for a retry (``head``),
+    those after it (a heap by id), and whether some were left in the store when the queue
+    was full (``gap``: later ones wait for the refill that reads them all in order)."""
+
+    __slots__ = ("head", "waiting", "gap")
+
+    def __init__(self) -> None:
+        self.head: str | None = None
+        self.waiting: list[tuple[str, float, Incoming]] = []
+        self.gap = False
+
+
+class Dispatcher:
+    def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
+                 requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
+                 journal: Journal, clock: BusClock) -> None:
+        self._store = store
+        self._config = config
+        self._on_idle = on_idle
+        self._handlers = Handlers()
+        self._runner = Runner(store, config, self._handlers, requests=requests,
+                              on_reply=on_reply, journal=journal, clock=clock,
+                              park=self._park, closing=lambda: self._closing)
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Incoming]] = []
+        self._seq = itertools.count()
+        self._known: set[str] = set()  # queued, running or waiting for a retry
+        self._reserved: set[str] = set()  # being stored by the engine (see reserve)
+        self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
+        self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
+        self._overflow = False
+        self._overflow_gen = 0
+        self._lanes: dict[LaneKey, _Lane] = {}  # ordered subscriptions' lanes with work
+        self._refilling = False
+        self._refill_pending = False  # a refill was asked for while one ran
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def runner(self) -> Runner:
+        return self._runner
+
+    def start(self) -> None:
+        # Messages stored before a restart. A damaged record stops the start here, with a
+        # StoreError naming it (rule 9), rather than being found later.
+        self._refill(strict=True)
+        for n in range(self._config.workers):
+            t = threading.Thread(target=self._work, name=f"servicebus-worker-{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, timeout: float) -> bool:
+        """Stop taking work; wait up to ``timeout`` for running handlers. True if all ended."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:  # close() called from a handler: that handler is finishing now
+                t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive() and t is not me]
+        if alive:
+            log.warning("close: %d handler(s) still running after %.1fs; their results will "
+                        "be rerun after the next start", len(alive), timeout)
+        return not alive
+
+    def refill(self) -> None:
+        """Queue every stored incoming message not in memory (after the store was reopened:
+        a write that did not count may still have stored messages nobody handed over)."""
+        try:
+            self._refill()
+        except StoreError as exc:
+            log.error("reading stored incoming messages failed: %s", exc)
+
+    def observe(self, fn: Callable[[str, float], None]) -> None:
+        """Call ``fn(topic, seconds)`` after each handler run (metrics.py)."""
+        self._runner.observe = fn
+
+    def in_worker(self) -> bool:
+        return threading.current_thread() in self._threads
+
+    @property
+    def idle(self) -> bool:
+        with self._cv:
+            return self._idle()
+
+    def _idle(self) -> bool:
+        return not (self._known or self._parked or self._overflow or self._refilling
+                    or self._refill_pending)
+
+    # --- handlers ----------------------------------------------------------------------
+
+    def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None) -> None:
+        """Add ``handler`` (see ``Handlers.add``) and queue its parked messages."""
+        with self._cv:
+            key = self._handlers.add(kind, topic, handler, name)
+            woken = {k for k in self._parked if k == key or (
+                k[0] == key[0] and is_pattern(topic) and matches(topic, k[1]))}
+            self._parked -= woken
+            if woken:
+                self._refill_pending = True  # not idle until its messages are read
+        if woken:
+            self._refill(only=key if woken == {key} else None)
+
+    def _park(self, key: tuple[int, str], expires: int | None) -> None:
+        with self._cv:
+            self._parked.add(key)
+            if expires is not None:
+                self._wake_parked_at(expires)
+
+    # --- intake ------------------------------------------------------------------------
+
+    def reserve(self, ids: list[str]) -> None:
+        """Messages the engine is storing now and will ``submit`` once that write counts:
+        a refill running meanwhile must not take (and finish) them first, or the engine's
+        hand-off would run them again."""
+        with self._cv:
+            self._known.update(ids)
+            self._reserved.update(ids)
+
+    def unreserve(self, ids: list[str]) -> None:
+        """The write that stored them did not count: they are not handed over."""
+        with self._cv:
+            for mid in ids:
+                if mid in self._reserved:
+                    self._reserved.discard(mid)
+                    self._known.discard(mid)
+
+    def submit(self, items: Iterable[Incoming]) -> None:
+        with self._cv:
+            added = 0
+            reserved = self._reserved
+            now = time.monotonic()
+            for item in items:
+                if item.id in reserved:
+                    reserved.discard(item.id)
+                    self._known.discard(item.id)
+                elif item.id in self._known:
+                    continue
+                headers = item.record.headers
+                lane, due = None, now
+                if headers:  # ordered lanes and priorities live in headers; most have none
+                    lane = lane_of(item)
+                    prio = headers.get(PRIORITY_HEADER)
+                    if type(prio) is int:
+                        due -= PRIORITY_STEP * max(0, min(9, prio))
+                if len(self._known) >= self._config.dispatch_queue or (
+                        lane is not None and lane in self._lanes and self._lanes[lane].gap):
+                    self._overflow = True
+                    self._overflow_gen += 1
+                    if lane is not None:
+                        self._lanes.setdefault(lane, _Lane()).gap = True
+                    continue
+                if lane is None:
+                    self._push(item, due)
+                else:
+                    self._enqueue(item, due, lane)
+                added += 1
+            if added:
+                # Wake as many workers as there are runs to take, not all of them: every
+                # needless wake-up is a context switch and a turn at the GIL.
+                self._cv.notify(min(self._config.workers, -(-added // RUN)))
+
+    def _wake_parked_at(self, expires_ms: int) -> None:
+        """A parked message expires then: a scan at that time dead-letters it. Under _cv."""
+        due = time.monotonic() + max(0, expires_ms - wall_ms()) / 1000 + 0.001
+        if self._parked_expiry is None or due < self._parked_expiry:
+            self._parked_expiry = due
+            self._cv.notify()
+
+    def _push(self, item: Incoming, due: float) -> None:
+        self._known.add(item.id)
+        heapq.heappush(self._heap, (due, next(self._seq), item))
+
+    def _enqueue(self, item: Incoming, due: float, lane: LaneKey | None) -> None:
+        """Queue a message; one of an ordered lane waits behind the lane's head. Under _cv."""
+        if lane is None:
+            self._push(item, due)
+            return
+        state = self._lanes.get(lane)
+        if state is None:
+            state = self._lanes[lane] = _Lane()
+        if state.head is None:
+            state.head = item.id
+            self._push(item, due)
+        else:
+            self._known.add(item.id)
+            heapq.heappush(state.waiting, (item.id, due, item))
+
+    def _lane_done(self, item: Incoming) -> None:
+        """``item`` is finished (handled, dead letter, parked): its lane's next one goes.
+        Under _cv."""
+        lane = lane_of(item)
+        state = None if lane is None else self._lanes.get(lane)
+        if state is None or state.head != item.id:
+            return
+        if state.waiting:
+            _mid, due, nxt = heapq.heappop(state.waiting)
+            state.head = nxt.id
+            heapq.heappush(self._heap, (due, next(self._seq), nxt))
+            self._cv.notify()
+        else:
+            state.head = None
+            if not state.gap:
+                del self._lanes[lane]  # type: ignore[arg-type]
+
+    def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
+        """Read stored incoming messages that are not in memory yet (restart, overflow, a
+        handler registered late, a parked message's TTL). One refill runs at a time; a
+        request made meanwhile makes it scan once more (everything) before it ends, so
+        no request is lost and ``idle`` stays False until then."""
+        with self._cv:
+            self._refill_pending = True
+            if self._refilling:
+                return
+            self._refilling = True
+        try:
+            while True:
+                with self._cv:
+                    self._refill_pending = False
+                    gen = self._overflow_gen
+                filled = self._scan(only, strict)
+                with self._cv:
+                    if only is None:
+                        # Something was turned away while we scanned: its record may sort
+                        # before where the scan had got to, so scan again once there is room.
+                        self._overflow = not filled or gen != self._overflow_gen
+                        if not self._overflow:  # every lane's messages are in memory, in order
+                            for key, lane in list(self._lanes.items()):
+                                lane.gap = False
+                                if lane.head is None and not lane.waiting:
+                                    del self._lanes[key]
+                    again = (self._overflow and not self._closing
+                             and len(self._known) < self._config.dispatch_queue // 2)
+                    if self._refill_pending and not self._closing:
+                        again, only = True, None
+                    if not again:
+                        self._refill_pending = False
+                        return
+        except StoreError:
+            if not self._closing:
+                raise
+        finally:
+            with self._cv:
+                self._refilling = False
+
+    def _scan(self, only: tuple[int, str] | None, strict: bool) -> bool:
+        """Queue stored messages not yet in memory; False if the queue filled up first.
+        Not ``strict`` (a running bus), damaged records become dead letters and the scan
+        goes on."""
+        now_ms, now = wall_ms(), time.monotonic()
+        damaged: list | None = None if strict else []
+        try:
+            return self._scan_records(only, strict, damaged, now_ms, now)
+        finally:
+            if damaged:
+                self._quarantine(damaged)
+
+    def _quarantine(self, damaged: list[tuple[bytes, bytes]]) -> None:
+        batch = self._store.batch()
+        for key, raw in damaged:
+            batch.quarantine_incoming(key, raw, "undecodable record")
+            log.error("incoming message %s: its stored record is damaged; moving it to the "
+                      "dead letters with its raw bytes", key[2:].decode("utf-8", "replace"))
+        try:
+            self._store.write(batch, sync=False)
+        except StoreError as exc:  # found again by the next scan
+            log.error("could not move damaged incoming records: %s", exc)
+
+    def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
+                      now_ms: int, now: float) -> bool:
+        redos: list[tuple[str, Callable[[], None]]] = []
+        try:
+            return self._scan_stored(only, strict, damaged, now_ms, now, redos)
+        finally:
+            for message_id, redo in redos:  # finished here, but the write was dropped
+                log.warning("message %s: its finishing write was lost with a failed write; "
+                            "writing it again (its handler does not run again)", message_id)
+                redo()
+
+    def _scan_stored(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
+                     now_ms: int, now: float, redos: list) -> bool:
+        for message_id, record in self._store.incoming(damaged):
+            if only is not None and (record.kind, record.topic) != only:
+                continue
+            with self._cv:
+                if self._closing:
+                    return True
+                if message_id in self._known:
+                    continue
+                if len(self._known) >= self._config.dispatch_queue:
+                    return False
+                key = (record.kind, record.topic)
+                if record.kind != Kind.REPLY and key not in self._handlers and (
+                        record.expires is None or record.expires > now_ms):
+                    # Nobody handles it yet: it waits in the store, not in the queue, or
+                    # enough of them would fill the queue on every scan and keep the
+                    # messages after them from their handlers. register() reads them.
+                    self._parked.add(key)
+                    if record.expires is not None:
+                        self._wake_parked_at(record.expires)
+                    if strict:  # at start every record is checked (rule 9), its run state too
+                        self._store.get_runstate(message_id)
+                    continue
+                # The iterator reads a snapshot: a message finished since it was taken is
+                # gone from the store (finishing deletes it before leaving _known).
+                if not self._store.has_incoming(message_id):
+                    continue
+                redo = self._runner.redo_for(message_id)
+                if redo is not None:
+                    redos.append((message_id, redo))
+                    continue
+                try:
+                    runstate = self._store.get_runstate(message_id)
+                except CorruptRecordError:
+                    if strict:
+                        raise
+                    log.error("the run state of %s is damaged; its attempts start again", message_id)
+                    runstate = None
+                due = 0.0
+                if runstate and runstate.next_ms and runstate.next_ms > now_ms:
+                    # A retry time is wall-clock ms from an earlier run. If the clock was
+                    # set back since, it is too far off: no retry waits past retry_max.
+                    due = now + min((runstate.next_ms - now_ms) / 1000, self._config.retry_max)
+                item = Incoming(message_id, record, runstate)
+                self._enqueue(item, due, lane_of(item))
+                self._cv.notify()
+        return True
+
+    # --- workers -----------------------------------------------------------------------
+
+    def _next_run(self) -> list[Incoming] | None:
+        """The next ready messages for one worker: a fair share of what is ready (so slow,
+        I/O-bound handlers still spread over all workers), at most RUN. An empty list when
+        a parked message's TTL passed: the worker scans the store for it."""
+        with self._cv:
+            while True:
+                if self._closing:
+                    return None
+                parked = self._parked_expiry
+                if parked is not None and parked <= time.monotonic():
+                    self._parked_expiry = None
+                    return []
+                if self._heap:
+                    now = time.monotonic()
+                    due = self._heap[0][0]
+                    if parked is not None:
+                        due = min(due, parked)
+                    if due <= now:
+                        ready = sum(1 for d, _, _ in self._heap[:RUN * 8] if d <= now)
+                        take = max(1, min(RUN, ready // self._config.workers))
+                        run = [heapq.heappop(self._heap)[2]]
+                        while len(run) < take and self._heap and self._heap[0][0] <= now:
+                            run.append(heapq.heappop(self._heap)[2])
+                        return run
+                    self._cv.wait(due - now)
+                elif parked is not None:
+                    self._cv.wait(parked - time.monotonic())
+                else:
+                    self._cv.wait()
+
+    def _work(self) -> None:
+        while True:
+            run = self._next_run()
+            if run is None:
+                return
+            if not run:
+                self._refill()  # a parked message expired: the scan queues it to dead-letter
+                continue
+            marked = False  # whether run[i]'s "started" marker was written with run[i-1]
+            for i, item in enumerate(run):
+                nxt = run[i + 1] if i + 1 < len(run) else None
+                retry_at: float | None = None
+                try:
+                    retry_at, marked = self._runner.run(item, marked, nxt)
+                except StoreError as exc:
+                    marked = False
+                    if not self._closing:
+                        log.error("handling %s: %s", item.id, exc)
+                except BaseException:  # noqa: BLE001 - a worker must never die silently
+                    marked = False
+                    log.exception("unexpected error dispatching %s", item.id)
+                finally:
+                    try:
+                        self._finish(item, retry_at)
+                    except BaseException:  # noqa: BLE001 - nor die finishing one
+                        log.exception("unexpected error finishing %s", item.id)
+
+    def _finish(self, item: Incoming, retry_at: float | None) -> None:
+        refill = False
+        with self._cv:
+            if retry_at is not None and not self._closing:
+                try:
+                    runstate = self._store.get_runstate(item.id) if not self._store.closed else None
+                except StoreError as exc:  # damaged, or closing: retried from its attempt 0
+                    log.error("reading the run state of %s: %s", item.id, exc)
+                    runstate = None
+                heapq.heappush(self._heap, (retry_at, next(self._seq), item._replace(runstate=runstate)))
+                self._cv.notify()
+            else:
+                self._known.discard(item.id)
+                self._lane_done(item)
+            idle = self._idle()
+            refill = self._overflow and not self._refilling and \
+                len(self._known) < self._config.dispatch_queue // 2
+        if refill and not self._closing:
+            self._refill()
+            idle = self.idle
+        if idle:
+            self._on_idle()

@@ -1,0 +1,411 @@
+"""``servicebus check [--repair]``: find what is damaged in a stopped bus's store, repair
+what can be repaired, and say exactly what could not (DESIGN.md section 3, rule 9).
+
+Two levels of damage:
+
+- **Files** LevelDB cannot read (a missing ``CURRENT``, a truncated or bit-flipped table):
+  ``repair_files`` runs LevelDB's own repair, which rebuilds the store from every table
+  and log entry it can still read and sets the rest aside in ``store/lost/``. What it could
+  not read is found by comparing the delivery journal (segment files outside LevelDB: what
+  this bus still owed, sent or received) with what the rebuilt store holds: those ids are
+  reported as lost, by id.
+- **Records** that do not decode, or that no longer agree with each other: ``check`` lists
+  them; with ``repair`` it restores what the rest of the store determines (a subscription
+  from its delivery state, a delivery state from its subscription, a handled-id index
+  entry, the meta records) and drops what cannot be restored, reporting each as lost.
+  Messages that no subscriber is owed any more become dead letters (``no_subscriber``),
+  never silently deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..store import schema
+from ..model.delivery import command_stream, event_stream, group_peer, is_command_stream, unpack_outgoing
+from ..errors import CorruptRecordError
+from ..hooks.journal import FLUSH_CHUNK, ROLES
+from ..model.letters import outgoing_letter
+from ..store import FORMAT_VERSION, KEYSPACES, MARK_NAME, SEP, Store
+from ..model.clock import wall_ms
+
+__all__ = ["Problem", "check", "repair_files", "journal_owed", "lost_in_repair", "lost_writes", "Owed"]
+
+Progress = Callable[[int], None] | None
+CHUNK = 5000
+
+# What --repair does with a record that does not decode, per keyspace.
+ON_UNDECODABLE = {
+    "subscriptions": "restored (resends what is still stored for the topic; duplicates are deduplicated)",
+    "deliveries": "restored from the subscription (what was acked is resent and deduplicated)",
+    "intents": "dropped (the service's next subscribe/unsubscribe call asks again)",
+    "outgoing": "dropped: LOST (its payload cannot be read)",
+    "incoming": "dropped: LOST (its payload cannot be read)",
+    "runstate": "dropped (its attempt count starts again)",
+    "replies": "dropped: LOST (the caller gets no reply)",
+    "deadletters": "dropped: LOST",
+    "handled": "dropped (this id is no longer deduplicated)",
+    "handled_index": "dropped (rebuilt from the handled ids)",
+    "publish_keys": "dropped (a publish with this dedupe key is no longer deduplicated)",
+    "publish_keys_index": "dropped (rebuilt from the publish keys)",
+    "journal": "dropped (these delivery events are missing from the audit)",
+    "segments": "dropped (the segment's retention starts again)",
+    "kv": "dropped: LOST (the service's state under this key is gone)",
+    "outbox": "dropped: LOST (a command a handler sent is not sent)",
+    "meta": "restored",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    keyspace: str
+    key: str
+    problem: str
+    action: str = ""  # what --repair did about it
+
+
+class _Fixes:
+    """Repairs written in bounded batches, fsynced once at the end."""
+
+    def __init__(self, store: Store, enabled: bool) -> None:
+        self.store, self.enabled = store, enabled
+        self.batch, self.ops = store.batch(), 0
+
+    def __call__(self, change: Callable) -> None:
+        if not self.enabled:
+            return
+        change(self.batch)
+        self.ops += 1
+        if self.ops % CHUNK == 0:
+            self.store.write(self.batch, sync=False)
+            self.batch = self.store.batch()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.store.write(self.batch, sync=True)
+
+
+@dataclass
+class _Seen:
+    """What a scan of the store found, for the cross-checks."""
+
+    subscriptions: dict[tuple[str, str], dict] = field(default_factory=dict)
+    deliveries: dict[tuple[str, str], dict] = field(default_factory=dict)
+    bad_subscriptions: list[tuple[str, str]] = field(default_factory=list)
+    bad_deliveries: list[tuple[str, str]] = field(default_factory=list)
+    incoming: set[str] = field(default_factory=set)
+    runstates: set[str] = field(default_factory=set)
+    handled: dict[str, int] = field(default_factory=dict)
+    index: list[tuple[int, str]] = field(default_factory=list)
+    publish_keys: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (id, at)
+    publish_index: list[tuple[int, str]] = field(default_factory=list)
+    streams: set[str] = field(default_factory=set)
+    meta: set[str] = field(default_factory=set)
+    bad_meta: set[str] = field(default_factory=set)
+    journal_seq: int = 0
+
+
+def _pair(key: bytes) -> tuple[str, str]:
+    a, _, b = key[2:].partition(SEP)
+    return a.decode(), b.decode()
+
+
+def check(store: Store, repair: bool, progress: Progress = None,
+          datadir: Path | None = None) -> list[Problem]:
+    """Every record decodes and the keyspaces agree; with ``repair``, make them so."""
+    names = {prefix: name for name, prefix in KEYSPACES.items()}
+    problems: list[Problem] = []
+    fix = _Fixes(store, repair)
+    seen = _Seen()
+
+    def report(keyspace: str, key: str, problem: str, action: str) -> None:
+        problems.append(Problem(keyspace, key, problem, action if repair else ""))
+
+    for n, (key, value) in enumerate(store.scan_raw(verify=True), 1):
+        if progress and n % 1000 == 0:
+            progress(n)
+        name = names.get(key[:2])
+        if name is None:
+            report("?", key.decode("utf-8", "backslashreplace"), "key of no known keyspace", "dropped")
+            fix(lambda b, k=key: b.delete_raw(k))
+            continue
+        try:
+            record = schema.decode(name, key, value)
+        except CorruptRecordError as exc:
+            detail = str(exc).split(": ", 1)[-1].split(";", 1)[0]
+            if name == "subscriptions":
+                seen.bad_subscriptions.append(_pair(key))
+            elif name == "deliveries":
+                seen.bad_deliveries.append(_pair(key))
+            elif name == "meta":
+                seen.bad_meta.add(key[2:].decode("utf-8", "replace"))
+                if key[2:].decode("utf-8", "replace") not in schema.META:
+                    report(name, exc.key, detail, "dropped")
+                    fix(lambda b, k=key: b.delete_raw(k))
+                continue
+            else:
+                fix(lambda b, k=key: b.delete_raw(k))
+            report(name, exc.key, detail, ON_UNDECODABLE[name])
+            continue
+        _collect(seen, name, key, record)
+    _cross_check(store, seen, report, fix, datadir)
+    fix.close()
+    behind = store.mark_behind()
+    if behind is not None:
+        held, recorded = behind
+        report("meta", "hwm", f"store behind its high-water mark, it lost writes: it holds "
+               f"{'none' if held is None else held}, {MARK_NAME} "
+               f"says {recorded}: a log file was deleted, zeroed or cut, or the store put back "
+               "from an older copy", "what it lost is listed by id from the journal; the store "
+               "is accepted as it is now")
+    return problems
+
+
+def lost_writes(store: Store, datadir: Path, progress: Progress = None) -> list[Problem]:
+    """After a store lost writes it had made durable (its mark is behind, or it is gone):
+    every message the journal says was owed and the store no longer holds, then the store
+    is accepted as it is (its mark catches up)."""
+    rows = lost_in_repair(store, journal_owed(datadir, progress))
+    if not (datadir / "journal").is_dir():
+        rows.append(Problem("*", "journal", "no delivery journal to compare the store with",
+                            "the messages lost cannot be listed by id"))
+    store.accept_marks()
+    return rows
+
+
+def _collect(seen: _Seen, name: str, key: bytes, record: object) -> None:
+    if name == "subscriptions":
+        seen.subscriptions[_pair(key)] = record  # type: ignore[assignment]
+    elif name == "deliveries":
+        seen.deliveries[_pair(key)] = record  # type: ignore[assignment]
+    elif name == "incoming":
+        seen.incoming.add(key[2:].decode())
+    elif name == "runstate":
+        seen.runstates.add(key[2:].decode())
+    elif name == "handled":
+        seen.handled[key[2:].decode()] = record  # type: ignore[assignment]
+    elif name == "handled_index":
+        seen.index.append((int.from_bytes(key[2:10], "big"), key[10:].decode()))
+    elif name == "publish_keys":
+        seen.publish_keys[key[2:].decode()] = (record[0], record[1])  # type: ignore[index]
+    elif name == "publish_keys_index":
+        seen.publish_index.append((int.from_bytes(key[2:10], "big"), key[10:].decode()))
+    elif name == "outgoing":
+        seen.streams.add(key[2:].partition(SEP)[0].decode())
+    elif name == "journal":
+        seen.journal_seq = max(seen.journal_seq, int.from_bytes(key[2:], "big"))
+    elif name == "meta":
+        seen.meta.add(key[2:].decode())
+
+
+def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datadir: Path | None) -> None:
+    for mid in sorted(seen.runstates - seen.incoming):
+        report("runstate", mid, "run state of a message that is not stored", "dropped")
+        fix(lambda b, m=mid: b.delete_raw(KEYSPACES["runstate"] + m.encode()))
+
+    # Subscriptions and their delivery states determine each other.
+    for sub, topic in seen.bad_subscriptions:
+        state = seen.deliveries.get((sub, event_stream(topic))) or {}
+        record = {"since": state.get("floor") or "", "created": wall_ms(), "node": ""}
+        fix(lambda b, s=sub, t=topic, r=record: b.put_subscription(s, t, r))
+        seen.subscriptions[(sub, topic)] = record
+    for (peer, stream), state in sorted(seen.deliveries.items()):
+        if is_command_stream(stream) or (peer, stream[2:]) in seen.subscriptions:
+            continue
+        report("deliveries", f"{peer} {stream}", "delivery state without its subscription",
+               "subscription restored from it")
+        record = {"since": state.get("floor") or "", "created": wall_ms(), "node": ""}
+        fix(lambda b, p=peer, t=stream[2:], r=record: b.put_subscription(p, t, r))
+        seen.subscriptions[(peer, stream[2:])] = record
+    for peer, stream in seen.bad_deliveries:
+        since = "" if is_command_stream(stream) else \
+            (seen.subscriptions.get((peer, stream[2:])) or {}).get("since", "")
+        fix(lambda b, p=peer, s=stream, f=since: b.put_delivery(p, s, {"floor": f, "acked": [], "attempts": {}}))
+        seen.deliveries[(peer, stream)] = {"floor": since}
+
+    consumed = {event_stream(t) for _, t in seen.subscriptions} | {s for _, s in seen.deliveries}
+    for stream in sorted(seen.streams - consumed):
+        if is_command_stream(stream):
+            peer = stream[2:]
+            report("outgoing", stream, "commands with no delivery state", "delivery state restored")
+            fix(lambda b, p=peer: b.put_delivery(p, command_stream(p), {"floor": "", "acked": [], "attempts": {}}))
+        else:
+            count = store.count_stream(stream)
+            report("outgoing", stream, f"{count} message(s) no subscriber is owed",
+                   "moved to dead letters (reason no_subscriber)")
+            _orphans_to_deadletters(store, stream, fix)
+
+    # The handled-id index (t/) mirrors h/: pruning reads the index, dedupe reads h/.
+    indexed = {mid: at for at, mid in seen.index}
+    for at, mid in seen.index:
+        if seen.handled.get(mid) != at:
+            report("handled_index", f"{at} {mid}", "index entry of no handled id", "dropped")
+            fix(lambda b, a=at, m=mid: b.delete_raw(KEYSPACES["handled_index"] + a.to_bytes(8, "big") + m.encode()))
+    for mid, at in sorted(seen.handled.items()):
+        if indexed.get(mid) != at:
+            report("handled", mid, "handled id missing from the pruning index", "index restored")
+            fix(lambda b, m=mid, a=at: b.put_handled(m, a))
+
+    # The publish-key index (q/) mirrors p/ the same way.
+    by_key = {key: at for at, key in seen.publish_index}
+    for at, key in seen.publish_index:
+        if (seen.publish_keys.get(key) or ("", -1))[1] != at:
+            report("publish_keys_index", f"{at} {key}", "index entry of no publish key", "dropped")
+            fix(lambda b, a=at, k=key: b.delete_raw(KEYSPACES["publish_keys_index"] + a.to_bytes(8, "big") + k.encode()))
+    for key, (mid, at) in sorted(seen.publish_keys.items()):
+        if by_key.get(key) != at:
+            report("publish_keys", key, "publish key missing from the pruning index", "index restored")
+            fix(lambda b, k=key, m=mid, a=at: b.put_publish_key(k, m, a))
+
+    _check_meta(seen, report, fix, datadir)
+
+
+def _orphans_to_deadletters(store: Store, stream: str, fix: _Fixes) -> None:
+    after = None
+    while True:
+        chunk = store.iter_stream(stream, after=after, limit=1000)
+        for mid, data in chunk:
+            try:
+                rec = unpack_outgoing(data)
+            except Exception:  # noqa: BLE001 - already reported by the scan
+                continue
+            letter = outgoing_letter("no_subscriber", None, rec, None, stream)
+            fix(lambda b, m=mid, r=letter: (b.put_deadletter(m, r), b.delete_outgoing(stream, m)))
+        if len(chunk) < 1000:
+            return
+        after = chunk[-1][0]
+
+
+def _check_meta(seen: _Seen, report: Callable, fix: _Fixes, datadir: Path | None) -> None:
+    restore: dict[str, bytes] = {}
+    if "format" in seen.bad_meta or "format" not in seen.meta:
+        restore["format"] = str(FORMAT_VERSION).encode()
+    if "node" in seen.bad_meta:
+        restore["node"] = os.urandom(8).hex().encode()
+    if "clock" in seen.bad_meta:
+        # Never behind a handled id's time: the dedupe window only ever gets longer.
+        restore["clock"] = str(max(seen.handled.values(), default=0)).encode()
+    if "journal_flushed" in seen.bad_meta:
+        restore["journal_flushed"] = str(max(seen.journal_seq, _last_segment_seq(datadir))).encode()
+    for name, value in restore.items():
+        problem = "does not decode" if name in seen.meta or name in seen.bad_meta else "missing"
+        report("meta", name, problem, f"restored ({value.decode()})")
+        fix(lambda b, n=name, v=value: b.put_meta(n, v))
+    for name in sorted(seen.bad_meta & {"address", "sync", "journal_pending"}):
+        report("meta", name, "does not decode", "dropped (written again by the bus)")
+        fix(lambda b, n=name: b.delete_raw(KEYSPACES["meta"] + n.encode()))
+
+
+def _last_segment_seq(datadir: Path | None) -> int:
+    """Past every sequence number a segment file may hold: segments are named by their
+    first one and hold at most FLUSH_CHUNK records, and a reused number would overwrite."""
+    if datadir is None or not (datadir / "journal").is_dir():
+        return 0
+    firsts = []
+    for path in (datadir / "journal").glob("*-*.jsonl"):
+        try:
+            firsts.append(int(path.stem.rsplit("-", 1)[1]))
+        except ValueError:
+            continue
+    return max(firsts) + FLUSH_CHUNK if firsts else 0
+
+
+# --- damaged files ---------------------------------------------------------------------------
+
+
+@dataclass
+class Owed:
+    """What the journal says this bus still owed: sent and not acknowledged (id -> peers,
+    with the stream), received and not handled (ids)."""
+
+    sent: dict[tuple[str, str], str] = field(default_factory=dict)  # (id, peer) -> stream
+    received: set[str] = field(default_factory=set)
+    events: int = 0
+
+
+def _apply(owed: Owed, event: str, role: str, mid: str, topic: str | None, kind: str, peer: str) -> None:
+    owed.events += 1
+    if role == "sender":
+        if event == "published":
+            stream = event_stream(topic or "") if kind == "event" else command_stream(peer)
+            owed.sent[(mid, peer)] = stream
+        elif event in ("acked", "expired"):
+            owed.sent.pop((mid, peer), None)
+    elif event in ("received", "replayed"):
+        owed.received.add(mid)
+    elif event in ("handled", "deadlettered", "expired"):
+        owed.received.discard(mid)
+
+
+def journal_owed(datadir: Path, progress: Progress = None) -> Owed:
+    """Replay the journal's segment files (outside LevelDB, so they survive damage to it)."""
+    owed = Owed()
+    journal = datadir / "journal"
+    for path in sorted(journal.glob("*.jsonl")) if journal.is_dir() else ():
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    e = json.loads(line)
+                    _apply(owed, e["event"], e["role"], e["id"], e.get("topic"), e["kind"], e["peer"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line: the segment was being written
+        if progress:
+            progress(owed.events)
+    return owed
+
+
+def _add_stored_journal(owed: Owed, store: Store) -> None:
+    """Events the store still held (not yet moved to segments when the damage happened)."""
+    for _seq, packed in store.journal_records(1 << 62, 1 << 62):
+        try:
+            events = schema.decode("journal", b"j/" + bytes(8), packed)
+        except CorruptRecordError:
+            continue
+        for name, _ts, mid, topic, kind, peer, _attempt, _error in events:
+            event, role = ROLES.get(name, (name, "sender"))
+            _apply(owed, event, role, mid, topic, kind, peer)
+
+
+def repair_files(store_path: Path) -> list[Problem]:
+    """LevelDB's repair; returns what it says about it (files it set aside)."""
+    lost_dir = store_path / "lost"
+    before = set(os.listdir(lost_dir)) if lost_dir.is_dir() else set()
+    Store.repair(store_path)
+    after = set(os.listdir(lost_dir)) if lost_dir.is_dir() else set()
+    rows = [Problem("*", "*", "LevelDB files damaged", "LevelDB repair rebuilt the store from what it could read")]
+    for name in sorted(after - before):
+        if name.endswith((".ldb", ".sst")):  # logs and old manifests are archived there too
+            rows.append(Problem("*", f"lost/{name}", "a table file LevelDB could not read",
+                                "set aside in store/lost/"))
+    return rows
+
+
+def lost_in_repair(store: Store, owed: Owed) -> list[Problem]:
+    """Messages the journal says were owed and the repaired store no longer holds."""
+    _add_stored_journal(owed, store)
+    floors = {(p, s): rec for p, s, rec in store.deliveries()}
+    # A group member's messages are acknowledged on the group's shared cursor.
+    groups = {(sub, event_stream(topic)): group_peer(rec["group"])
+              for sub, topic, rec in store.subscriptions() if rec.get("group")}
+    rows = []
+    for (mid, peer), stream in sorted(owed.sent.items()):
+        if store.get_outgoing(stream, mid) is not None or store.has_deadletter(mid):
+            continue
+        state = floors.get((groups.get((peer, stream), peer), stream))
+        if state is None:
+            rows.append(Problem("outgoing", mid, f"lost in repair, or dropped by an unsubscribe: owed to {peer} "
+                                "per the journal, not stored, and it has no subscription now", "reported"))
+            continue
+        if (state.get("floor") or "") >= mid or mid in (state.get("acked") or ()):
+            continue  # acknowledged (its "acked" event was lost with the damage)
+        rows.append(Problem("outgoing", mid, f"lost in repair: owed to {peer} on {stream}, no longer stored",
+                            "reported"))
+    for mid in sorted(owed.received):
+        if not store.seen(mid):
+            rows.append(Problem("incoming", mid, "lost in repair: received, not handled, no longer stored",
+                                "reported"))
+    return rows

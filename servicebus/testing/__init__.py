@@ -1,0 +1,8 @@
+"""Testing helpers: ``StubBus`` for users' handler tests, loopback helpers, and in-memory
+fakes (store, clock, network) that drive delivery cores without sockets or disks."""
+
+from .fakes import CoreNode, FakeBatch, FakeClock, FakeStore, Network, free_address, free_port, wait_until
+from .stub import Sent, StubBus
+
+__all__ = ["StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
+           "FakeBatch", "Network", "CoreNode"]
