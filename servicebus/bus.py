@@ -136,7 +136,7 @@ class Bus:
             requests=self._requests, journal=journal, datadir=self.datadir)
         stack.callback(self._stop_engine, engine)
         runner = dispatcher.runner
-        runner.publisher = engine  # message.publish/send commit with the handler's run
+        runner.publisher = engine.publisher  # message.publish/send commit with the handler's run
         if self._tracer is not None:
             from .hooks.tracing import current_context
 
@@ -321,10 +321,10 @@ class Bus:
                 from .hooks.tracing import producing
 
                 with producing(self._tracer, "publish", topic, headers) as traced:
-                    return engine.publish(topic, bodies, expires, traced, dedupe_key, due, latest,
+                    return engine.publisher.publish(topic, bodies, expires, traced, dedupe_key, due, latest,
                                           priority)
-            return engine.publish(topic, bodies, expires, headers or None, dedupe_key, due, latest,
-                                  priority)
+            return engine.publisher.publish(topic, bodies, expires, headers or None, dedupe_key,
+                                            due, latest, priority)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None
@@ -346,7 +346,7 @@ class Bus:
         """
         engine = self._check_open()
         runner = self._dispatcher.runner
-        tx = Transaction(self._store, self.config.max_payload, runner.inject, engine.backpressure)
+        tx = Transaction(self._store, self.config.max_payload, runner.inject, engine.publisher.backpressure)
         yield tx
         if tx.empty():
             return
@@ -363,7 +363,7 @@ class Bus:
             tx.resolve_updates()
             self._commit_staged(engine, tx.events, rest)
         if sends:
-            engine.queue_sends(sends)
+            engine.publisher.queue_sends(sends)
 
     def _commit_kv(self, build: Callable[[Any], None]) -> None:
         def rest(batch: Any) -> bool:
@@ -373,7 +373,7 @@ class Bus:
 
     def _commit_staged(self, engine: E.Engine, events: list, rest: Callable[[Any], bool]) -> None:
         try:
-            engine.commit_transaction(events, rest)
+            engine.publisher.commit_transaction(events, rest)
         except StoreError:
             if self._closed or self._store.closed:
                 raise BusClosedError("the bus closed before this call completed") from None

@@ -19,6 +19,10 @@ from .faults import forget_moved_clock, libfaketime, moved_clock_env, offset_sec
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Every core made in the suite, in this process and in the bus processes it starts, checks
+# that only its engine thread touches it (servicebus/core/owner.py).
+os.environ["SERVICEBUS_CHECK_THREADS"] = "1"
+
 
 def counting_handler(bus: Bus, topic: str, each=None) -> Counter:
     """Handle ``topic`` on ``bus`` counting runs per payload ``n``; ``each(payload, message)``

@@ -55,19 +55,34 @@ def _wrap(owner: Any, name: str, before: str | None = None, after: str | None = 
     setattr(owner, name, probe)
 
 
+def _find(*names: str) -> Any:
+    """The first of ``module:attribute`` names that imports: a ``--baseline`` run probes a
+    tree of another layout (before issue 27 the modules were flat in servicebus/)."""
+    import importlib
+
+    for name in names:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {names} imports")
+
+
 def install(side: str) -> None:
     """Probe this process's bus classes: ``side`` is "pub" or "sub"."""
-    from servicebus.core import Published
-    from servicebus.core.machine import Core
-    from servicebus.handling.dispatch import Dispatcher
-    from servicebus.engine.loop import Engine
-    from servicebus.engine.sockets import Sockets
-    from servicebus.store import Store
+    Published = _find("servicebus.core:Published")
+    Core = _find("servicebus.core.machine:Core")
+    Dispatcher = _find("servicebus.handling.dispatch:Dispatcher", "servicebus.dispatch:Dispatcher")
+    Engine = _find("servicebus.engine.loop:Engine", "servicebus.engine:Engine")
+    Sockets = _find("servicebus.engine.sockets:Sockets", "servicebus.sockets:Sockets")
+    Store = _find("servicebus.store:Store")
+    publisher = _find("servicebus.engine.publisher:Publisher", "servicebus.engine:Engine")
 
     synced = lambda self, batches, sync: sync  # noqa: E731 - only the fsynced writes
     _wrap(Store, "_writing", f"{side}.write", f"{side}.written", when=synced)
     if side == "pub":
-        _wrap(Engine, "publish", "pub.call")
+        _wrap(publisher, "publish", "pub.call")
         _wrap(Core, "command", "pub.engine", when=lambda self, cmd, now: isinstance(cmd, Published))
         _wrap(Sockets, "send_peer", "pub.send")
     else:

@@ -5,9 +5,9 @@ counted from the store once at load, then kept by the core on every path (a publ
 an ack or a settle, i.e. an expiry, a refusal or a drop, takes away). Only with
 ``max_backlog`` set: without it nothing here runs.
 
-The streams with a consumer at its limit are published as ``State.full_streams`` (a new
-frozenset when it changes, never mutated): publishing threads read it without a lock and
-apply ``backlog_policy`` (``bus.py``/``engine.py``): ``block`` (wait for room, up to
+The streams with a consumer at its limit are published in ``State.routes`` (a new snapshot
+when they change, never mutated; routes.py): publishing threads read it without a lock and
+apply ``backlog_policy`` (``engine/publisher.py``): ``block`` (wait for room, up to
 ``backlog_timeout``, then ``BacklogFull``), ``raise`` (``BacklogFull`` at once), or
 ``drop_oldest`` (store it; this module moves the consumer's oldest messages to the dead
 letters, reason ``backlog_full``). The limit is soft by what is published in one engine
@@ -62,15 +62,17 @@ class Backlog:
         s = self.s
         limit = s.config.max_backlog
         assert limit is not None
-        full = {c.stream for c in s.consumers.values()
-                if c.backlog >= limit and not is_command_stream(c.stream)}
+        full: dict[str, tuple[str, ...]] = {}
+        for c in s.consumers.values():
+            if c.backlog >= limit and not is_command_stream(c.stream):
+                full[c.stream] = full.get(c.stream, ()) + (c.peer,)
         if s.config.backlog_policy == "drop_oldest":
             budget = DROP_BUDGET
             for consumer in list(s.consumers.values()):
                 if consumer.backlog > limit and not is_command_stream(consumer.stream) and budget > 0:
                     budget -= self._drop(consumer, min(budget, consumer.backlog - limit))
-        if full != s.full_streams:
-            s.full_streams = frozenset(full)
+        if full != s.routes.full:
+            s.routes = s.routes.with_full(full)
             s.full_changed = True
 
     def _drop(self, consumer: Consumer, count: int) -> int:

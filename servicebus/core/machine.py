@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,6 +33,7 @@ from ..model.ids import IdGenerator
 from ..wire.policy import AddressPolicy, OwnAddress
 from ..wire.trust import Keys
 from ..model.records import PeerStatus
+from . import owner
 from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .backlog import Backlog
 from .expiry import Expiry
@@ -55,6 +57,17 @@ EXPIRY_INTERVAL = 1.0  # TTLs of messages waiting for a peer that is down, idle 
 
 
 class Core:
+    owner: int | None = None  # the thread that alone may touch it, once bound (owner.py)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Core":
+        if cls is Core and owner.checking():
+            cls = _CheckedCore  # every call checks the thread (the test suite's debug mode)
+        return object.__new__(cls)
+
+    def bind_owner(self) -> None:
+        """From now on only the calling thread (the engine's) may touch this core."""
+        self.owner = threading.get_ident()
+
     def __init__(self, *, config: BusConfig, store: StoreView, links: Links, batch: WriteBatch,
                  address: str, node_id: str, boot: str, ids: IdGenerator, clock: BusClock,
                  wall: Callable[[], int] = wall_ms, journal_on: bool = False,
@@ -155,8 +168,8 @@ class Core:
     def reload(self, batch: WriteBatch) -> list[QueueReply | QueueSend]:
         """Start over from the store, as at a start, after a write failed and the store
         was reopened. Connections and callers waiting on intents are kept. The caller holds
-        publishing off meanwhile: ``stream_peers`` is empty until the load rebuilt it, and a
-        publish reading it then would go to nobody."""
+        publishing off meanwhile (the engine hands the publishers the rebuilt routes before
+        they go on)."""
         s = self.s
         waiters = {key: intent for key, intent in s.intents.items() if intent.waiters}
         for peer in s.peers.values():
@@ -167,7 +180,7 @@ class Core:
         s.subscriptions.clear()
         s.intents.clear()
         s.intent_ids.clear()
-        s.stream_peers = {}
+        s.routes = s.routes.with_peers({})
         s.gc_floor.clear()
         s.parked.clear()
         s.filling_since = None
@@ -414,6 +427,9 @@ class Core:
             "counters": dict(s.counters),
             "intents_unconfirmed": sum(1 for i in s.intents.values() if not i.confirmed),
             "backlog_full": tuple(sorted((c.peer, c.stream[2:]) for c in s.consumers.values()
-                                         if c.stream in s.full_streams
+                                         if c.stream in s.routes.full
                                          and c.backlog >= (s.config.max_backlog or 0))),
         }
+
+
+_CheckedCore = owner.checked_class(Core)

@@ -130,13 +130,14 @@ class Roster:
     def _update_stream_peers(self, stream: str) -> None:
         if is_command_stream(stream):
             return
-        peers = dict(self.s.stream_peers)
-        consumers = self.s.by_stream.get(stream)
+        s = self.s
+        peers = dict(s.routes.stream_peers)
+        consumers = s.by_stream.get(stream)
         if consumers:
             peers[stream] = tuple(c.peer for c in consumers)
         else:
             peers.pop(stream, None)
-        self.s.stream_peers = peers
+        s.routes = s.routes.with_peers(peers)
 
     # --- liveness ----------------------------------------------------------------------
 

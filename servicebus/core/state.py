@@ -14,14 +14,15 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..model.clock import BusClock
 from ..model.config import BusConfig
 from ..model.delivery import Consumer
 from ..model.ids import IdGenerator
 from ..wire.protocol import Envelope
-from ..model.stored import subscription_options, IncomingRecord, IntentRecord, JournalEvent, RunState, SubscriptionRecord
+from ..model.routes import NO_ROUTES, Routes
+from ..model.stored import Incoming, IncomingRecord, IntentRecord, JournalEvent, SubscriptionRecord, subscription_options
 from ..wire.policy import AddressPolicy, OwnAddress
 from ..wire.trust import Keys, PeerEntry
 from .ports import Links, StoreView, WriteBatch
@@ -67,14 +68,6 @@ class Intent:
         record: IntentRecord = {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
         record.update(subscription_options(self.group, self.ordered, self.limit))  # type: ignore[typeddict-item]
         return record
-
-
-class Incoming(NamedTuple):
-    """A received message handed to the handlers (``record``: ``incoming_record``)."""
-
-    id: str
-    record: IncomingRecord
-    runstate: RunState | None  # None: never run (or its run state is damaged)
 
 
 _tuple = tuple.__new__  # a NamedTuple without its keyword-parsing __new__: runs per message
@@ -125,12 +118,9 @@ class State:
     subscriptions: dict[tuple[str, str], SubscriptionRecord] = field(default_factory=dict)
     intents: dict[tuple[str, str], Intent] = field(default_factory=dict)
     intent_ids: dict[str, Intent] = field(default_factory=dict)
-    # Event streams with consumers -> their peers. Replaced, never mutated, so that
-    # publishing threads can read it without a lock.
-    stream_peers: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # topic -> the streams a publish to it goes into, for the stream_peers dict it holds
-    targets_cache: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] = (
-        field(default_factory=lambda: ({}, {})))
+    # Who a publish goes to (event streams with consumers, those at max_backlog): replaced,
+    # never mutated; the engine hands each new one to the publishing threads (routes.py).
+    routes: Routes = NO_ROUTES
     new: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # written this turn
     # peer -> (kind, or (kind, stream) for an ordered consumer's frame, envelope)
     outbox: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
@@ -149,12 +139,9 @@ class State:
     filling_since: float | None = None  # first window fill since the (re)load (sender.py)
     new_peer_work: bool = True  # a down peer may have got messages waiting: ping it soon
     waiting_peers: bool = False  # some down peer has messages waiting
+    full_changed: bool = False  # routes.full changed: publishers waiting for room look again
     # Delayed messages are held until the id clock passes their id's time (not_due).
     # Timers: (due ms, stream), a heap.
-    # Event streams with a consumer at max_backlog (backlog.py). Replaced, never mutated:
-    # publishing threads read it without a lock.
-    full_streams: frozenset[str] = frozenset()
-    full_changed: bool = False
     timers: list[tuple[int, str]] = field(default_factory=list)
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)

@@ -7,20 +7,15 @@ a stream has acknowledged are deleted; streams nobody consumes any more are empt
 
 from __future__ import annotations
 
-from typing import Any
 
 import logging
 
-from ..wire.topics import is_pattern, matches
-from ..model.delivery import (Consumer, base_stream, command_stream, event_stream, is_group_peer,
-                        is_priority_stream, pack_outgoing, priority_stream, stream_target)
+from ..model.delivery import (Consumer, base_stream, command_stream, is_priority_stream, pack_outgoing, stream_target)
 from ..model.stored import DeliveryRecord
 from ..wire.protocol import Kind
 from .commands import Published, QueueReply, QueueSend, SendCmd, Supersede
 from .backlog import Backlog
 from .peers import Roster
-from .ports import WriteBatch
-from ..model.stored import JournalEvent
 from .state import State
 
 __all__ = ["Streams", "GC_BUDGET"]
@@ -38,57 +33,6 @@ class Streams:
         self.backlog = backlog
 
     # --- in ----------------------------------------------------------------------------
-
-    def targets(self, topic: str) -> tuple[str, ...]:
-        """The event streams a publish to ``topic`` goes into: its own, if subscribed, and
-        those of the subscribed patterns it matches (topics.py). Called on publishing
-        threads: reads only ``stream_peers`` (replaced, never mutated), and a cache that
-        goes with that very dict."""
-        s = self.s
-        peers = s.stream_peers
-        owner, cache = s.targets_cache
-        if owner is not peers:
-            cache = {}
-            s.targets_cache = (peers, cache)
-        found = cache.get(topic)
-        if found is None:
-            own = event_stream(topic)
-            found = tuple([own] if own in peers else []) + tuple(sorted(
-                stream for stream in peers if is_pattern(stream[2:]) and matches(stream[2:], topic)))
-            if len(cache) < 10_000:
-                cache[topic] = found
-        return found
-
-    def stage_publish(self, batch: WriteBatch, topic: str, bodies: list[bytes],
-                      expires: int | None = None, headers: dict[str, Any] | None = None,
-                      due: int | None = None, priority: int = 0) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], list[JournalEvent]]:
-        """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` (each stream it
-        goes into gets the same ids; ``due``: wall-clock ms to deliver them at). Runs on a publishing thread under the group commit's
-        lock, so ids are made in the order the batches commit; reads only ``stream_peers``,
-        which is replaced, never mutated. Returns the ids, (stream, items) per stream and
-        the journal events."""
-        s = self.s
-        ids = s.ids.many(len(bodies)) if due is None else s.ids.delayed(len(bodies), due)
-        streams = self.targets(topic)
-        out: list[tuple[str, list[tuple[str, bytes]]]] = []
-        events: list[JournalEvent] = []
-        if streams:
-            sent = s.wall()
-            records = [pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers) for body in bodies]
-            put = batch.put_outgoing
-            for stream in streams:
-                items = list(zip(ids, records))
-                target = priority_stream(stream, priority)
-                for mid, record in items:
-                    put(target, mid, record)
-                out.append((target, items))
-            if s.journal_on:  # one event per (message, receiver): what the audit reconciles
-                # A group's messages are journaled per member when one is picked (sender.py).
-                peers = dict.fromkeys(p for stream in streams for p in s.stream_peers.get(stream, ())
-                                      if not is_group_peer(p))
-                events = [("published", sent, mid, topic, "event", peer, 0, None)
-                          for peer in peers for mid in ids]
-        return ids, out, events
 
     def published(self, cmd: Published) -> None:
         s = self.s
@@ -143,7 +87,7 @@ class Streams:
         were sent it keep it: they get both."""
         s = self.s
         old = cmd.message_id
-        bases = set(self.targets(cmd.topic))
+        bases = set(s.routes.targets(cmd.topic))
         for stream in [st for st in list(s.by_stream) if base_stream(st) in bases]:  # every level
             pending = s.new.get(stream)
             if pending is not None:  # written and withdrawn within one turn

@@ -24,7 +24,6 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
@@ -32,20 +31,17 @@ import zmq
 from ..wire import protocol as P
 from .adminserve import AdminReply, AdminServer
 from ..model.clock import BusClock
-from .commit import GroupCommit
+from .publisher import Publisher
 from ..model.config import BusConfig
 from ..core import Core, Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from ..handling.dispatch import Dispatcher
-from ..model.delivery import priority_stream
 from ..hooks.watch import Watches
-from ..errors import BacklogFull, BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
+from ..errors import BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
 from ..model.ids import IdGenerator
 from ..hooks.journal import Journal
 from ..handling.requests import PendingRequests
 from .sockets import Sockets
 from ..store import MARK_INTERVAL, Batch, Store
-from ..model.stored import OutboxSend
-from ..handling.transaction import StagedEvent
 
 __all__ = ["Engine", "Drain", "Snapshot", "SendCmd", "QueueReply", "SubscribeCmd"]
 
@@ -109,7 +105,6 @@ class Engine(threading.Thread):
         self._next_mark = 0.0  # the store's next high-water mark (store/mark.py)
         self._next_recover = 0.0
         self._drains: list[Future] = []
-        self._dedupe_lock = threading.Lock()  # publishes with a dedupe key, one at a time
         self.clock = clock
         self._key_tried: dict[str, float] = {}  # address -> when its next CURVE key was tried
         self._admin: AdminServer | None = None
@@ -117,11 +112,6 @@ class Engine(threading.Thread):
             self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
                                       lambda cmd: self._queue.append(cmd))  # _queue is replaced
 
-        self.committer = GroupCommit(store, self._on_published)
-        self._count_lock = threading.Lock()
-        self.published = 0  # ids handed out by publish(), on user threads
-        self.backlog_refused = 0  # publishes refused by backlog_policy (user threads)
-        self._room = threading.Condition()  # publishers waiting for max_backlog room
         self.fsyncs = 0
         try:
             # Above every id the store refers to, whatever the wall clock says now (ids.py).
@@ -132,6 +122,11 @@ class Engine(threading.Thread):
                              now=time.monotonic(), uid=os.getuid(), trust=sockets.keys,
                              aliases=sockets.bound)
             self._queue.extend(self.core.load())  # replies stored before a crash
+            # The publish path, on the callers' threads: it sees the core only through the
+            # routes handed to it (_swap_routes) and talks back through submit/notify.
+            self.publisher = Publisher(config=config, store=store, ids=self.ids, clock=clock,
+                                       journal=journal, engine=self)
+            self.publisher.routes = self.core.s.routes
         except BaseException:
             self.close_wake()  # the bus never gets this engine to close it
             raise
@@ -173,141 +168,23 @@ class Engine(threading.Thread):
                 os.close(self._wake_fd)
                 self._wake_fd = -1
 
-    def publish(self, topic: str, bodies: list[bytes], expires: int | None = None,
-                headers: dict[str, Any] | None = None, dedupe_key: str | None = None,
-                due: int | None = None, latest: bool = False, priority: int = 0) -> list[str]:
-        """Store ``bodies`` for every subscriber of ``topic`` on the calling thread and
-        return their ids once fsynced (see ``commit.py``). Thread-safe. With
-        ``dedupe_key`` (one body): the id of an earlier publish with that key within
-        ``publish_dedupe_window``, storing nothing, or a new one stored with the key."""
-        if not self.store.writable:
-            # Not even an id for nobody's event: a bus that cannot write cannot deliver.
-            raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
-        if self.core.s.full_streams:
-            self._backpressure(topic, priority)
-        if dedupe_key is not None:
-            # Keyed publishes one at a time: the lookup and the write that stores the key
-            # must not interleave with another publish of the same key.
-            with self._dedupe_lock:
-                found = self.store.get_publish_key(dedupe_key)
-                now = self.clock.now()
-                within = found is not None and now - found[1] < int(self.config.publish_dedupe_window * 1000)
-                if within and not latest:
-                    return [found[0]]  # type: ignore[index]
-                ids = self._commit(topic, bodies, expires, headers, (dedupe_key, now, found), due, priority)
-                if within and found is not None and found[0] != ids[0]:
-                    self.submit(Supersede(found[0], topic))
-                return ids
-        nobody = not self.core.streams.targets(topic)
-        if nobody:  # asked again, not while the engine reloads who subscribes (_recover)
-            with self.committer.exclusive():
-                nobody = not self.core.streams.targets(topic)
-        if nobody:  # nothing to store
-            ids = self.ids.many(len(bodies)) if due is None else self.ids.delayed(len(bodies), due)
-            with self._count_lock:
-                self.published += len(ids)
-            return ids
-        return self._commit(topic, bodies, expires, headers, None, due, priority)
-
-    def _backpressure(self, topic: str, priority: int) -> None:
-        """A subscriber of ``topic`` is at ``max_backlog``: apply ``backlog_policy``
-        (core/backlog.py). Raises ``BacklogFull``, or returns when there is room (or the
-        policy is to drop the oldest)."""
-        cfg, s = self.config, self.core.s
-        policy = cfg.backlog_policy
-        if policy == "drop_oldest":
-            return
-        deadline = time.monotonic() + (cfg.backlog_timeout if policy == "block" else 0.0)
-        with self._room:
-            while True:
-                full = [level for st in self.core.streams.targets(topic)
-                        if (level := priority_stream(st, priority)) in s.full_streams]
-                if not full:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopping:
-                    with self._count_lock:
-                        self.backlog_refused += 1
-                    who = [c.peer for c in s.consumers.copy().values()
-                           if c.stream in full and c.backlog >= (cfg.max_backlog or 0)]
-                    raise BacklogFull(
-                        f"{', '.join(who[:3]) or 'a subscriber'} of {topic!r} has "
-                        f"max_backlog ({cfg.max_backlog}) messages waiting"
-                        + (f" (waited {cfg.backlog_timeout:g}s)" if policy == "block" else "")
-                        + "; nothing was stored")
-                self._room.wait(min(left, 0.5))
-
-    def _commit(self, topic: str, bodies: list[bytes], expires: int | None,
-                headers: dict[str, Any] | None,
-                key: tuple[str, int, tuple[str, int] | None] | None, due: int | None,
-                priority: int = 0) -> list[str]:
-        stage, journal = self.core.streams.stage_publish, self.journal
-
-        def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
-            ids, streams, events = stage(batch, topic, bodies, expires, headers, due, priority)
-            journal.record(batch, events)
-            if key is not None:  # stored even with nobody subscribed: a retry finds it
-                name, now, old = key
-                if old is not None:  # past the window, not pruned yet: its index entry goes
-                    batch.forget_publish_key(name, old[1])
-                batch.put_publish_key(name, ids[0], now)
-            return ids, streams, expires is not None
-
-        return self.committer.commit(build)[0]
-
-    # --- a handler's transaction (runner.Publisher) -----------------------------------------
-
-    def commit_transaction(self, events: list[StagedEvent], rest: Callable[[Batch], bool]) -> bool:
-        """Store a handler's events with the rest of its run's write, fsynced, through the
-        publishers' group commit (ids in commit order, the engine told in that order)."""
-        if not self.store.writable:
-            raise StoreWriteError(f"the store cannot be written: {self.store.failure}")
-        stage, journal = self.core.streams.stage_publish, self.journal
-        marked = [False]
-
-        def build(batch: Batch) -> tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]:
-            ids: list[str] = []
-            streams: list[tuple[str, list[tuple[str, bytes]]]] = []
-            for e in events:
-                got, into, journaled = stage(batch, e.topic, [e.body], e.expires, e.headers, e.due,
-                                             e.priority)
-                ids += got
-                streams += into
-                journal.record(batch, journaled)
-            marked[0] = rest(batch)
-            return ids, streams, any(e.expires is not None for e in events)
-
-        self.committer.commit(build)
-        return marked[0]
-
-    def queue_sends(self, sends: list[tuple[str, OutboxSend]]) -> None:
-        for key, send in sends:
-            try:
-                self.submit(QueueSend(key, send))
-            except BusError:
-                return  # closing or broken: the outbox keeps them for the next start
-
-    def backpressure(self, topic: str, priority: int) -> None:
-        if self.core.s.full_streams:
-            self._backpressure(topic, priority)
-
-    def _on_published(self, results: list[tuple[list[str], list[tuple[str, list[tuple[str, bytes]]]], bool]]) -> None:
-        # Under the commit lock, in commit order: the engine sees new ids in stream order.
-        with self._count_lock:
-            for ids, streams, ttl in results:
-                self.published += len(ids)
-                for stream, items in streams:
-                    self._queue.append(Published(stream, items, ttl=ttl))
-        self.wake()
+    def notify(self, commands: list[Any]) -> None:
+        """Commands about writes already durable (publisher.py's ``EnginePort``): queued
+        whatever the engine's state, since a reload reads the store again anyway."""
+        if commands:
+            self._queue.extend(commands)
+            self.wake()
 
     def stop(self, timeout: float | None = None) -> None:
         self._stopping = True
+        self.publisher.close()
         self.wake()
         self.join(timeout)
 
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
+        self.core.bind_owner()  # the core is this thread's alone from here on (core/owner.py)
         try:
             while not self._stopping:
                 now = time.monotonic()
@@ -341,6 +218,7 @@ class Engine(threading.Thread):
         core = self.core
         self._read(events, now)
         self._run_commands(now)
+        self._swap_routes()  # new subscribers count for publishes from now on
 
         # commit: one fsync for everything this turn that someone waits on
         out = core.prepare(now)
@@ -386,10 +264,7 @@ class Engine(threading.Thread):
             self.requests.expire(now)
             if self.sockets.keys is not None:
                 self._switch_keys(now)
-        if core.s.full_changed:  # max_backlog: publishers waiting for room look again
-            core.s.full_changed = False
-            with self._room:
-                self._room.notify_all()
+        self._swap_routes()
         self._send_frames(now)
         if self._drains:
             self._check_drains()
@@ -399,6 +274,15 @@ class Engine(threading.Thread):
                 self.store.mark()  # what synced writes made durable, outside the store too
             except StoreError:
                 pass  # the store refuses writes now: the next turn degrades (as for any write)
+
+    def _swap_routes(self) -> None:
+        """Hand the publishers the core's routes if it made new ones (model/routes.py)."""
+        s = self.core.s
+        if self.publisher.routes is not s.routes:
+            self.publisher.routes = s.routes
+            if s.full_changed:  # max_backlog: publishers waiting for room look again
+                s.full_changed = False
+                self.publisher.room_changed()
 
     def _read(self, events: dict, now: float) -> None:
         sockets = self.sockets
@@ -515,11 +399,12 @@ class Engine(threading.Thread):
         # it reopened. Reloading clears, then rebuilds, the subscriptions their writes go
         # by: a publish in between would find nobody subscribed and store nothing. So no
         # publish is built meanwhile; one reported before is in the store, read from it.
-        with self.committer.exclusive():
+        with self.publisher.exclusive():
             self._queue = deque(c for c in self._queue
                                 if not isinstance(c, (Published, QueueReply, QueueSend, Supersede)))
             # As at a start: cursors, subscriptions, intents, stored replies ...
             self._queue.extend(self.core.reload(self.store.batch()))
+            self._swap_routes()
         # ... and the handlers get whatever is stored and not in memory, off this thread.
         threading.Thread(target=self.dispatcher.refill, name="servicebus-refill", daemon=True).start()
 
@@ -621,10 +506,11 @@ class Engine(threading.Thread):
     def _snapshot(self, now: float) -> dict:
         snap = self.core.snapshot(now)
         counters = Counter(snap["counters"])
-        counters["fsyncs"] += self.fsyncs + self.committer.fsyncs
-        counters["published"] += self.published
-        if self.backlog_refused:
-            counters["backlog_refused"] += self.backlog_refused
+        publisher = self.publisher
+        counters["fsyncs"] += self.fsyncs + publisher.fsyncs
+        counters["published"] += publisher.published
+        if publisher.backlog_refused:
+            counters["backlog_refused"] += publisher.backlog_refused
         counters["requests_expired"] += self.dispatcher.runner.requests_expired
         snap["counters"] = dict(counters)
         snap["store_error"] = self._degraded or self.store.failure
@@ -634,6 +520,7 @@ class Engine(threading.Thread):
 
     def _shutdown(self) -> None:
         self._stopping = True
+        self.publisher.close()
         err: BusError = BusClosedError("the bus closed before this call completed")
         if self.failure is not None:
             err = self.broken()

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
-from ..core.state import Incoming
+from ..model.stored import Incoming
 from ..model.delivery import KEY_HEADER, ORDER_HEADER, PRIORITY_HEADER
+from ..model.letters import damaged_letter
 from ..errors import CorruptRecordError, StoreError
 from ..wire.topics import is_pattern, matches
 from .handlers import Handler, Handlers
@@ -323,7 +324,7 @@ class Dispatcher:
     def _quarantine(self, damaged: list[tuple[bytes, bytes]]) -> None:
         batch = self._store.batch()
         for key, raw in damaged:
-            batch.quarantine_incoming(key, raw, "undecodable record")
+            batch.quarantine_incoming(key, damaged_letter("incoming", "undecodable record", raw))
             log.error("incoming message %s: its stored record is damaged; moving it to the "
                       "dead letters with its raw bytes", key[2:].decode("utf-8", "replace"))
         try:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
-from ..core.state import Incoming
+from ..model.stored import Incoming
 from ..model.delivery import backoff
 from ..errors import Reject, Retry, StoreError, TransactionError
 from .handlers import Handler, Handlers

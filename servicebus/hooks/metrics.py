@@ -103,7 +103,7 @@ def register(bus: "Bus", registry: CollectorRegistry | None = None) -> Histogram
     bus._dispatcher.observe(lambda topic, took: seconds.labels(address, topic).observe(took))
     groups = Histogram("servicebus_group_commit_size", "callers sharing one fsync", ["bus"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
-    bus._check_open().committer.observe = groups.labels(address).observe
+    bus._check_open().publisher.committer.observe = groups.labels(address).observe
     return seconds
 
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from ..core.state import Incoming
+from ..model.stored import Incoming
 from ..wire.protocol import KIND_NAMES, Kind, decode_payload
 from ..model.records import Message
 from ..wire.topics import matches

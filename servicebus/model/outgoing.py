@@ -6,16 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from .clock import wall_ms
-from .delivery import KEY_HEADER, PRIORITY_HEADER
-from ..wire.protocol import MAX_HEADERS, MAX_MS, encode_headers, encode_payload, validate_address
-from .stored import OutboxSend
+from .delivery import KEY_HEADER, PRIORITY_HEADER, is_group_peer, pack_outgoing, priority_stream
+from ..wire.protocol import MAX_HEADERS, MAX_MS, Kind, encode_headers, encode_payload, validate_address
+from .ids import IdGenerator
+from .routes import Routes
+from .stored import JournalEvent, OutboxSend
 from ..wire.topics import validate_topic
 
 __all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_event", "prepare_command",
-           "MAX_TTL"]
+           "MAX_TTL", "stage_publish", "Staged"]
 
 # Seconds a ttl may be, at most: far past any use, and its end well below the year 10000,
 # past which a receiver refuses an expires (protocol.MAX_MS; a datetime shows no more).
@@ -128,3 +130,44 @@ def prepare_command(address: str, command: str, payload: Any, *, max_payload: in
     check_ttl_headers(ttl, headers)
     body = _check_size(encode_payload(payload), max_payload)
     return OutboxSend(address, command, body, _expires(ttl, due), headers or None, due)
+
+
+class _Outgoing(Protocol):
+    def put_outgoing(self, stream: str, message_id: str, record: bytes) -> None: ...
+
+
+# (stream, [(id, packed outgoing record)]): what a publish wrote into one stream, which the
+# engine is told once it is durable (core.Published).
+Staged = tuple[str, list[tuple[str, bytes]]]
+
+
+def stage_publish(batch: _Outgoing, routes: Routes, ids: IdGenerator, sent: int, topic: str,
+                  bodies: list[bytes], expires: int | None = None,
+                  headers: dict[str, Any] | None = None, due: int | None = None,
+                  priority: int = 0, journal: bool = False,
+                  ) -> tuple[list[str], list[Staged], list[JournalEvent]]:
+    """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` as ``routes`` has
+    them: each stream it goes into gets the same ids (made here: the caller holds the
+    group commit's lock, so ids are made in the order batches commit). ``due``: wall-clock
+    ms to deliver them at; ``sent``: wall-clock ms now. Returns the ids, what went into
+    each stream and, with ``journal``, one "published" event per (message, receiver)."""
+    made = ids.many(len(bodies)) if due is None else ids.delayed(len(bodies), due)
+    streams = routes.targets(topic)
+    out: list[Staged] = []
+    events: list[JournalEvent] = []
+    if streams:
+        records = [pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers) for body in bodies]
+        put = batch.put_outgoing
+        for stream in streams:
+            items = list(zip(made, records))
+            target = priority_stream(stream, priority)
+            for mid, record in items:
+                put(target, mid, record)
+            out.append((target, items))
+        if journal:  # one event per (message, receiver): what the audit reconciles
+            # A group's messages are journaled per member when one is picked (core/sender.py).
+            peers = dict.fromkeys(p for stream in streams for p in routes.stream_peers.get(stream, ())
+                                  if not is_group_peer(p))
+            events = [("published", sent, mid, topic, "event", peer, 0, None)
+                      for peer in peers for mid in made]
+    return made, out, events

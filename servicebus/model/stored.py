@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, TypedDict
 
 __all__ = ["subscription_options", "IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
-           "DeliveryRecord", "ReplyRecord", "OutboxSend", "JournalEvent", "NO_RUNS"]
+           "DeliveryRecord", "ReplyRecord", "OutboxSend", "JournalEvent", "NO_RUNS", "Incoming"]
 
 
 class IncomingRecord(NamedTuple):
@@ -38,6 +38,15 @@ class RunState(NamedTuple):
 
 
 NO_RUNS = RunState(0, [], None, 0)
+
+
+class Incoming(NamedTuple):
+    """A received message, stored, handed from the core to the handlers (``record``: as
+    ``n/<id>`` holds it; ``runstate``: None if it never ran, or its run state is damaged)."""
+
+    id: str
+    record: IncomingRecord
+    runstate: RunState | None
 
 
 class ReplyRecord(NamedTuple):

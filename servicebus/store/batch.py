@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..model.clock import BusClock
-from ..model.letters import damaged_letter
 from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
                       SubscriptionRecord)
 from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair
@@ -127,11 +126,12 @@ class Batch:
         self._delete(_H + key)
         self._delete(_T + handled_at.to_bytes(8, "big") + key)
 
-    def quarantine_incoming(self, key: bytes, raw: bytes, error: str) -> None:
-        """Move an incoming record that does not decode to the dead letters, raw bytes kept."""
+    def quarantine_incoming(self, key: bytes, letter: dict[str, Any]) -> None:
+        """Move an incoming record that does not decode (``key``, as ``Reads.incoming``
+        reported it) to the dead letters as ``letter`` (its raw bytes kept in it)."""
         self._delete(key)
         self._delete(_R + key[len(_N):])
-        self._put(_X + key[len(_N):], _pack(damaged_letter("incoming", error, raw)))
+        self._put(_X + key[len(_N):], _pack(letter))
 
     def deadletter_incoming(self, message_id: str, record: dict[str, Any]) -> None:
         key = message_id.encode()

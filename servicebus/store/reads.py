@@ -13,8 +13,8 @@ from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, Outbox
 from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
 
 if TYPE_CHECKING:
-    from .db import _Guard
     from .batch import Batch
+    from .handle import _Guard
 
 __all__ = ["Reads"]
 

@@ -15,6 +15,7 @@ from ..model.clock import BusClock
 from ..model.config import BusConfig
 from ..core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from ..model.ids import IdGenerator
+from ..model.outgoing import stage_publish
 from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 from ..wire.protocol import decode, decode_payload, encode_ack, encode_payload
 from .stub import Sent, StubBus
@@ -305,7 +306,8 @@ class CoreNode:
     def publish(self, topic: str, *payloads: Any, priority: int = 0) -> list[str]:
         batch = self.store.batch()
         bodies = [encode_payload(p) for p in payloads]
-        ids, streams, _events = self.core.streams.stage_publish(batch, topic, bodies, priority=priority)
+        ids, streams, _events = stage_publish(batch, self.core.s.routes, self.core.s.ids, self.net.clock.wall_ms(),
+                                              topic, bodies, priority=priority)
         self.store.write(batch, sync=True)
         self.commands.extend(Published(stream, items) for stream, items in streams)
         return ids
