@@ -1,45 +1,29 @@
-"""``Bus``: the thread-safe public face of one embedded bus, and its lifecycle.
-
-Opening a bus: create the data directory, take its lock, open the store, bind the ROUTER,
-then start the handler workers and the engine thread. Closing reverses that: stop taking
-work, let running handlers finish (bounded), stop the engine after a last commit, fsync,
-close the store, release the lock.
-"""
+"""``Bus``: the thread-safe public face of one embedded bus: publishing, commands and
+requests, subscribing, handlers, waiting for events, state. Opening and closing it, and
+the plumbing its calls share, are in lifecycle.py."""
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 
 from .engine import loop as E
-from . import forks
-from .engine.sockets import Sockets
-from .model.config import BusConfig
-from .handling.dispatch import Dispatcher
+from .lifecycle import Lifecycle
 from .handling.handlers import handler_name
-from .handling.timeouts import Watchdog
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
-from .ops.admin import ENDPOINT_FILE, OFF_FILE, live_status
-from .hooks.journal import Journal
-from .wire.keys import load_keys
-from .store.lockfile import DataDirLock
+from .ops.admin import live_status
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
-from .wire.protocol import Kind, validate_address, validate_bind, validate_group
-from .model.stored import ReplyRecord
+from .wire.protocol import Kind, validate_address, validate_group
 from .model.records import BusStatus, DeadLetter, Message
-from .handling.requests import PendingRequests
-from .store import Store
-from .handling.transaction import KeyValue, Transaction
+from .handling.transaction import Transaction
 from .wire.topics import validate_pattern, validate_topic
 
 __all__ = ["Bus"]
@@ -48,213 +32,13 @@ log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 
-class Bus:
+class Bus(Lifecycle):
     """An embedded, durable service bus. See the README for the guarantees.
 
     ``Bus(bind, datadir, **options)``: ``bind`` is this bus's ZeroMQ address
     (``tcp://host:port``; port ``0`` picks a free one), ``datadir`` the directory holding
     its store and lock. ``options`` are the fields of ``BusConfig``.
     """
-
-    def __init__(self, bind: str, datadir: str | os.PathLike, **options: Any) -> None:
-        self.config = config = BusConfig(**options)
-        validate_bind(bind, config.advertise)
-        self.datadir = Path(datadir)
-        self._closed = False
-        self._pid = os.getpid()
-        self._forked = False  # this is a fork()ed child's copy (forks.py)
-        self.metrics_address: str | None = None  # with metrics_port: where they are served
-        self._tracer: Any = None
-        if self.config.tracing:
-            from .hooks import tracing  # ImportError naming the extra without it
-
-            self._tracer = tracing.tracer()
-        self._close_lock = threading.Lock()
-        self._watchdog = Watchdog()  # handler time limits; its thread starts on first use
-        self._lock: DataDirLock | None = None
-        # Set by _open; a Bus whose opening failed is never handed out.
-        self._store: Store
-        self._dispatcher: Dispatcher
-        self._engine: E.Engine | None = None
-        # The service's own state in this bus's store (transaction.py); in a handler,
-        # message.kv is the same state, written with the handler's completion.
-        self.kv: KeyValue
-        # Everything opened is closed by this stack, in reverse: a failure at any step of
-        # opening closes exactly what was opened before it, and close() is the same unwind.
-        self._resources = ExitStack()
-        forks.watch(self)
-        try:
-            self._open(bind, self._resources)
-        except BaseException:
-            self._closed = True
-            self._resources.close()
-            raise
-
-    def _open(self, bind: str, stack: ExitStack) -> None:
-        try:
-            self.datadir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot create data directory {self.datadir}: {exc.strerror}") from exc
-        if not os.access(self.datadir, os.W_OK | os.X_OK):
-            raise StoreError(f"data directory {self.datadir} is not writable")
-        self._lock = lock = DataDirLock.acquire(self.datadir, address=bind)
-        stack.callback(lock.release)
-        self._store = store = Store.open(self.datadir / "store", compression=self.config.store_compression)
-        stack.callback(self._close_store, store)
-        node = store.meta("node")
-        if node is None:
-            node = os.urandom(8).hex()
-            batch = store.batch()
-            batch.put_meta("node", node.encode())
-            store.write(batch, sync=True)
-        self.node_id = node
-        clock = store.bus_clock()
-
-        keys = load_keys(self.config.keys) if self.config.keys is not None else None
-        sockets = Sockets(self.config, keys)
-        stack.callback(self._destroy_sockets, sockets)  # closes every socket it made, then terms
-        endpoint = sockets.bind_router(bind)
-        admin_endpoint = sockets.bind_admin(self.datadir)
-        self._admin = (admin_endpoint, sockets.admin_off)  # (endpoint, or why there is none)
-        self.address = self.config.advertise or endpoint
-        lock.update(self.address)
-        batch = store.batch()
-        batch.put_meta("address", self.address.encode())  # for offline journal flushes
-        store.write(batch, sync=False)
-
-        journal = Journal(store, self.datadir, self.node_id, self.address,
-                          enabled=self.config.journal, retention=self.config.journal_retention,
-                          clock=clock)
-        stack.callback(self._finish_journal, journal)  # after the engine's last turn
-        self._requests = PendingRequests()
-        self._dispatcher = dispatcher = Dispatcher(
-            store, self.config, on_idle=self._wake, requests=self._requests,
-            on_reply=self._reply_ready, journal=journal, clock=clock)
-        self._engine = engine = E.Engine(
-            config=self.config, store=store, clock=clock, sockets=sockets,
-            address=self.address, node_id=self.node_id, dispatcher=dispatcher,
-            requests=self._requests, journal=journal, datadir=self.datadir)
-        stack.callback(self._stop_engine, engine)
-        runner = dispatcher.runner
-        runner.publisher = engine.publisher  # message.publish/send commit with the handler's run
-        if self._tracer is not None:
-            from .hooks.tracing import current_context
-
-            runner.inject = current_context
-        self.kv = KeyValue(store, self._commit_kv, runner.kv_lock, self.config.max_payload,
-                           self._check_open)
-        stack.callback(self._remove_endpoint_files)
-        if admin_endpoint is not None:
-            (self.datadir / OFF_FILE).unlink(missing_ok=True)
-            (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
-        else:
-            # The CLI reads why, rather than wait on an endpoint that is not there.
-            log.warning("bus starts without its admin endpoint: %s", sockets.admin_off)
-            (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
-            (self.datadir / OFF_FILE).write_text(f"{sockets.admin_off}\n")
-        dispatcher.start()
-        stack.callback(dispatcher.close, self.config.close_timeout)  # first thing close() does
-        engine.start()
-        journal.start()  # its first flush moves what a crash left behind
-        if self.config.metrics_port is not None:
-            from .hooks.metrics import serve  # ImportError naming the extra without it
-
-            server, _thread = serve(self, self.config.metrics_port, self.config.metrics_bind)
-            self.metrics_address = f"http://{self.config.metrics_bind}:{server.server_port}/metrics"
-            stack.callback(server.server_close)
-            stack.callback(server.shutdown)
-        log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
-
-    # --- closing, step by step (run by the stack in reverse order of opening) ----------------
-
-    def _stop_engine(self, engine: E.Engine) -> None:
-        if engine.ident is None:  # made but never started: nothing runs, release its fd
-            engine.close_wake()
-            return
-        engine.stop(self.config.close_timeout)
-        if engine.is_alive():
-            log.error("the engine did not stop within %.1fs; its sockets are left open",
-                      self.config.close_timeout)
-            return
-        engine.close_wake()
-
-    def _remove_endpoint_files(self) -> None:
-        (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
-        (self.datadir / OFF_FILE).unlink(missing_ok=True)
-        (self.datadir / "admin.sock").unlink(missing_ok=True)  # where versions up to 0.1 put it
-
-    def _finish_journal(self, journal: Journal) -> None:
-        if not journal.started:
-            return
-        journal.stop()
-        try:
-            journal.flush()  # every remaining record goes to segment files
-        except Exception as exc:  # noqa: BLE001 - they stay in LevelDB for the next start
-            log.error("journal flush at close failed: %s", exc)
-
-    def _destroy_sockets(self, sockets: Sockets) -> None:
-        if self._engine is not None and self._engine.is_alive():
-            return  # its sockets belong to a thread that is still running: never close them under it
-        sockets.destroy()  # every socket it made, including ones a failed open left
-
-    def _close_store(self, store: Store) -> None:
-        try:
-            store.sync()
-        except StoreError as exc:
-            log.error("final sync failed: %s", exc)
-        store.close()
-
-    def _wake(self) -> None:
-        if self._engine is not None:
-            self._engine.wake()
-
-    def _reply_ready(self, command_id: str, reply: ReplyRecord) -> None:
-        # Called on a worker thread once a request's reply is stored. If the engine has
-        # stopped, the stored reply is queued by the next start instead.
-        engine = self._engine
-        if engine is None:
-            return
-        try:
-            engine.submit(E.QueueReply(command_id, reply))
-        except BusClosedError:
-            pass
-
-    # --- plumbing ----------------------------------------------------------------------
-
-    def orphan(self) -> None:
-        """In a fork()ed child (forks.py): every call raises ``BusForkedError``."""
-        self._forked = True
-
-    def _check_open(self) -> E.Engine:
-        if self._forked:
-            raise forks.forked_error("Bus", self._pid)
-        engine = self._engine
-        if self._closed or engine is None:
-            raise BusClosedError("the bus is closed")
-        if engine.failure is not None:
-            raise engine.broken()
-        return engine
-
-    def _call(self, make: Callable[[Future], Any], timeout: float | None = None) -> Any:
-        engine = self._check_open()
-        future: Future = Future()
-        engine.submit(make(future))
-        return self._wait(future, timeout)
-
-    def _wait(self, future: Future, timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            step = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
-            try:
-                return future.result(step)
-            except FutureTimeout:
-                engine = self._engine
-                if engine is not None and engine.failure is not None:
-                    raise engine.broken() from None
-                if engine is None or not engine.is_alive():
-                    raise BusClosedError("the bus closed before this call completed") from None
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
 
     # --- publishing --------------------------------------------------------------------
 
@@ -316,19 +100,26 @@ class Bus:
         if not event.bodies:
             return []
         bodies, expires, headers, due = event.bodies, event.expires, event.headers, event.due
+        hooks = self.hooks
+        if hooks.around_publish:
+            hooks.before_publish("event", topic)
+        error: BaseException | None = None
         try:
-            if self._tracer is not None:
-                from .hooks.tracing import producing
-
-                with producing(self._tracer, "publish", topic, headers) as traced:
-                    return engine.publisher.publish(topic, bodies, expires, traced, dedupe_key, due, latest,
-                                          priority)
+            headers = hooks.outgoing("event", topic, headers)
             return engine.publisher.publish(topic, bodies, expires, headers or None, dedupe_key,
                                             due, latest, priority)
-        except StoreError:
+        except StoreError as exc:
+            error = exc
             if self._closed or self._store.closed:
-                raise BusClosedError("the bus closed before this call completed") from None
+                error = BusClosedError("the bus closed before this call completed")
+                raise error from None
             raise
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if hooks.around_publish:
+                hooks.after_publish("event", topic, error)
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
@@ -345,8 +136,9 @@ class Bus:
         nothing and propagates. Event ids are made at the commit (they are not returned).
         """
         engine = self._check_open()
-        runner = self._dispatcher.runner
-        tx = Transaction(self._store, self.config.max_payload, runner.inject, engine.publisher.backpressure)
+        staging = self._dispatcher.runner.staging
+        tx = Transaction(self._store, self.config.max_payload, self.hooks.outgoing,
+                         engine.publisher.backpressure)
         yield tx
         if tx.empty():
             return
@@ -359,7 +151,7 @@ class Bus:
             for letter in tx.letters:
                 batch.put_deadletter(engine.ids.next(), letter)
             return False
-        with runner.kv_lock if tx.updates else nullcontext():
+        with staging.kv_lock if tx.updates else nullcontext():
             tx.resolve_updates()
             self._commit_staged(engine, tx.events, rest)
         if sends:
@@ -403,16 +195,21 @@ class Bus:
             headers=headers, due=due)
         engine = self._check_open()
         future: Future = Future()
-        if self._tracer is not None:
-            from .hooks.tracing import producing
-
-            with producing(self._tracer, "send", command, headers) as traced:
-                engine.submit(E.SendCmd(address, command, body, expires, traced, correlation_id,
-                                        future, due))
-                return self._wait(future, None) if wait else future
-        engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id,
-                                future, due))
-        return self._wait(future, None) if wait else future
+        hooks = self.hooks
+        if hooks.around_publish:
+            hooks.before_publish("command", command)
+        error: BaseException | None = None
+        try:
+            headers = hooks.outgoing("command", command, headers)
+            engine.submit(E.SendCmd(address, command, body, expires, headers or None, correlation_id,
+                                    future, due))
+            return self._wait(future, None) if wait else future
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if hooks.around_publish:
+                hooks.after_publish("command", command, error)
 
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
                timeout: float | None = None) -> Any:
@@ -555,8 +352,8 @@ class Bus:
             validate_pattern(pattern)
         if timeout is not None:
             check_seconds(timeout, "timeout")
-        engine = self._check_open()
-        watch = engine.watches.add(patterns, need_all)
+        self._check_open()
+        watch = self._watches.add(patterns, need_all)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not watch.done.wait(0.5 if deadline is None else
@@ -567,7 +364,7 @@ class Bus:
                     raise WaitTimeout(f"no event on {', '.join(map(repr, missing))} within {timeout}s")
             return dict(watch.got)
         finally:
-            engine.watches.remove(watch)
+            self._watches.remove(watch)
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -600,10 +397,6 @@ class Bus:
             self._check_open()
             stable = name if name is not None else handler_name(fn)  # of the function itself
             run = fn if timeout is None else self._watchdog.limit(fn, timeout, stable or topic)
-            if self._tracer is not None:
-                from .hooks.tracing import consuming
-
-                run = consuming(self._tracer, run)
             self._dispatcher.register(kind, topic, run, stable)
             return fn
 
@@ -655,38 +448,3 @@ class Bus:
         """Engine counters since start (published, sent, received, acked, fsyncs, ...)."""
         snap = self._call(lambda f: E.Snapshot(f))
         return dict(snap["counters"])
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    # --- lifecycle ---------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Stop taking work, let running handlers finish (up to ``close_timeout``), make
-        everything durable, close the store and release the lock. Idempotent."""
-        if self._forked:
-            # The parent's to close: here its threads are gone and its locks may be held.
-            self._closed = True
-            return
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._resources.close()
-        self._watchdog.close()
-        log.info("bus %s closed", getattr(self, "node_id", "?"))
-
-    def __enter__(self) -> "Bus":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"<Bus {getattr(self, 'address', '?')} {self.datadir} {state}>"
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True) and not self._forked:
-            log.warning("%r was never closed", self)

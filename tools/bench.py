@@ -439,7 +439,10 @@ def _run_servicebus(name: str, count: int, tmp: Path) -> dict:
 def curve_keys(run_dir: Path, pub_addr: str, subs_addrs: list[str]) -> tuple[str, list[str]]:
     """Key directories for a publisher and its subscribers, each trusting the other side."""
     import zmq.auth
-    from servicebus.wire.keys import keygen
+    try:
+        from servicebus.ops.keys import keygen
+    except ImportError:  # a --baseline tree of the layout before issue 27
+        from servicebus.keys import keygen  # type: ignore[no-redef]
 
     def make(name: str) -> tuple[Path, str]:
         public, _secret = keygen(run_dir / "keys" / name)

@@ -16,10 +16,11 @@ to send); ``engine.py`` is the shell that does the I/O. Its parts, one concern e
 
 from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .machine import TICK, Core
-from .ports import Links, StoreView, WriteBatch
+from .ports import NO_EVENTS, EventSwitch, Links, StoreView, WriteBatch
 from .state import Effects, Incoming, Intent, Peer, incoming_record
 
 __all__ = [
     "Core", "TICK", "Effects", "Incoming", "Intent", "Peer", "incoming_record",
     "Published", "QueueReply", "QueueSend", "SendCmd", "SubscribeCmd", "Supersede", "Links", "StoreView", "WriteBatch",
+    "EventSwitch", "NO_EVENTS",
 ]

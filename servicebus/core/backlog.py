@@ -121,6 +121,6 @@ class Backlog:
             f"{consumer.peer}", record, consumer.peer, consumer.stream))
         s.counters["backlog_dropped"] += 1
         peer = consumer.journal_peer(mid)
-        if s.journal_on and peer is not None:
-            s.journal("deadlettered_at_sender", s.wall(), mid, record.topic, "event", peer, 0,
+        if s.events_on and peer is not None:
+            s.event("deadlettered_at_sender", s.wall(), mid, record.topic, "event", peer, 0,
                       "backlog_full")

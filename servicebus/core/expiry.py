@@ -50,8 +50,8 @@ class Expiry:
         consumer.settle(mid)
         if record.kind == Kind.COMMAND and record.correlation_id is not None:
             s.counters["requests_expired"] += 1
-            if s.journal_on and peer is not None:
-                s.journal("dropped_at_sender", s.wall(), mid, record.topic, "command", peer,
+            if s.events_on and peer is not None:
+                s.event("dropped_at_sender", s.wall(), mid, record.topic, "command", peer,
                           attempt, "request_expired")
             log.info("request %s to %s expired before it was acknowledged: dropped (its caller "
                      "was told RequestTimeout)", mid, consumer.peer)
@@ -59,8 +59,8 @@ class Expiry:
         s.out.batch.put_deadletter(mid, outgoing_letter("expired", None, record, consumer.peer,
                                                         consumer.stream))
         s.counters["expired"] += 1
-        if s.journal_on and peer is not None:
-            s.journal("expired_at_sender", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
+        if s.events_on and peer is not None:
+            s.event("expired_at_sender", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
                       peer, attempt, "expired")
         log.warning("%s %s to %s expired before it was acknowledged: dead letter",
                     Kind(record.kind).name.lower(), mid, consumer.peer)
@@ -76,8 +76,8 @@ class Expiry:
         s.out.batch.put_deadletter(mid, outgoing_letter(reason, error, record, consumer.peer,
                                                         consumer.stream))
         s.counters["refused"] += 1
-        if s.journal_on and peer is not None:
-            s.journal("deadlettered_at_sender", s.wall(), mid, record.topic, kind, peer, 0, reason)
+        if s.events_on and peer is not None:
+            s.event("deadlettered_at_sender", s.wall(), mid, record.topic, kind, peer, 0, reason)
         log.error("%s %s to %s: %s; dead letter", kind, mid, consumer.peer, error)
 
     def too_large(self, consumer: Consumer, mid: str, record: OutgoingRecord, peer: Peer) -> bool:

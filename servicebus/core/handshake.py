@@ -319,7 +319,7 @@ class Handshake:
             for stream in self._levels(base):
                 consumer = s.consumers.get((address, stream))
                 if consumer is not None:
-                    if s.journal_on:
+                    if s.events_on:
                         self._journal_dropped(consumer, topic, why)
                     self.roster.remove_consumer(consumer)
                 s.out.batch.delete_delivery(address, stream)
@@ -339,10 +339,10 @@ class Handshake:
             consumer = self.roster.leave_group(group, stream, address)
             if consumer is None:
                 continue
-            if s.journal_on:
+            if s.events_on:
                 ts = s.wall()
                 for mid, member in consumer.assigned.items():
-                    s.journal("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed")
+                    s.event("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed")
             s.out.batch.delete_delivery(consumer.peer, consumer.stream)
             s.gc_floor.pop(consumer.stream, None)
             s.orphans_due = True
@@ -365,4 +365,4 @@ class Handshake:
                 break
             after = ids[-1]
         for mid in owed:
-            s.journal("dropped_at_sender", ts, mid, topic, "event", peer, 0, why)
+            s.event("dropped_at_sender", ts, mid, topic, "event", peer, 0, why)

@@ -39,7 +39,7 @@ from .backlog import Backlog
 from .expiry import Expiry
 from .handshake import Handshake
 from .peers import WAITING_PING, Roster
-from .ports import Links, StoreView, WriteBatch
+from .ports import NO_EVENTS, EventSwitch, Links, StoreView, WriteBatch
 from .receiver import Receiver
 from .sender import Sender
 from .state import Effects, State
@@ -70,14 +70,14 @@ class Core:
 
     def __init__(self, *, config: BusConfig, store: StoreView, links: Links, batch: WriteBatch,
                  address: str, node_id: str, boot: str, ids: IdGenerator, clock: BusClock,
-                 wall: Callable[[], int] = wall_ms, journal_on: bool = False,
+                 wall: Callable[[], int] = wall_ms, events: EventSwitch = NO_EVENTS,
                  now: float = 0.0, uid: int = 0, trust: Keys | None = None,
                  aliases: Iterable[str] = ()) -> None:
         # ``aliases``: other spellings of this bus's address it knows (the endpoint it
         # bound, when it advertises another): never taken as a subscriber's.
         self.s = s = State(config=config, store=store, links=links, address=address,
                            node_id=node_id, boot=boot, ids=ids, clock=clock, wall=wall,
-                           journal_on=journal_on, out=Effects(batch), now=now,
+                           switch=events, out=Effects(batch), now=now,
                            policy=AddressPolicy(config.allow_peers, uid), trust=trust,
                            own=OwnAddress((address, *aliases)))
         self.roster = Roster(s)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ..model.clock import BusClock
 from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 
-__all__ = ["StoreView", "WriteBatch", "Links"]
+__all__ = ["StoreView", "WriteBatch", "Links", "EventSwitch", "NO_EVENTS"]
 
 
 class WriteBatch(Protocol):
@@ -70,3 +70,17 @@ class Links(Protocol):
     def forget(self, address: str) -> None:
         """Close the connection to ``address`` and drop anything queued on it."""
 
+
+
+class EventSwitch(Protocol):
+    """Whether anyone listens for events (``hooks/base.py``'s ``Hooks``): the core makes
+    them only then. Read at each use, so a hook added to a running bus is heard."""
+
+    wanted: bool
+
+
+class _NoEvents:
+    wanted = False
+
+
+NO_EVENTS: EventSwitch = _NoEvents()

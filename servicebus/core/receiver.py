@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ..wire import protocol as P
 from ..model.letters import incoming_letter, invalid_letter
+from ..model.stored import event
 from ..wire.protocol import KIND_NAMES
 from .state import Incoming, State, incoming_record
 
@@ -66,8 +67,8 @@ class Receiver:
             s.out.to_router.append((ident, P.encode_nack(frame.oversize, (
                 f"payload larger than this bus's max_payload ({s.config.max_payload} bytes)"))))
             s.counters["refused_oversize"] += len(frame.oversize)
-        jon, ts, kname = s.journal_on, s.wall(), KIND_NAMES[kind]
-        jev = s.out.journal  # appended to inline: this loop runs per received message
+        jon, ts, kname = s.events_on, s.wall(), KIND_NAMES[kind]
+        jev = s.out.events  # appended to inline: this loop runs per received message
         known = s.store.seen_many([env.id for env in frame.messages])
         # TTLs arrive in the sender's clock. What is left of them counts on ours from now
         # on: skew between the two machines does not shorten or stretch them.
@@ -89,7 +90,7 @@ class Receiver:
             handoff.append(_tuple(Incoming, (mid, record, None)))
             stored = True
             if jon:
-                jev.append(("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt, None))
+                jev.append(event("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt))
         if frame.undecodable or frame.invalid:
             stored = self._set_apart(frame, acks) or stored
         s.counters["received"] += len(frame.messages) + len(frame.undecodable) + len(frame.invalid)
@@ -123,11 +124,11 @@ class Receiver:
                     kind, frame.sender, frame.reply_to, message))
             s.out.batch.put_deadletter(mid, letter)
             stored = True
-            if s.journal_on:
+            if s.events_on:
                 ts, kname = s.wall(), KIND_NAMES[kind]
                 peer = frame.reply_to
-                s.out.journal.append(("received", ts, mid, topic, kname, peer, attempt, None))
-                s.out.journal.append(("deadlettered", ts, mid, topic, kname, peer, 0, f"{reason}: {error}"))
+                s.event("received", ts, mid, topic, kname, peer, attempt)
+                s.event("deadlettered", ts, mid, topic, kname, peer, 0, f"{reason}: {error}")
             total = s.tally(s.counters, reason, reason)
             if total is not None:
                 log.error("dead letter: %s %s from %s: %s (%s); %d so far", topic, mid, frame.reply_to,

@@ -15,6 +15,7 @@ from ..wire import protocol as P
 from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
                         is_command_stream, is_delayed, stream_target)
 from ..model.ids import id_millis
+from ..model.stored import event
 from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind, header_bytes
 from collections.abc import Iterable
 from .expiry import Expiry
@@ -39,14 +40,14 @@ class Sender:
 
     def on_acks(self, peer: Peer, ids: Iterable[str], wall_ms: int) -> None:
         s = self.s
-        jon, jev, consumers = s.journal_on, s.out.journal, peer.consumers
+        jon, jev, consumers = s.events_on, s.out.events, peer.consumers
         for mid in ids:
             for consumer in consumers:
                 if consumer.ack(mid):
                     consumer.last_ack = wall_ms / 1000
                     if jon:
                         topic, kname = _stream_topic(consumer.stream)
-                        jev.append(("acked", wall_ms, mid, topic, kname, peer.address, 0, None))
+                        jev.append(event("acked", wall_ms, mid, topic, kname, peer.address))
                     break
 
     def on_nack(self, peer: Peer, nack: P.Nack) -> None:
@@ -158,9 +159,8 @@ class Sender:
             into.setdefault(peer, []).append(((record.kind, consumer.stream), env))
         else:
             into.setdefault(peer, []).append((record.kind, env))
-        if s.journal_on:
-            s.out.journal.append(("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
-                                  peer.address, attempt, None))
+        if s.events_on:
+            s.event("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind], peer.address, attempt)
 
     def _assign(self, consumer: Consumer, mid: str, record: OutgoingRecord, member: Peer,
                 old: str | None) -> None:
@@ -173,11 +173,11 @@ class Sender:
         consumer.dirty = True
         if old is not None:
             s.counters["group_reassigned"] += 1
-        if s.journal_on:
+        if s.events_on:
             ts = s.wall()
             if old is not None:
-                s.journal("dropped_at_sender", ts, mid, record.topic, "event", old, 0, "reassigned")
-            s.journal("published", record.sent, mid, record.topic, "event", member.address)
+                s.event("dropped_at_sender", ts, mid, record.topic, "event", old, 0, "reassigned")
+            s.event("published", record.sent, mid, record.topic, "event", member.address)
 
     def deliver_new(self, now: float) -> None:
         """Messages written this turn go straight into windows that had caught up."""

@@ -22,14 +22,14 @@ from ..model.delivery import Consumer
 from ..model.ids import IdGenerator
 from ..wire.protocol import Envelope
 from ..model.routes import NO_ROUTES, Routes
-from ..model.stored import Incoming, IncomingRecord, IntentRecord, JournalEvent, SubscriptionRecord, subscription_options
+from ..model.stored import Event, Incoming, IncomingRecord, IntentRecord, SubscriptionRecord, event, subscription_options
 from ..wire.policy import AddressPolicy, OwnAddress
 from ..wire.trust import Keys, PeerEntry
-from .ports import Links, StoreView, WriteBatch
+from .ports import EventSwitch, Links, StoreView, WriteBatch
 
 log = logging.getLogger("servicebus")
 
-__all__ = ["Peer", "Intent", "Incoming", "incoming_record", "Effects", "State", "JournalEvent"]
+__all__ = ["Peer", "Intent", "Incoming", "incoming_record", "Effects", "State"]
 
 
 
@@ -84,7 +84,7 @@ class Effects:
     commit (a sender-side dead letter, a pruned id) belongs to the next turn's batch."""
 
     batch: WriteBatch
-    journal: list[JournalEvent] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # for the hooks, riding in batch
     release: list[tuple[Any, Any]] = field(default_factory=list)  # (caller, value) once written
     handoff: list[Incoming] = field(default_factory=list)  # to the handlers once written
     acks: dict[bytes, list[str]] = field(default_factory=dict)  # router identity -> ids, once written
@@ -105,7 +105,7 @@ class State:
     ids: IdGenerator
     clock: BusClock  # the bus clock: dedupe windows (clock.py)
     wall: Callable[[], int]  # wall-clock ms: timestamps, TTLs
-    journal_on: bool
+    switch: EventSwitch  # whether any hook wants events (``events_on``)
     out: Effects
     policy: AddressPolicy  # which addresses off the wire may be connected to (policy.py)
     trust: Keys | None = None  # with CURVE keys: the peers' keys, addresses and rights (trust.py)
@@ -146,6 +146,11 @@ class State:
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally
+
+    @property
+    def events_on(self) -> bool:
+        """Whether to make events: a hook wants them (the journal, when on)."""
+        return self.switch.wanted
 
     def up(self, consumer: Consumer) -> bool:
         """Whether the consumer's subscriber (in a group: any member) is up."""
@@ -197,6 +202,6 @@ class State:
             log.warning("refused to connect to %r named by a frame from %s (%s); %d refused so far",
                         address[:200], source or "?", reason, total)
 
-    def journal(self, event: str, ts: int, mid: str, topic: str | None, kind: str,
+    def event(self, name: str, ts: int, mid: str, topic: str | None, kind: str,
                 peer: str | None, attempt: int = 0, error: str | None = None) -> None:
-        self.out.journal.append((event, ts, mid, topic, kind, peer, attempt, error))
+        self.out.events.append(event(name, ts, mid, topic, kind, peer, attempt, error))

@@ -112,8 +112,8 @@ class Streams:
         s = self.s
         s.counters["superseded"] += 1
         peer = consumer.journal_peer(mid)
-        if s.journal_on and peer is not None:
-            s.journal("dropped_at_sender", s.wall(), mid, topic, "event", peer, 0, "superseded")
+        if s.events_on and peer is not None:
+            s.event("dropped_at_sender", s.wall(), mid, topic, "event", peer, 0, "superseded")
 
     def _command_consumer(self, address: str) -> str:
         stream = command_stream(address)
@@ -134,8 +134,8 @@ class Streams:
         s.new.setdefault(stream, []).append((mid, record))
         s.out.batch.sync = True
         s.counters["commands_sent"] += 1
-        if s.journal_on:
-            s.journal("published", s.wall(), mid, cmd.command, "command", cmd.address)
+        if s.events_on:
+            s.event("published", s.wall(), mid, cmd.command, "command", cmd.address)
         s.out.release.append((cmd.future, mid))
 
     def queue_reply(self, cmd: QueueReply) -> None:
@@ -158,8 +158,8 @@ class Streams:
         s.out.batch.delete_reply(cmd.command_id)
         s.new.setdefault(stream, []).append((mid, record))
         s.counters["replies_sent"] += 1
-        if s.journal_on:
-            s.journal("published", s.wall(), mid, command, "reply", reply_to)
+        if s.events_on:
+            s.event("published", s.wall(), mid, command, "reply", reply_to)
 
     def queue_send(self, cmd: QueueSend) -> None:
         """Move a command a handler sent from the outbox into its address's stream, ids
@@ -184,8 +184,8 @@ class Streams:
         s.out.batch.sync = True
         s.new.setdefault(stream, []).append((mid, record))
         s.counters["commands_sent"] += 1
-        if s.journal_on:
-            s.journal("published", s.wall(), mid, send.command, "command", send.address)
+        if s.events_on:
+            s.event("published", s.wall(), mid, send.command, "command", send.address)
 
     # --- out ---------------------------------------------------------------------------
 

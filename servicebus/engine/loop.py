@@ -35,10 +35,9 @@ from .publisher import Publisher
 from ..model.config import BusConfig
 from ..core import Core, Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from ..handling.dispatch import Dispatcher
-from ..hooks.watch import Watches
 from ..errors import BusClosedError, BusError, BusBrokenError, StoreError, StoreWriteError
 from ..model.ids import IdGenerator
-from ..hooks.journal import Journal
+from ..hooks.base import Hooks
 from ..handling.requests import PendingRequests
 from .sockets import Sockets
 from ..store import MARK_INTERVAL, Batch, Store
@@ -79,7 +78,7 @@ class Snapshot:
 class Engine(threading.Thread):
     def __init__(self, *, config: BusConfig, store: Store, clock: BusClock, sockets: Sockets,
                  address: str, node_id: str, dispatcher: Dispatcher, requests: PendingRequests,
-                 journal: Journal, datadir: Path | None = None) -> None:
+                 hooks: Hooks, datadir: Path | None = None) -> None:
         super().__init__(name="servicebus-engine", daemon=True)
         self.config = config
         self.store = store
@@ -87,9 +86,8 @@ class Engine(threading.Thread):
         self.address = address
         self.node_id = node_id
         self.dispatcher = dispatcher
-        self.watches = Watches()  # Bus.once/any/all
         self.requests = requests
-        self.journal = journal
+        self.hooks = hooks
         self.datadir = datadir
 
         self._queue: deque[Any] = deque()
@@ -118,14 +116,14 @@ class Engine(threading.Thread):
             self.ids = IdGenerator(after=store.highest_own_id())
             self.core = Core(config=config, store=store, links=sockets, batch=store.batch(),
                              address=address, node_id=node_id, boot=os.urandom(6).hex(),
-                             ids=self.ids, clock=clock, journal_on=journal.enabled,
+                             ids=self.ids, clock=clock, events=hooks,
                              now=time.monotonic(), uid=os.getuid(), trust=sockets.keys,
                              aliases=sockets.bound)
             self._queue.extend(self.core.load())  # replies stored before a crash
             # The publish path, on the callers' threads: it sees the core only through the
             # routes handed to it (_swap_routes) and talks back through submit/notify.
             self.publisher = Publisher(config=config, store=store, ids=self.ids, clock=clock,
-                                       journal=journal, engine=self)
+                                       hooks=hooks, engine=self)
             self.publisher.routes = self.core.s.routes
         except BaseException:
             self.close_wake()  # the bus never gets this engine to close it
@@ -195,7 +193,7 @@ class Engine(threading.Thread):
             self._turn({})  # last commands and acks before the sockets close
             if self._degraded is None:
                 batch = cast(Batch, self.core.out.batch)  # the core writes into ours
-                self.journal.record(batch, self.core.out.journal)
+                self.hooks.events(batch, self.core.out.events)
                 self.core.save_clock()
                 try:
                     self.store.write(batch, sync=True)
@@ -223,8 +221,8 @@ class Engine(threading.Thread):
         # commit: one fsync for everything this turn that someone waits on
         out = core.prepare(now)
         batch = cast(Batch, out.batch)  # the core writes into what store.batch() made
-        if out.journal:
-            self.journal.record(batch, out.journal)
+        if out.events:
+            self.hooks.events(batch, out.events)
         if not batch.sync and self.store.unsynced_for(now) >= SYNC_INTERVAL:
             batch.sync = True  # idle turns come every TICK (0.1 s): the bound holds when idle
         if batch.ops or batch.sync:
@@ -254,8 +252,8 @@ class Engine(threading.Thread):
         if done.handoff:
             # Before the acks: a worker takes a while to wake up, the acks go meanwhile.
             self.dispatcher.submit(done.handoff)
-            if self.watches.active:
-                self.watches.offer(done.handoff)
+            if self.hooks.handing_off:
+                self.hooks.handed_off(done.handoff)
         for ident, ids in done.acks.items():
             self._send_router(ident, P.encode_ack(ids))
 

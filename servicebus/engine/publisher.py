@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ..core import Published, QueueSend, Supersede
 from ..errors import BacklogFull, BusError, StoreWriteError
 from ..handling.transaction import StagedEvent
-from ..hooks.journal import Journal
+from ..hooks.base import Hooks
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.delivery import priority_stream
@@ -55,17 +55,18 @@ class EnginePort(Protocol):
 
 class Publisher:
     def __init__(self, *, config: BusConfig, store: Store, ids: IdGenerator, clock: BusClock,
-                 journal: Journal, engine: EnginePort, wall: Callable[[], int] = wall_ms) -> None:
+                 hooks: Hooks, engine: EnginePort, wall: Callable[[], int] = wall_ms) -> None:
         self.config = config
         self.store = store
         self.ids = ids
         self.clock = clock
-        self.journal = journal
+        self.hooks = hooks
         self.engine = engine
         self.wall = wall
         # Swapped by the engine thread whenever the core replaces its own (never mutated).
         self.routes: Routes = NO_ROUTES
         self.committer = GroupCommit(store, self._on_commit)
+        self.committer.observe = hooks.committed  # callers sharing each fsync
         self._dedupe_lock = threading.Lock()  # publishes with a dedupe key, one at a time
         self._count_lock = threading.Lock()
         self.published = 0  # ids handed out by publish()
@@ -116,7 +117,7 @@ class Publisher:
                 priority: int = 0) -> list[str]:
         def build(batch: Batch) -> _Result:
             ids, streams, events = self._stage(batch, topic, bodies, expires, headers, due, priority)
-            self.journal.record(batch, events)
+            self.hooks.events(batch, events)
             if key is not None:  # stored even with nobody subscribed: a retry finds it
                 name, now, old = key
                 if old is not None:  # past the window, not pruned yet: its index entry goes
@@ -131,7 +132,7 @@ class Publisher:
                priority: int) -> tuple[list[str], list[Staged], list[Any]]:
         # Under the group commit's lock: ids are made in the order batches commit.
         return stage_publish(batch, self.routes, self.ids, self.wall(), topic, bodies, expires,
-                             headers, due, priority, journal=self.journal.enabled)
+                             headers, due, priority, journal=self.hooks.wanted)
 
     def _on_commit(self, results: list[_Result]) -> None:
         # Under the commit lock, in commit order: the engine sees new ids in stream order.
@@ -212,7 +213,7 @@ class Publisher:
                                                    e.due, e.priority)
                 ids += got
                 streams += into
-                self.journal.record(batch, journaled)
+                self.hooks.events(batch, journaled)
             marked[0] = rest(batch)
             return ids, streams, any(e.expires is not None for e in events)
 

@@ -26,7 +26,7 @@ from ..model.letters import damaged_letter
 from ..errors import CorruptRecordError, StoreError
 from ..wire.topics import is_pattern, matches
 from .handlers import Handler, Handlers
-from ..hooks.journal import Journal
+from ..hooks.base import Hooks
 from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
@@ -75,13 +75,13 @@ class _Lane:
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
                  requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
-                 journal: Journal, clock: BusClock) -> None:
+                 hooks: Hooks, clock: BusClock) -> None:
         self._store = store
         self._config = config
         self._on_idle = on_idle
         self._handlers = Handlers()
         self._runner = Runner(store, config, self._handlers, requests=requests,
-                              on_reply=on_reply, journal=journal, clock=clock,
+                              on_reply=on_reply, hooks=hooks, clock=clock,
                               park=self._park, closing=lambda: self._closing)
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Incoming]] = []
@@ -136,10 +136,6 @@ class Dispatcher:
             self._refill()
         except StoreError as exc:
             log.error("reading stored incoming messages failed: %s", exc)
-
-    def observe(self, fn: Callable[[str, float], None]) -> None:
-        """Call ``fn(topic, seconds)`` after each handler run (metrics.py)."""
-        self._runner.observe = fn
 
     def in_worker(self) -> bool:
         return threading.current_thread() in self._threads

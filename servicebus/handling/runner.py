@@ -1,22 +1,32 @@
-"""Running one received message: its handlers, retries, dead letter, reply, and the
-writes that record each outcome.
+"""Running one received message: its handlers, then what the outcome says to write.
 
-- Before a handler runs, the attempt count is written (unsynced; it survives SIGKILL), so a
-  message that crashes the process is eventually dead-lettered instead of looping forever.
-  The write that finishes one message also marks the next one of a worker's run started.
-- The moment every handler for a message has returned, the message moves from incoming to
-  handled in one write from the worker thread itself (DESIGN.md section 9: deferring that
-  to the engine turns crashes into duplicate handling).
-- A handler that raises is retried with backoff; after ``max_attempts`` the message moves
-  to the dead letters with the exception type and text, atomically.
-- A request's handler is run once; its return value or exception is the reply.
-- What a handler stages with ``message.kv``/``publish``/``send`` (transaction.py) goes
-  into the write that records its run: the completion, or the "done" mark of one of
-  several handlers. With anything staged, that write goes through the publishers' group
-  commit (fsynced, ids made in commit order, as ``publish`` does): later durable writes
-  depend on it (see _commit_staged). Commands go to the outbox keyspace in it, and the
-  engine moves them into their streams. A run that staged nothing is recorded unsynced:
-  a power cut may rerun it (the engine syncs within SYNC_INTERVAL, engine.py).
+A run is an outcome table. ``run`` finds what happened (an ``Outcome``), and ``_FINISH``
+says what each outcome writes, in one atomic write (writes.py makes and retries it):
+
+=========  ==========================================  ===================================
+outcome    when                                        write
+=========  ==========================================  ===================================
+handled    every handler returned                      incoming -> handled, with what the
+                                                       handlers staged (staging.py)
+failed     a handler raised (or asked to ``Retry``)    attempts left: the run state, next
+                                                       try after a backoff; else as dead
+dead       out of attempts, ``Reject``, expired, a     incoming -> dead letters, with the
+           payload that does not decode, or every      reason and the error text
+           run so far ended the process (crashed)
+replied    a request's handler returned or raised      incoming -> handled + its reply
+dropped    a request that expired before it ran (its   incoming -> handled (no dead
+           caller was told ``RequestTimeout``)         letter: nobody to replay it for)
+reply      a reply to one of this bus's requests       incoming -> handled; the caller
+                                                       gets it if it still waits
+parked     no handler registered yet                   nothing: it waits in the store
+unstarted  its start could not be written (full disk)  nothing: tried again STORE_RETRY on
+=========  ==========================================  ===================================
+
+Every exception a handler raises fails that attempt, ``BaseException`` included
+(``SystemExit``, ``KeyboardInterrupt``): the message is retried, then dead-lettered, like
+any other. Letting it through would not stop the process (raised on a worker thread,
+Python only ends that thread) but would strand the message: neither done nor retried, and
+its ordered lane let go. Ask for a stop another way (close the bus from the main thread).
 """
 
 from __future__ import annotations
@@ -24,363 +34,173 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
+from ..errors import Reject, Retry, StoreError
+from ..hooks.base import Hooks
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
-from ..model.stored import Incoming
 from ..model.delivery import backoff
-from ..errors import Reject, Retry, StoreError, TransactionError
-from .handlers import Handler, Handlers
-from ..hooks.journal import Journal
 from ..model.letters import incoming_letter
-from ..wire.protocol import KIND_NAMES, Kind, decode_payload, encode_payload
 from ..model.records import Message
-from ..model.stored import NO_RUNS, JournalEvent, OutboxSend, ReplyRecord, RunState
-from .transaction import StagedEvent, Transaction
+from ..model.stored import NO_RUNS, Event, Incoming, ReplyRecord, RunState, event
+from ..wire.protocol import KIND_NAMES, Kind, decode_payload, encode_payload
+from .handlers import Handler, Handlers
 from .requests import PendingRequests
-from ..store import Store
+from .staging import Staging, UpdateFailed
+from .transaction import Transaction
+from .writes import RunStore, RunWriter
 
-__all__ = ["Runner", "Publisher", "RECENT", "STORE_RETRY"]
+__all__ = ["Runner", "Outcome", "STORE_RETRY"]
 
 log = logging.getLogger("servicebus")
 
-# Finishing writes kept to redo after a reopen (see Runner.record). Only those that returned
-# between a failed write and its failure being recorded can be dropped: a few per worker.
-# Dead letters and replies keep their payload, so this also bounds that memory.
-RECENT = 64
 _tuple = tuple.__new__  # NamedTuples built per message skip their keyword-parsing __new__
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
 
 
-class Publisher(Protocol):
-    """What a handler's transaction needs from the engine (engine.py implements it)."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one run of a message came to (the rows of the table above)."""
 
-    def commit_transaction(self, events: list[StagedEvent], rest: Callable[[Any], bool]) -> bool:
-        """Store ``events`` and whatever ``rest(batch)`` adds in one fsynced write shared
-        with publishers; returns what ``rest`` returned."""
-
-    def queue_sends(self, sends: list[tuple[str, OutboxSend]]) -> None:
-        """Move these outbox commands (stored) into their streams."""
-
-    def backpressure(self, topic: str, priority: int) -> None:
-        """As a publish to ``topic`` would: wait for room, or raise ``BacklogFull``."""
+    kind: str
+    attempts: int = 0
+    reason: str | None = None  # dead: why (expired, rejected, handler_failed, ...)
+    error: str | None = None  # the exception's type and text
+    events: tuple[Event, ...] = ()  # written with the outcome
+    done: tuple[str, ...] = ()  # failed: the handlers that finished (not rerun)
+    retry_after: float | None = None  # failed: asked for by ``Retry(after=)``
+    tx: Transaction | None = None  # handled, replied: what the last handler staged
+    part: str = ""  # handled: that handler's name (keeps its outbox keys apart)
+    reply: dict[str, Any] | None = None  # replied: the reply to send back
+    message: Message | None = None
 
 
 def _failed_text(exc: BaseException) -> str:
-    """The error recorded for a handler run that raised ``exc``.
-
-    Every exception a handler raises fails that attempt, ``BaseException`` included
-    (``SystemExit``, ``KeyboardInterrupt``): the message is retried, then dead-lettered,
-    like any other. Letting it through would not stop the process (raised on a worker
-    thread, Python only ends that thread) but would strand the message: neither done
-    nor retried, and its ordered lane let go. Ask for a stop another way (close the bus
-    from the main thread)."""
+    """The error recorded for a handler run that raised ``exc`` (see the module docstring
+    for why a ``BaseException`` fails the attempt like any other)."""
     if not isinstance(exc, Exception):
         log.error("a handler raised %s, which is not an Exception: that attempt failed; the bus "
                   "does not end the process from a handler thread", type(exc).__name__)
     return f"{type(exc).__name__}: {exc}"
 
 
-class _UpdateFailed(Exception):
-    """A ``message.kv.update`` function raised at the commit: the run failed."""
-
-
-def _event(name: str, item: Incoming, attempts: int, error: str | None = None) -> JournalEvent:
-    record = item.record
-    return (name, wall_ms(), item.id, record.topic, KIND_NAMES.get(record.kind, "event"),
-            record.reply_to, attempts, error)
-
-
 class Runner:
-    def __init__(self, store: Store, config: BusConfig, handlers: Handlers, *,
+    def __init__(self, store: RunStore, config: BusConfig, handlers: Handlers, *,
                  requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
-                 journal: Journal, clock: BusClock,
-                 park: Callable[[tuple[int, str], int | None], None],
-                 closing: Callable[[], bool]) -> None:
-        self._store = store
+                 hooks: Hooks, clock: BusClock, park: Callable[[tuple[int, str], int | None], None],
+                 closing: Callable[[], bool], wall: Callable[[], int] = wall_ms) -> None:
         self._config = config
         self._handlers = handlers
         self._requests = requests
         self._on_reply = on_reply  # hands a stored reply to the engine for sending
-        self._journal = journal
+        self._hooks = hooks
         self._clock = clock  # handled ids are stamped with it: the dedupe window counts it
         self._park = park  # no handler yet: the message waits in the store (dispatch.py)
-        # (topic, seconds) of each handler run, for metrics.py; None: not timed at all
-        self.observe: Callable[[str, float], None] | None = None
         self._closing = closing
-        self._lock = threading.Lock()
-        self._recent: OrderedDict[str, tuple[Callable[[Any], None], Callable[[], None] | None]] = OrderedDict()
-        self._tls = threading.local()
-        # message id -> its handler's transaction while the handler runs (None: nothing staged)
-        self._txs: dict[str, Transaction | None] = {}
+        self._wall = wall
+        self.writer = RunWriter(store, max_attempts=config.max_attempts, closing=closing, wall=wall,
+                                handles=lambda kind, topic: (kind, topic) in handlers)
+        self.staging = Staging(store, self.writer, config.max_payload)
+        self._count_lock = threading.Lock()
         self.requests_expired = 0  # requests dropped here unrun: past their caller's timeout
-        self.publisher: Publisher | None = None  # the engine, once made
-        self.kv_lock = threading.Lock()  # one kv update() at a time (shared with bus.kv)
-        self.inject: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None  # tracing
 
     def redo_for(self, message_id: str) -> Callable[[], None] | None:
-        """Writes ``message_id``'s finishing write again, if it was among the last RECENT made."""
-        with self._lock:
-            found = self._recent.get(message_id)
-        if found is None:
-            return None
-        build, after = found
+        return self.writer.redo_for(message_id)
 
-        def redo() -> None:
-            self.record(build, message_id, after=after)
-        return redo
-
-    # --- a handler's transaction --------------------------------------------------------
-
-    def transaction(self, message_id: str) -> Transaction:
-        """The transaction of ``message_id``'s handler, which must be running."""
-        try:
-            tx = self._txs[message_id]
-        except KeyError:
-            raise TransactionError(
-                "message.kv, message.publish and message.send work only while the message's "
-                "handler runs: they are stored with its completion") from None
-        if tx is None:
-            admit = None if self.publisher is None else self.publisher.backpressure
-            tx = self._txs[message_id] = Transaction(self._store, self._config.max_payload,
-                                                     self.inject, admit)
-        return tx
-
-    def stage_event(self, message_id: str, topic: str, payload: Any, **options: Any) -> None:
-        self.transaction(message_id).publish(topic, payload, **options)
-
-    def stage_send(self, message_id: str, address: str, command: str, payload: Any,
-                   **options: Any) -> None:
-        self.transaction(message_id).send(address, command, payload, **options)
-
-    def _commit(self, build: Callable[[Any], None], finished: str | None, nxt: Incoming | None,
-                tx: Transaction | None, part: str) -> bool:
-        """``record`` a run's outcome with what its handler staged (``part`` names the
-        handler, keeping outbox keys of several handlers apart). Raises ``_UpdateFailed``
-        if a kv update function raised: nothing was written."""
-        if tx is None or tx.empty():
-            return self.record(build, finished, nxt)
-        if tx.updates:
-            with self.kv_lock:  # held until written: the next update reads this one's value
-                try:
-                    tx.resolve_updates()
-                except Exception as exc:
-                    raise _UpdateFailed(f"{type(exc).__name__}: {exc}") from exc
-                return self._commit_staged(build, finished, nxt, tx, part)
-        return self._commit_staged(build, finished, nxt, tx, part)
-
-    def _commit_staged(self, build: Callable[[Any], None], finished: str | None,
-                       nxt: Incoming | None, tx: Transaction, part: str) -> bool:
-        mid = finished or part
-        sends: list[tuple[str, OutboxSend]] = []
-
-        def full(batch: Any) -> None:
-            build(batch)
-            tx.write_state(batch)
-            sends[:] = tx.write_sends(batch, mid, part)
-
-        publisher = self.publisher
-        after = None
-        if tx.sends:
-            if publisher is None:
-                raise TransactionError("this bus cannot send from a handler's transaction")
-            after = lambda: publisher.queue_sends(sends)  # noqa: E731
-        if publisher is None:
-            if tx.events:
-                raise TransactionError("this bus cannot publish from a handler's transaction")
-            return self.record(full, finished, nxt, after=after, synced=self._synced_write)
-        # Fsynced, like events, also when it holds only kv writes or commands: an unsynced
-        # write is harmless to lose only if nothing durable comes to depend on it, and here
-        # something does (the next kv update reads this one's value; the engine moves the
-        # commands into their streams with a synced write). LevelDB does not lose only a
-        # suffix of unsynced writes: when its memtable fills it closes its log without an
-        # fsync and starts another, whose synced writes can survive a power cut that the old
-        # log's tail does not (tests/integration/test_power_loss.py: kv counts 33 too high,
-        # commands sent twice). Shared through the group commit like a publish.
-        events = tx.events
-        return self.record(full, finished, nxt, after=after,
-                           synced=lambda rest: publisher.commit_transaction(events, rest))
-
-    def _synced_write(self, rest: Callable[[Any], bool]) -> bool:
-        """A synced write of ``rest(batch)``, for a runner without an engine (tests)."""
-        batch = self._store.batch()
-        marked = rest(batch)
-        self._store.write(batch, sync=True)
-        return marked
-
-    def _scratch(self) -> Any:
-        """This thread's write batch, emptied: one per message was measurable."""
-        batch = getattr(self._tls, "batch", None)
-        if batch is None or batch.generation != self._store.generation:  # reopened since
-            batch = self._tls.batch = self._store.batch()
-        else:
-            batch.clear()
-        return batch
-
-    def record(self, build: Callable[[Any], None], finished: str | None = None,
-               nxt: Incoming | None = None, *, after: Callable[[], None] | None = None,
-               synced: Callable[[Callable[[Any], bool]], bool] | None = None) -> bool:
-        """Write what a handler's run did (done, failed, dead-lettered): ``build(batch)``
-        fills a batch, whose write is tried until it succeeds. It happened: if the write
-        fails (a full disk, the store being reopened), the handler must not run again while
-        the process lives, so the message stays in memory meanwhile. The batch is built
-        again each time (one made before a reopen belongs to the closed handle). Only
-        closing the bus gives up (the message then runs again after the next start, as
-        after a crash). With ``nxt``, the same write marks that message's run as started;
-        returns whether it did. ``after`` runs once the write is made.
-
-        ``synced``: make the write through it (``Publisher.commit_transaction``: fsynced,
-        with events) rather than as a plain unsynced write.
-
-        ``finished``: the id of a message this write takes out of the incoming store. A
-        write that failed may still have reached LevelDB's log, and be applied when the
-        store is reopened: if the message is gone when a write is tried again, it was,
-        and is not made twice. Unsynced writes that LevelDB appended just after a write
-        that failed (a full disk) are dropped when the store is reopened: the message is
-        then found stored again. The last few such writes are kept, so that the scan
-        after a reopen writes them again instead of running their handlers a second time."""
-        delay = 0.05
-        failed = False
-        while True:
-            try:
-                if failed and finished is not None and not self._store.has_incoming(finished):
-                    marked = False  # an earlier try's write was applied by the reopen
-                    break
-                if synced is None:
-                    batch = self._scratch()
-                    build(batch)
-                    marked = self._with_marker(batch, nxt)
-                    self._store.write(batch, sync=False)
-                else:
-                    def rest(b: Any) -> bool:
-                        build(b)
-                        return self._with_marker(b, nxt)
-                    marked = synced(rest)
-                break
-            except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
-                if self._closing() or self._store.closed:
-                    raise StoreError(f"closing before a handler's run was recorded: {exc}") from exc
-                failed = True
-                self._store.wait_writable(delay)
-                delay = min(delay * 2, 1.0)
-        if finished is not None and synced is None:  # a synced write is never dropped
-            with self._lock:
-                recent = self._recent
-                recent[finished] = (build, after)
-                if len(recent) > RECENT:
-                    recent.popitem(last=False)
-        if after is not None:
-            after()
-        return marked
-
-    def _marker(self, item: Incoming | None) -> RunState | None:
-        """The run state that says "this message's handlers have started" (attempt + 1), or
-        None if the message will not run a handler (reply, no handler yet, expired)."""
-        if item is None:
-            return None
+    def _event(self, name: str, item: Incoming, attempts: int, error: str | None = None) -> Event:
         record = item.record
-        kind = record.kind
-        if kind == Kind.REPLY or (kind, record.topic) not in self._handlers:
-            return None
-        if record.expires is not None and wall_ms() > record.expires:
-            return None
-        attempts, done, last_error, _next = item.runstate or NO_RUNS
-        if attempts >= self._config.max_attempts:
-            return None  # it will not run again: run() dead-letters it
-        return _tuple(RunState, (attempts + 1, list(done), last_error, 0))
+        return event(name, self._wall(), item.id, record.topic, KIND_NAMES.get(record.kind, "event"),
+                     record.reply_to, attempts, error)
 
-    def _with_marker(self, batch: Any, nxt: Incoming | None) -> bool:
-        """Put the next message's start marker in ``batch``: the write that finishes one
-        message also records that the next one started, saving a write per message."""
-        marker = self._marker(nxt)
-        if marker is None or nxt is None:
-            return False
-        batch.put_runstate(nxt.id, marker)
-        return True
+    # --- the run ---------------------------------------------------------------------------
 
     def run(self, item: Incoming, marked: bool = False,
-             nxt: Incoming | None = None) -> tuple[float | None, bool]:
-        """Run the handlers for one message. Returns (when to retry or None if finished,
-        whether ``nxt``'s start marker was written)."""
+            nxt: Incoming | None = None) -> tuple[float | None, bool]:
+        """Run one message and record the outcome. Returns (when to retry, monotonic, or None
+        if finished; whether ``nxt``'s start marker went into the write)."""
+        outcome = self._outcome(item, marked)
+        return _FINISH[outcome.kind](self, item, outcome, nxt)
+
+    def _outcome(self, item: Incoming, marked: bool) -> Outcome:
         record = item.record
         kind, topic = record.kind, record.topic
         if kind == Kind.REPLY:
-            self._run_reply(item)
-            return None, False
+            return Outcome("reply", 1)
         attempts, done, last_error, _next = item.runstate or NO_RUNS
-        done = list(done)
-        store, config = self._store, self._config
-        expires = record.expires
-        now_ms = wall_ms()
-        if expires is not None and now_ms > expires:
+        if record.expires is not None and self._wall() > record.expires:
             if kind == Kind.COMMAND and record.correlation_id is not None:
-                self._drop_request(item, attempts)
-            else:
-                self._deadletter(item, "expired", last_error, attempts)
-            return None, False
+                return Outcome("dropped", attempts)
+            return Outcome("dead", attempts, "expired", last_error)
         handlers = self._handlers.get((kind, topic))
         if not handlers:
-            # Kept in the store until a handler registers or its TTL passes, if it has one.
-            self._park((kind, topic), expires)
-            return None, False
-
+            return Outcome("parked")
         attempts += 1
-        if attempts > config.max_attempts:
+        if attempts > self._config.max_attempts:
             # Every run so far started and none ended, not even by raising: the handler
             # ends the process (os._exit, a segfault, the OOM killer). Checked before it
             # runs, or the service would crash-loop on this message forever.
-            self._deadletter(item, "handler_crashed", last_error or (
-                f"the process ended during each of its {attempts - 1} run(s) of the handler"),
-                attempts - 1)
-            return None, False
+            return Outcome("dead", attempts - 1, "handler_crashed", last_error or (
+                f"the process ended during each of its {attempts - 1} run(s) of the handler"))
         if not marked:
             try:
-                batch = self._scratch()
-                batch.put_runstate(item.id, RunState(attempts, done, last_error, 0))
-                store.write(batch, sync=False)  # a crash from here on counts as an attempt
+                self.writer.start(item.id, RunState(attempts, done, last_error, 0))
             except (StoreError, RuntimeError):  # RuntimeError: plyvel's closed handle
                 if self._closing():
                     raise
                 # Not written, so not run: the store cannot be written (a full disk). Try
                 # again later; no attempt is used up.
-                return time.monotonic() + STORE_RETRY, False
-
-        mid = item.id
+                return Outcome("unstarted")
         message: Message = _tuple(Message, (
-            mid, topic, record.sender, record.reply_to, record.sent, attempts, record.headers,
-            KIND_NAMES.get(kind, "event"), record.correlation_id, expires, self))
+            item.id, topic, record.sender, record.reply_to, record.sent, attempts, record.headers,
+            KIND_NAMES.get(kind, "event"), record.correlation_id, record.expires, self.staging))
         try:
             payload = decode_payload(record.body)
         except Exception as exc:  # validated on receipt; only a corrupted store gets here
-            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", attempts)
-            return None, False
-
+            return Outcome("dead", attempts, "undecodable", f"{type(exc).__name__}: {exc}")
         if kind == Kind.COMMAND and record.correlation_id is not None:
-            return None, self._run_request(item, handlers[0][1], payload, message, nxt)
+            return self._request(item, handlers[0][1], payload, message)
+        return self._handle(item, handlers, payload, message, attempts, list(done), last_error)
 
+    def _call(self, handler: Handler, payload: Any, message: Message) -> Any:
+        """Run one handler inside the hooks' before/after (metrics time it, tracing spans it)."""
+        hooks = self._hooks
+        if not hooks.around_handle:
+            return handler(payload, message)
+        hooks.before_handle(message)
+        began = time.perf_counter()
+        try:
+            result = handler(payload, message)
+        except BaseException as exc:
+            hooks.after_handle(message, exc, time.perf_counter() - began)
+            raise
+        hooks.after_handle(message, None, time.perf_counter() - began)
+        return result
+
+    def _handle(self, item: Incoming, handlers: list[tuple[str, Handler]], payload: Any,
+                message: Message, attempts: int, done: list[str], last_error: str | None) -> Outcome:
+        """Run each handler not done yet; their outcome."""
+        mid, topic, config, staging = item.id, item.record.topic, self._config, self.staging
         error: str | None = None
         retry_after: float | None = None
-        observe = self.observe
-        txs = self._txs
         final: Transaction | None = None  # what the last handler to finish staged
         final_name = handlers[-1][0]
         for name, handler in handlers:
             if name in done:
                 continue
-            began = time.perf_counter() if observe is not None else 0.0
-            txs[mid] = None  # message.kv/publish/send work from here ...
+            staging.open(mid)
             try:
-                handler(payload, message)
+                self._call(handler, payload, message)
             except Reject as exc:
+                staging.close(mid)  # what a failed run staged is dropped
                 rejected = f"Reject: {exc}"
                 log.warning("handler %s rejected %s %s: %s", name, topic, mid, exc)
-                self._deadletter(item, "rejected", rejected, attempts,
-                                 [_event("handler_failed", item, attempts, rejected)])
-                return None, False
+                return Outcome("dead", attempts, "rejected", rejected,
+                               (self._event("handler_failed", item, attempts, rejected),))
             except Retry as exc:
+                staging.close(mid)
                 error = f"Retry: {exc}"
                 if exc.after is not None:
                     retry_after = max(retry_after or 0.0, exc.after)
@@ -388,82 +208,102 @@ class Runner:
                          mid, attempts, config.max_attempts, exc)
                 continue
             except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
+                staging.close(mid)
                 error = _failed_text(exc)
                 log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
                             mid, attempts, config.max_attempts, error)
                 continue
-            finally:
-                tx = txs.pop(mid, None)  # ... to here; what a failed run staged is dropped
-                if observe is not None:
-                    observe(topic, time.perf_counter() - began)
+            tx = staging.close(mid)
             done.append(name)
             if len(done) < len(handlers):
                 # Remember which handlers finished, so a crash reruns only the others.
                 state = RunState(attempts, list(done), last_error, 0)
                 try:
-                    self._commit(lambda b: b.put_runstate(mid, state), None, None, tx, name)
-                except _UpdateFailed as exc:
+                    staging.commit(lambda b: b.put_runstate(mid, state), None, None, tx, name)
+                except UpdateFailed as exc:
                     done.pop()
                     error = f"kv update: {exc}"
                     log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
                                 mid, attempts, config.max_attempts, error)
             else:
                 final, final_name = tx, name
-
         if error is None:
-            try:
-                premarked = self._commit(self._completion(mid, _event("handled", item, attempts)),
-                                         mid, nxt, final, final_name)
-                return None, premarked
-            except _UpdateFailed as exc:
-                done.remove(final_name)
-                error = f"kv update: {exc}"
-                log.warning("handler %s failed on %s %s (attempt %d/%d): %s", final_name,
-                            topic, mid, attempts, config.max_attempts, error)
-        failed = _event("handler_failed", item, attempts, error)
-        if attempts >= config.max_attempts:
-            self._deadletter(item, "handler_failed", error, attempts, [failed])
-            return None, False
-        delay = backoff(attempts, config.retry_initial, config.retry_max) if retry_after is None else retry_after
+            return Outcome("handled", attempts, done=tuple(done), tx=final, part=final_name)
+        return Outcome("failed", attempts, error=error, done=tuple(done), retry_after=retry_after)
 
-        def retried(batch: Any) -> None:
-            batch.put_runstate(mid, RunState(attempts, done, error, wall_ms() + int(delay * 1000)))
-            self._journal.record(batch, [failed, _event("retried", item, attempts, error)])
-
-        return time.monotonic() + delay, self.record(retried, None, nxt)
-
-    def _completion(self, mid: str, event: tuple) -> Callable[[Any], None]:
-        """The write that finishes a handled message. Holds the id and its journal event
-        only, not the message (``_record`` keeps the last few of these)."""
-        def completed(batch: Any) -> None:
-            batch.complete_incoming(mid, self._clock.now())
-            self._journal.record(batch, [event])
-        return completed
-
-    def _run_request(self, item: Incoming, handler: Handler, payload: Any, message: Message,
-                     nxt: Incoming | None = None) -> bool:
+    def _request(self, item: Incoming, handler: Handler, payload: Any, message: Message) -> Outcome:
         """A request: the handler's return value, or its exception, is the reply. It is not
         retried here: the caller is waiting, and decides whether to ask again."""
-        events = []
         mid = item.id
-        self._txs[mid] = None
+        self.staging.open(mid)
         try:
-            reply: dict = {"ok": True, "value": handler(payload, message)}
+            reply: dict[str, Any] = {"ok": True, "value": self._call(handler, payload, message)}
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
             log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
-            reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-            events.append(_event("handler_failed", item, message.attempt, _failed_text(exc)))
-        finally:
-            tx = self._txs.pop(mid, None)
+            failed = self._event("handler_failed", item, message.attempt, _failed_text(exc))
+            self.staging.close(mid)  # what a failed run staged is dropped
+            return Outcome("replied", message.attempt, events=(failed,), message=message,
+                           reply={"ok": False, "type": type(exc).__name__, "message": str(exc)})
+        return Outcome("replied", message.attempt, tx=self.staging.close(mid), message=message,
+                       reply=reply)
+
+    # --- what each outcome writes ----------------------------------------------------------------
+
+    def _handled(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
+        try:
+            premarked = self.staging.commit(self._completion(item.id, self._event("handled", item, o.attempts)),
+                                            item.id, nxt, o.tx, o.part)
+        except UpdateFailed as exc:
+            error = f"kv update: {exc}"
+            log.warning("handler %s failed on %s %s (attempt %d/%d): %s", o.part, item.record.topic,
+                        item.id, o.attempts, self._config.max_attempts, error)
+            done = tuple(name for name in o.done if name != o.part)
+            return self._failed(item, Outcome("failed", o.attempts, error=error, done=done), nxt)
+        return None, premarked
+
+    def _failed(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
+        mid, attempts, error, config = item.id, o.attempts, o.error, self._config
+        failed = self._event("handler_failed", item, attempts, error)
+        if attempts >= config.max_attempts:
+            return self._dead(item, Outcome("dead", attempts, "handler_failed", error, (failed,)), nxt)
+        delay = backoff(attempts, config.retry_initial, config.retry_max) if o.retry_after is None \
+            else o.retry_after
+        done = list(o.done)
+
+        def retried(batch: Any) -> None:
+            batch.put_runstate(mid, RunState(attempts, done, error, self._wall() + int(delay * 1000)))
+            self._hooks.events(batch, [failed, self._event("retried", item, attempts, error)])
+
+        return time.monotonic() + delay, self.writer.record(retried, None, nxt)
+
+    def _dead(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
+        record, reason = item.record, o.reason or "handler_failed"
+        name = "expired" if reason == "expired" else "deadlettered"
+        letter = incoming_letter(reason, o.error, o.attempts, record)
+        events = [*o.events, self._event(name, item, o.attempts, o.error or reason)]
+
+        def deadlettered(batch: Any) -> None:
+            self._hooks.events(batch, events)
+            batch.deadletter_incoming(item.id, letter)
+
+        self.writer.record(deadlettered, item.id)
+        log.error("dead letter: %s %s after %d attempt(s): %s", record.topic, item.id, o.attempts,
+                  o.error or reason)
+        return None, False
+
+    def _replied(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
+        message, reply, tx = o.message, o.reply, o.tx
+        assert message is not None and reply is not None
+        mid, events = item.id, list(o.events)
         if not reply["ok"]:
-            tx = None  # what a failed run staged is dropped
+            tx = None
 
         def replied_with(body: bytes) -> tuple[Callable[[Any], None], ReplyRecord]:
             reply_record = ReplyRecord(message.reply_to, message.topic, message.correlation_id, body)
 
             def replied(batch: Any) -> None:
                 batch.complete_with_reply(mid, self._clock.now(), reply_record)
-                self._journal.record(batch, [*events, _event("handled", item, message.attempt)])
+                self._hooks.events(batch, [*events, self._event("handled", item, message.attempt)])
             return replied, reply_record
 
         try:
@@ -475,27 +315,28 @@ class Runner:
                                        "message": f"reply of {len(body)} bytes exceeds max_payload"}), None
         replied, reply_record = replied_with(body)
         try:
-            premarked = self._commit(replied, mid, nxt, tx, "request")
-        except _UpdateFailed as exc:
-            events.append(_event("handler_failed", item, message.attempt, f"kv update: {exc}"))
+            premarked = self.staging.commit(replied, mid, nxt, tx, "request")
+        except UpdateFailed as exc:
+            events.append(self._event("handler_failed", item, message.attempt, f"kv update: {exc}"))
             replied, reply_record = replied_with(encode_payload(
                 {"ok": False, "type": "TransactionError", "message": f"kv update: {exc}"}))
-            premarked = self.record(replied, mid, nxt)
-        self._on_reply(item.id, reply_record)
-        return premarked
+            premarked = self.writer.record(replied, mid, nxt)
+        self._on_reply(mid, reply_record)
+        return None, premarked
 
-    def _drop_request(self, item: Incoming, attempts: int) -> None:
+    def _dropped(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         """A request not started before it expired: its caller got ``RequestTimeout``, so it
         never runs (DESIGN.md rule 13). Taken out as handled (a resend is not stored again)
-        and journaled as dropped; not a dead letter: there is nobody to replay it for."""
+        and journaled as dropped."""
         log.info("request %s %s expired before it ran: dropped (its caller was told "
                  "RequestTimeout)", item.record.topic, item.id)
-        with self._lock:
+        with self._count_lock:
             self.requests_expired += 1
-        self.record(self._completion(item.id, _event("dropped", item, attempts, "request_expired")),
-                    item.id)
+        self.writer.record(self._completion(item.id, self._event("dropped", item, o.attempts,
+                                                                 "request_expired")), item.id)
+        return None, False
 
-    def _run_reply(self, item: Incoming) -> None:
+    def _reply(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         record = item.record
         corr = record.correlation_id
         try:
@@ -503,27 +344,35 @@ class Runner:
             if not isinstance(reply, dict):
                 raise ValueError("a reply must be a map")
         except Exception as exc:
-            self._deadletter(item, "undecodable", f"{type(exc).__name__}: {exc}", 0)
-            return None
+            return self._dead(item, Outcome("dead", 0, "undecodable", f"{type(exc).__name__}: {exc}"), None)
         if not self._requests.resolve(corr, reply):
             # After its timeout, or for an earlier run of this bus (a caller's wait is not
             # durable): nobody can take it, now or later.
             late = "came after its timeout" if self._requests.is_ours(corr) else \
                 "was for an earlier run of this bus"
             log.warning("reply %s to request %s %s: dropped", item.id, corr, late)
-        self.record(self._completion(item.id, _event("handled", item, 1)), item.id)
-        return None
+        self.writer.record(self._completion(item.id, self._event("handled", item, 1)), item.id)
+        return None, False
 
-    def _deadletter(self, item: Incoming, reason: str, error: str | None, attempts: int,
-                    events: list | None = None) -> None:
-        record = item.record
-        name = "expired" if reason == "expired" else "deadlettered"
-        letter = incoming_letter(reason, error, attempts, record)
+    def _parked(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
+        # Kept in the store until a handler registers or its TTL passes, if it has one.
+        self._park((item.record.kind, item.record.topic), item.record.expires)
+        return None, False
 
-        def deadlettered(batch: Any) -> None:
-            self._journal.record(batch, [*(events or []), _event(name, item, attempts, error or reason)])
-            batch.deadletter_incoming(item.id, letter)
+    def _unstarted(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
+        return time.monotonic() + STORE_RETRY, False
 
-        self.record(deadlettered, item.id)
-        log.error("dead letter: %s %s after %d attempt(s): %s", record.topic, item.id, attempts,
-                  error or reason)
+    def _completion(self, mid: str, done: Event) -> Callable[[Any], None]:
+        """The write that finishes a handled message. Holds the id and its event only, not
+        the message (the writer keeps the last few of these)."""
+        def completed(batch: Any) -> None:
+            batch.complete_incoming(mid, self._clock.now())
+            self._hooks.events(batch, [done])
+        return completed
+
+
+_FINISH: dict[str, Callable[[Runner, Incoming, Outcome, Incoming | None], tuple[float | None, bool]]] = {
+    "handled": Runner._handled, "failed": Runner._failed, "dead": Runner._dead,
+    "replied": Runner._replied, "dropped": Runner._dropped, "reply": Runner._reply,
+    "parked": Runner._parked, "unstarted": Runner._unstarted,
+}

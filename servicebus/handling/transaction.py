@@ -176,14 +176,16 @@ class Transaction:
     commands. ``kv``, ``publish`` and ``send`` check their input at once, as ``Bus`` does."""
 
     __slots__ = ("store", "max_value", "writes", "updates", "events", "sends", "letters", "_kv",
-                 "_inject", "_admit")
+                 "_outgoing", "_admit")
 
     def __init__(self, store: Any, max_value: int,
-                 inject: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
+                 outgoing: Callable[[str, str, dict[str, Any] | None], dict[str, Any] | None] | None = None,
                  admit: Callable[[str, int], None] | None = None) -> None:
         self.store = store
         self.max_value = max_value
-        self._inject = inject  # tracing: the current span's context into the headers
+        # The hooks' say on a message's headers (hooks/base.py, Hooks.outgoing): tracing puts
+        # the current span's context in them.
+        self._outgoing = outgoing
         # Backpressure (topic, priority), applied once an event is found valid: it may wait
         # for room or raise BacklogFull, as a publish does.
         self._admit = admit
@@ -210,7 +212,7 @@ class Transaction:
                               priority=priority)
         if self._admit is not None:
             self._admit(topic, event.priority)
-        headers = event.headers if self._inject is None else self._inject(event.headers)
+        headers = event.headers if self._outgoing is None else self._outgoing("event", topic, event.headers)
         self.events.append(StagedEvent(topic, event.bodies[0], event.expires, headers, event.due,
                                        event.priority))
 
@@ -220,8 +222,8 @@ class Transaction:
         """Stage a command (``Bus.send``'s options)."""
         cmd = prepare_command(address, command, payload, max_payload=self.max_value, ttl=ttl,
                               headers=headers, due=due_ms(delay, deliver_at))
-        if self._inject is not None:
-            cmd = cmd._replace(headers=self._inject(cmd.headers))
+        if self._outgoing is not None:
+            cmd = cmd._replace(headers=self._outgoing("command", command, cmd.headers))
         self.sends.append(cmd)
 
     def stage_deadletter(self, letter: dict[str, Any]) -> None:

@@ -41,7 +41,8 @@ import msgpack
 from ..model.clock import BusClock
 from ..model.packer import pack
 from ..store import Batch, Store
-from ..model.stored import JournalEvent
+from ..model.stored import Event
+from .base import BusView, Hook
 
 __all__ = ["Journal", "flush_datadir"]
 
@@ -78,8 +79,9 @@ def _json_str(text: str | None) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-class Journal:
-    """Records events into batches and moves them out to segment files."""
+class Journal(Hook):
+    """Records events into batches and moves them out to segment files. A hook of the
+    bus when ``journal=True`` (the default); offline tools use it directly."""
 
     def __init__(self, store: Store, datadir: Path, node_id: str, address: str, *,
                  enabled: bool = True, retention: float = 7 * 86400.0,
@@ -109,10 +111,25 @@ class Journal:
 
     # --- recording ---------------------------------------------------------------------
 
-    def record(self, batch: Batch, events: Sequence[JournalEvent]) -> None:
+    def record(self, batch: Batch | None, events: Sequence[Event]) -> None:
         """Add ``events`` to ``batch``: they become durable exactly when it does."""
-        if self.enabled and events:
+        if self.enabled and events and batch is not None:
             batch.put_journal(next(self._seq), pack(events))
+
+    events = record  # the hook: every event the bus makes, in the batch it rides in
+
+    def attach(self, bus: BusView) -> None:
+        self.start()  # its first flush moves what a crash left behind
+
+    def detach(self) -> None:
+        """After the engine's last write: stop the thread, flush what is left."""
+        if not self.started:
+            return
+        self.stop()
+        try:
+            self.flush()  # every remaining record goes to segment files
+        except Exception as exc:  # noqa: BLE001 - they stay in LevelDB for the next start
+            log.error("journal flush at close failed: %s", exc)
 
     # --- moving out to segment files -----------------------------------------------------
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server
@@ -36,11 +36,11 @@ except ImportError as exc:  # the extra is not installed
 
 from ..ops.admin import oldest_pending
 from ..model.clock import wall_ms
+from ..model.records import Message
+from .base import BusView, Hook, Hooks
 
-if TYPE_CHECKING:
-    from ..bus import Bus
 
-__all__ = ["register", "serve", "BusCollector"]
+__all__ = ["register", "serve", "BusCollector", "Metrics"]
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -48,7 +48,7 @@ _NAME = re.compile(r"[^a-zA-Z0-9_]")
 class BusCollector:
     """Reads the bus's counters and status at each scrape."""
 
-    def __init__(self, bus: "Bus") -> None:
+    def __init__(self, bus: BusView) -> None:
         self.bus = bus
 
     def collect(self) -> Iterator[Metric]:
@@ -78,7 +78,7 @@ class BusCollector:
         yield _family(GaugeMetricFamily, "servicebus_oldest_pending_seconds",
                       "age of the oldest message owed, per subscriber", ["bus", "subscriber"],
                       [([me, sub], max(0.0, (now - ms) / 1000))
-                       for sub, ms in sorted(oldest_pending(bus._store).items())])
+                       for sub, ms in sorted(oldest_pending(bus.store).items())])
         yield _family(CounterMetricFamily, "servicebus_malformed", "frames dropped as malformed",
                       ["bus", "reason"],
                       [([me, reason], n) for reason, n in sorted(status.malformed_by_reason.items())])
@@ -92,22 +92,51 @@ def _family(kind: Any, name: str, doc: str, labels: list[str],
     return family
 
 
-def register(bus: "Bus", registry: CollectorRegistry | None = None) -> Histogram:
+class Metrics(Hook):
+    """The bus's series in ``registry``: the collector above, read at each scrape, and two
+    histograms fed as things happen (handler run times, callers per group commit)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.seconds = Histogram("servicebus_handler_seconds", "handler run time", ["bus", "topic"],
+                                 registry=registry)
+        self.groups = Histogram("servicebus_group_commit_size", "callers sharing one fsync", ["bus"],
+                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
+        self._address = "?"
+        self._collector: BusCollector | None = None
+
+    def attach(self, bus: BusView) -> None:
+        self._address = bus.address
+        self._collector = BusCollector(bus)
+        self.registry.register(self._collector)
+
+    def detach(self) -> None:
+        if self._collector is not None:
+            self.registry.unregister(self._collector)
+            self._collector = None
+
+    def after_handle(self, message: Message, error: BaseException | None, seconds: float) -> None:
+        self.seconds.labels(self._address, message.topic).observe(seconds)
+
+    def committed(self, callers: int) -> None:
+        self.groups.labels(self._address).observe(callers)
+
+
+class _Hooked(Protocol):
+    """A bus, as far as metrics need: its hooks (hooks/base.py)."""
+
+    hooks: Hooks
+
+
+def register(bus: _Hooked, registry: CollectorRegistry | None = None) -> Histogram:
     """Export ``bus`` in ``registry`` (prometheus_client's default one if None); returns
     the handler-time histogram."""
-    registry = REGISTRY if registry is None else registry
-    registry.register(BusCollector(bus))
-    seconds = Histogram("servicebus_handler_seconds", "handler run time", ["bus", "topic"],
-                        registry=registry)
-    address = bus.address
-    bus._dispatcher.observe(lambda topic, took: seconds.labels(address, topic).observe(took))
-    groups = Histogram("servicebus_group_commit_size", "callers sharing one fsync", ["bus"],
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
-    bus._check_open().publisher.committer.observe = groups.labels(address).observe
-    return seconds
+    hook = Metrics(REGISTRY if registry is None else registry)
+    bus.hooks.add(hook)
+    return hook.seconds
 
 
-def serve(bus: "Bus", port: int, host: str = "127.0.0.1") -> tuple[Any, threading.Thread]:
+def serve(bus: _Hooked, port: int, host: str = "127.0.0.1") -> tuple[Any, threading.Thread]:
     """Serve ``bus``'s metrics (a registry of its own) at ``http://host:port/metrics``;
     returns the server and its thread (``server.shutdown()`` stops it)."""
     registry = CollectorRegistry()

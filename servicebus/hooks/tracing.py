@@ -1,67 +1,82 @@
 """OpenTelemetry spans for messages (extra ``otel``: ``pip install 'servicebus[otel]'``).
 
-With ``Bus(tracing=True)`` a publish or send runs in a PRODUCER span and carries the W3C
-``traceparent`` (and ``tracestate``) of that span in the message's headers; a handler runs
-in a CONSUMER span whose parent is the context those headers carry, so a trace goes from
-the publishing service to every handler, across processes. Without the extra the headers
-still pass through untouched: a service that sets ``traceparent`` itself keeps it.
+With ``Bus(tracing=True)`` this hook is added to the bus: a publish or send runs in a
+PRODUCER span and carries the W3C ``traceparent`` (and ``tracestate``) of that span in the
+message's headers; a handler runs in a CONSUMER span whose parent is the context those
+headers carry, so a trace goes from the publishing service to every handler, across
+processes; what a handler publishes or sends in its transaction carries the handler's
+span. Without the extra the headers still pass through untouched: a service that sets
+``traceparent`` itself keeps it.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
 from typing import Any
 
 try:
-    from opentelemetry import propagate, trace
+    from opentelemetry import context, propagate, trace
 except ImportError as exc:  # the extra is not installed
     raise ImportError("Bus(tracing=True) needs OpenTelemetry: pip install 'servicebus[otel]'") from exc
 
-from ..handling.handlers import Handler
 from ..model.records import Message
+from .base import Hook
 
-__all__ = ["tracer", "producing", "consuming", "current_context"]
+__all__ = ["Tracing"]
 
 _SYSTEM = "servicebus"
+_OPERATION = {"event": "publish", "command": "send"}
 
 
-def tracer() -> trace.Tracer:
-    return trace.get_tracer("servicebus")
+class Tracing(Hook):
+    """PRODUCER spans around publishes and sends, CONSUMER spans around handler runs."""
 
+    def __init__(self, tracer: trace.Tracer | None = None) -> None:
+        self.tracer = tracer if tracer is not None else trace.get_tracer("servicebus")
+        # A publish and a handler run each begin and end on one thread: the span they
+        # opened, and the context token to put back, wait here in between (a stack: a
+        # handler may publish inside its own span).
+        self._local = threading.local()
 
-@contextmanager
-def producing(tracer: trace.Tracer, operation: str, destination: str,
-              headers: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
-    """A PRODUCER span around a publish or send; yields the headers to send, with the
-    span's context injected (``traceparent``, ``tracestate``)."""
-    with tracer.start_as_current_span(f"{operation} {destination}", kind=trace.SpanKind.PRODUCER,
-                                      attributes={"messaging.system": _SYSTEM,
-                                                  "messaging.operation": operation,
-                                                  "messaging.destination.name": destination}):
-        carrier = dict(headers or {})
-        propagate.inject(carrier)
-        yield carrier
+    def _stack(self) -> list[tuple[Any, Any]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
+    def _open(self, name: str, kind: trace.SpanKind, parent: Any, attributes: dict[str, str]) -> None:
+        span = self.tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
+        token = context.attach(trace.set_span_in_context(span))
+        self._stack().append((span, token))
 
-def current_context(headers: dict[str, Any] | None) -> dict[str, Any]:
-    """``headers`` with the current span's context in them: what a handler publishes or
-    sends in its transaction continues the handler's trace."""
-    carrier = dict(headers or {})
-    propagate.inject(carrier)
-    return carrier
+    def _close(self, error: BaseException | None) -> None:
+        stack = self._stack()
+        if not stack:
+            return
+        span, token = stack.pop()
+        context.detach(token)
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end()
 
+    def before_publish(self, kind: str, name: str) -> None:
+        operation = _OPERATION.get(kind, kind)
+        self._open(f"{operation} {name}", trace.SpanKind.PRODUCER, None,
+                   {"messaging.system": _SYSTEM, "messaging.operation": operation,
+                    "messaging.destination.name": name})
 
-def consuming(tracer: trace.Tracer, handler: Handler) -> Handler:
-    """``handler``, run in a CONSUMER span that continues the trace its message carries."""
-    @functools.wraps(handler)
-    def traced(payload: Any, message: Message) -> Any:
-        context = propagate.extract({k: v for k, v in message.headers.items() if isinstance(v, str)})
-        with tracer.start_as_current_span(
-                f"process {message.topic}", context=context, kind=trace.SpanKind.CONSUMER,
-                attributes={"messaging.system": _SYSTEM, "messaging.operation": "process",
-                            "messaging.destination.name": message.topic,
-                            "messaging.message.id": message.id}):
-            return handler(payload, message)
-    return traced
+    def outgoing(self, kind: str, name: str, headers: dict[str, Any]) -> None:
+        propagate.inject(headers)  # the current span: the publish's, or the handler's
+
+    def after_publish(self, kind: str, name: str, error: BaseException | None) -> None:
+        self._close(error)
+
+    def before_handle(self, message: Message) -> None:
+        parent = propagate.extract({k: v for k, v in message.headers.items() if isinstance(v, str)})
+        self._open(f"process {message.topic}", trace.SpanKind.CONSUMER, parent,
+                   {"messaging.system": _SYSTEM, "messaging.operation": "process",
+                    "messaging.destination.name": message.topic, "messaging.message.id": message.id})
+
+    def after_handle(self, message: Message, error: BaseException | None, seconds: float) -> None:
+        self._close(error)

@@ -2,20 +2,21 @@
 
 A watch sees events this bus receives (durably stored, acknowledged) after it was made,
 on topics matching its patterns; it does not handle them (handlers still run, or the
-message waits for one) and it is not durable: it is a wait in memory. The engine offers
-each turn's hand-off here only while a watch exists.
+message waits for one) and it is not durable: it is a wait in memory. A hook: the engine
+offers it each turn's hand-off, which it looks at only while a watch exists.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from ..model.stored import Incoming
 from ..wire.protocol import KIND_NAMES, Kind, decode_payload
 from ..model.records import Message
 from ..wire.topics import matches
+from .base import Hook
 
 __all__ = ["Watches", "Watch"]
 
@@ -36,7 +37,7 @@ class Watch:
                 return
 
 
-class Watches:
+class Watches(Hook):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watches: list[Watch] = []
@@ -55,9 +56,11 @@ class Watches:
         with self._lock:
             self._watches = [w for w in self._watches if w is not watch]
 
-    def offer(self, items: Iterable[Incoming]) -> None:
+    def handed_off(self, items: Sequence[Incoming]) -> None:
         """Received messages (engine thread, after they are stored)."""
         watches = self._watches
+        if not watches:
+            return
         for item in items:
             record = item.record
             if record.kind != Kind.EVENT:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 from dataclasses import dataclass
 
 from ..wire.policy import parse_allow
@@ -92,11 +93,19 @@ class BusConfig:
     #: OpenTelemetry spans for publish/send (PRODUCER) and handlers (CONSUMER), with the
     #: W3C trace context carried in message headers (the ``otel`` extra; see tracing.py)
     tracing: bool = False
+    #: observers of this bus (``servicebus.Hook`` subclasses; hooks/base.py), called after
+    #: the bus's own (journal, tracing) in this order
+    hooks: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "hooks":
+                if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                    raise TypeError("option hooks must be a list of servicebus.Hook objects")
+                object.__setattr__(self, "hooks", tuple(value))  # each checked by the bus
                 continue
             if field.name == "wire_compression":
                 if value is not None and value != "zstd":

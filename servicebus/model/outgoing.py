@@ -13,7 +13,7 @@ from .delivery import KEY_HEADER, PRIORITY_HEADER, is_group_peer, pack_outgoing,
 from ..wire.protocol import MAX_HEADERS, MAX_MS, Kind, encode_headers, encode_payload, validate_address
 from .ids import IdGenerator
 from .routes import Routes
-from .stored import JournalEvent, OutboxSend
+from .stored import Event as EventRecord, OutboxSend, event
 from ..wire.topics import validate_topic
 
 __all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_event", "prepare_command",
@@ -145,7 +145,7 @@ def stage_publish(batch: _Outgoing, routes: Routes, ids: IdGenerator, sent: int,
                   bodies: list[bytes], expires: int | None = None,
                   headers: dict[str, Any] | None = None, due: int | None = None,
                   priority: int = 0, journal: bool = False,
-                  ) -> tuple[list[str], list[Staged], list[JournalEvent]]:
+                  ) -> tuple[list[str], list[Staged], list[EventRecord]]:
     """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` as ``routes`` has
     them: each stream it goes into gets the same ids (made here: the caller holds the
     group commit's lock, so ids are made in the order batches commit). ``due``: wall-clock
@@ -154,7 +154,7 @@ def stage_publish(batch: _Outgoing, routes: Routes, ids: IdGenerator, sent: int,
     made = ids.many(len(bodies)) if due is None else ids.delayed(len(bodies), due)
     streams = routes.targets(topic)
     out: list[Staged] = []
-    events: list[JournalEvent] = []
+    events: list[EventRecord] = []
     if streams:
         records = [pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers) for body in bodies]
         put = batch.put_outgoing
@@ -168,6 +168,6 @@ def stage_publish(batch: _Outgoing, routes: Routes, ids: IdGenerator, sent: int,
             # A group's messages are journaled per member when one is picked (core/sender.py).
             peers = dict.fromkeys(p for stream in streams for p in routes.stream_peers.get(stream, ())
                                   if not is_group_peer(p))
-            events = [("published", sent, mid, topic, "event", peer, 0, None)
+            events = [event("published", sent, mid, topic, "event", peer)
                       for peer in peers for mid in made]
     return made, out, events

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, TypedDict
 
 __all__ = ["subscription_options", "IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
-           "DeliveryRecord", "ReplyRecord", "OutboxSend", "JournalEvent", "NO_RUNS", "Incoming"]
+           "DeliveryRecord", "ReplyRecord", "OutboxSend", "JournalEvent", "NO_RUNS", "Incoming",
+           "Event", "event"]
 
 
 class IncomingRecord(NamedTuple):
@@ -104,9 +105,30 @@ class DeliveryRecord(TypedDict, total=False):
     left: int  # a subscription with a limit: messages it is still to be given
 
 
-# (event, ts_ms, message_id, topic, kind, peer, attempt, error), one per change, stored in
-# the batch making the change (journal.py). A plain tuple: millions are built per run.
-JournalEvent = tuple[str, int, str, "str | None", "str | None", "str | None", int, "str | None"]
+class Event(NamedTuple):
+    """What happened to one message, as the hooks and the journal see it (hooks/base.py)."""
+
+    name: str  # published, sent, acked, received, handled, handler_failed, retried,
+    #            deadlettered, expired, dropped, replayed; *_at_sender where both sides have one
+    ts: int  # wall-clock ms
+    id: str
+    topic: str | None  # the event's topic, the command's name
+    kind: str | None  # event, command, reply
+    peer: str | None  # the receiver (on the sender's side) or the sender (the receiver's)
+    attempt: int
+    error: str | None  # why, for failures, dead letters and drops
+
+
+_tuple = tuple.__new__  # millions are made per run: skip the keyword-parsing __new__
+
+
+def event(name: str, ts: int, mid: str, topic: str | None, kind: str | None, peer: str | None,
+          attempt: int = 0, error: str | None = None) -> Event:
+    """An ``Event``: the one place they are made."""
+    return _tuple(Event, (name, ts, mid, topic, kind, peer, attempt, error))
+
+
+JournalEvent = Event  # the name journal.py and the audit's docs use
 
 
 def subscription_options(group: str | None, ordered: bool, limit: int | None) -> dict[str, Any]:

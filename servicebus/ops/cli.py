@@ -301,7 +301,7 @@ def keygen(key_dir: Path = typer.Argument(..., metavar="DIR", help="directory fo
                                                  help="the address this bus advertises, for the printed peers.toml entry")) -> None:
     """Make a CURVE key pair for Bus(..., keys=DIR): DIR/bus.key (public) and
     DIR/bus.key_secret (mode 0600). Prints the entry other buses add to their peers.toml."""
-    from ..wire.keys import keygen as make
+    from .keys import keygen as make
 
     try:
         public, secret = make(key_dir)

@@ -18,6 +18,7 @@ from ..model.delivery import is_command_stream, pack_outgoing, stream_target, un
 from ..model.ids import IdGenerator
 from ..hooks.journal import Journal
 from ..model.letters import outgoing_letter
+from ..model.stored import event
 from ..wire.protocol import Kind
 from ..store import Store
 
@@ -88,7 +89,7 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
             batch.put_incoming(mid, rec["record"])
             batch.delete_deadletter(mid)
             inner = rec["record"]
-            journal.record(batch, [("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3], 0, None)])
+            journal.record(batch, [event("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3])])
             row.update(result="replayed", to="incoming")
         elif origin == "outgoing":
             stream, peer = str(rec.get("stream") or ""), str(rec.get("peer") or "")
@@ -112,8 +113,8 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
                                                              None, corr, headers))
             batch.delete_deadletter(mid)
             journal.record(batch, [
-                ("replayed_at_sender", wall_ms(), mid, topic_, rec.get("kind"), peer, 0, f"as {new_id}"),
-                ("published", wall_ms(), new_id, topic_, rec.get("kind"), peer, 0, None)])
+                event("replayed_at_sender", wall_ms(), mid, topic_, rec.get("kind"), peer, 0, f"as {new_id}"),
+                event("published", wall_ms(), new_id, topic_, rec.get("kind"), peer)])
             row.update(result="replayed", to=f"outgoing to {peer}", new_id=new_id)
         else:
             row.update(result="skipped", detail=f"unknown origin {origin!r}")
@@ -133,7 +134,7 @@ def _journal(store: Store) -> Journal:
     return Journal(store, Path("."), (node or b"").decode(), (address or b"").decode())
 
 
-def _journal_owed(store: Store, writer: "_Writer", peer: str | None, event: str, why: str) -> None:
+def _journal_owed(store: Store, writer: "_Writer", peer: str | None, name: str, why: str) -> None:
     """Journal every message still owed to ``peer`` (every peer if None) as ended by an
     operator: the audit counts it as ``event``, not as lost."""
     journal = _journal(store)
@@ -143,7 +144,7 @@ def _journal_owed(store: Store, writer: "_Writer", peer: str | None, event: str,
         kind = "command" if is_command_stream(c.stream) else "event"
         topic = None if kind == "command" else stream_target(c.stream)
         for mid in c.pending_ids(store):
-            journal.record(writer.batch, [(event, wall_ms(), mid, topic, kind, c.peer, 0, why)])
+            journal.record(writer.batch, [event(name, wall_ms(), mid, topic, kind, c.peer, 0, why)])
             writer.step()
 
 
@@ -196,8 +197,8 @@ def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[s
             kind = Kind(rec.kind).name.lower()
             writer.batch.put_deadletter(mid, outgoing_letter("subscriber_removed", None, rec, address,
                                                              c.stream))
-            journal.record(writer.batch, [("deadlettered_at_sender", wall_ms(), mid, rec.topic, kind,
-                                           address, 0, "subscriber_removed")])
+            journal.record(writer.batch, [event("deadlettered_at_sender", wall_ms(), mid, rec.topic, kind,
+                                                address, 0, "subscriber_removed")])
             moved += 1
             writer.step()
         writer.batch.delete_delivery(c.peer, c.stream)

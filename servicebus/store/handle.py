@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+import threading
+from typing import Any, Literal, Protocol
 
 import plyvel
 
@@ -14,8 +15,19 @@ from ..errors import LockedError, StoreError, StoreWriteError
 from ..forks import forked_error
 from .schema import REPAIR_HINT
 
-if TYPE_CHECKING:
-    from .db import Store
+
+class _Guarded(Protocol):
+    """What the guard reads and counts of the store it guards (db.py's ``Store``)."""
+
+    _forked: bool
+    _pid: int
+    _lock: threading.Lock
+    _cv: threading.Condition
+    _closed: bool
+    _reopening: bool
+    _db: Any
+    _failure: str | None
+    _active: int
 
 __all__: list[str] = []
 
@@ -70,7 +82,7 @@ class _Guard:
 
     __slots__ = ("_store",)
 
-    def __init__(self, store: "Store") -> None:
+    def __init__(self, store: _Guarded) -> None:
         self._store = store
 
     def __enter__(self) -> None:

@@ -283,7 +283,7 @@ class CoreNode:
         clock = self.net.clock
         self.core = Core(config=self.net.config, store=self.store, links=self, batch=self.store.batch(),
                          address=self.address, node_id=self.address, boot=os.urandom(6).hex(),
-                         ids=IdGenerator(after=self.store.highest_own_id(), wall=clock.wall_ms, monotonic=clock.monotonic), clock=clock, wall=clock.wall_ms, journal_on=False,
+                         ids=IdGenerator(after=self.store.highest_own_id(), wall=clock.wall_ms, monotonic=clock.monotonic), clock=clock, wall=clock.wall_ms,
                          now=clock.monotonic(), uid=os.getuid())
         self.commands: list[Any] = list(self.core.load())
         self.inbox.clear()  # what the dead process had not read is gone with it

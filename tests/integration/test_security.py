@@ -308,7 +308,7 @@ def test_the_admin_endpoint_writes_no_file_and_export_is_streamed_to_the_cli(mak
 
 
 def make_keys(folder: Path, name: str) -> tuple[Path, str]:
-    from servicebus.wire.keys import keygen
+    from servicebus.ops.keys import keygen
     import zmq.auth
 
     public, _secret = keygen(folder / name)

@@ -1,0 +1,314 @@
+"""Opening and closing a ``Bus``, and the plumbing its calls share.
+
+Opening: create the data directory, take its lock, open the store, bind the ROUTER, then
+start the handler workers, the engine thread and the hooks. Closing reverses that: stop
+taking work, let running handlers finish (bounded), stop the engine after a last commit,
+detach the hooks (the journal flushes), fsync, close the store, release the lock. Every
+step is on one ``ExitStack``: a failure while opening closes exactly what was opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Self
+
+from . import forks
+from .engine import loop as E
+from .engine.keys import load_keys
+from .engine.sockets import Sockets
+from .errors import BusClosedError, StoreError
+from .handling.dispatch import Dispatcher
+from .handling.requests import PendingRequests
+from .handling.timeouts import Watchdog
+from .handling.transaction import KeyValue
+from .hooks.base import Hook, Hooks
+from .hooks.journal import Journal
+from .hooks.watch import Watches
+from .model.config import BusConfig
+from .model.records import BusStatus
+from .model.stored import ReplyRecord
+from .ops.admin import ENDPOINT_FILE, OFF_FILE
+from .store import Store
+from .store.lockfile import DataDirLock
+from .wire.protocol import validate_bind
+
+__all__ = ["Lifecycle"]
+
+log = logging.getLogger("servicebus")
+
+
+class _View:
+    """What hooks may read of a bus (hooks/base.py's ``BusView``)."""
+
+    def __init__(self, bus: "Lifecycle") -> None:
+        self._bus = bus
+        self.address = bus.address
+        self.node_id = bus.node_id
+        self.datadir = bus.datadir
+
+    @property
+    def closed(self) -> bool:
+        return self._bus.closed
+
+    def counters(self) -> dict[str, int]:
+        return self._bus.counters()
+
+    def status(self) -> BusStatus:
+        return self._bus.status()
+
+    @property
+    def store(self) -> Store:
+        return self._bus._store
+
+
+class Lifecycle:
+    """The opening, closing and plumbing half of ``Bus`` (bus.py has its calls)."""
+
+    config: BusConfig
+    address: str
+    node_id: str
+
+    def _commit_kv(self, build: Callable[[Any], None]) -> None:
+        raise NotImplementedError  # bus.py
+
+    def counters(self) -> dict[str, int]:
+        raise NotImplementedError  # bus.py
+
+    def status(self) -> BusStatus:
+        raise NotImplementedError  # bus.py
+
+    def __init__(self, bind: str, datadir: str | os.PathLike, **options: Any) -> None:
+        self.config = config = BusConfig(**options)
+        validate_bind(bind, config.advertise)
+        self.datadir = Path(datadir)
+        self._closed = False
+        self._pid = os.getpid()
+        self._forked = False  # this is a fork()ed child's copy (forks.py)
+        self.metrics_address: str | None = None  # with metrics_port: where they are served
+        # Observers (hooks/base.py): the journal, tracing and once/any/all waits are hooks
+        # like the application's own, which come after them.
+        builtin: list[Hook] = []
+        if config.tracing:
+            from .hooks.tracing import Tracing  # ImportError naming the extra without it
+
+            builtin.append(Tracing())
+        self._watches = Watches()  # Bus.once/any/all
+        self.hooks = Hooks([*builtin, self._watches, *config.hooks])
+        self._close_lock = threading.Lock()
+        self._watchdog = Watchdog()  # handler time limits; its thread starts on first use
+        self._lock: DataDirLock | None = None
+        # Set by _open; a Bus whose opening failed is never handed out.
+        self._store: Store
+        self._dispatcher: Dispatcher
+        self._engine: E.Engine | None = None
+        # The service's own state in this bus's store (transaction.py); in a handler,
+        # message.kv is the same state, written with the handler's completion.
+        self.kv: KeyValue
+        # Everything opened is closed by this stack, in reverse: a failure at any step of
+        # opening closes exactly what was opened before it, and close() is the same unwind.
+        self._resources = ExitStack()
+        forks.watch(self)
+        try:
+            self._open(bind, self._resources)
+        except BaseException:
+            self._closed = True
+            self._resources.close()
+            raise
+
+    def _open(self, bind: str, stack: ExitStack) -> None:
+        try:
+            self.datadir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create data directory {self.datadir}: {exc.strerror}") from exc
+        if not os.access(self.datadir, os.W_OK | os.X_OK):
+            raise StoreError(f"data directory {self.datadir} is not writable")
+        self._lock = lock = DataDirLock.acquire(self.datadir, address=bind)
+        stack.callback(lock.release)
+        self._store = store = Store.open(self.datadir / "store", compression=self.config.store_compression)
+        stack.callback(self._close_store, store)
+        node = store.meta("node")
+        if node is None:
+            node = os.urandom(8).hex()
+            batch = store.batch()
+            batch.put_meta("node", node.encode())
+            store.write(batch, sync=True)
+        self.node_id = node
+        clock = store.bus_clock()
+
+        keys = load_keys(self.config.keys) if self.config.keys is not None else None
+        sockets = Sockets(self.config, keys)
+        stack.callback(self._destroy_sockets, sockets)  # closes every socket it made, then terms
+        endpoint = sockets.bind_router(bind)
+        admin_endpoint = sockets.bind_admin(self.datadir)
+        self._admin = (admin_endpoint, sockets.admin_off)  # (endpoint, or why there is none)
+        self.address = self.config.advertise or endpoint
+        lock.update(self.address)
+        batch = store.batch()
+        batch.put_meta("address", self.address.encode())  # for offline journal flushes
+        store.write(batch, sync=False)
+
+        hooks = self.hooks
+        if self.config.journal:  # first: its events ride in every batch before others look
+            hooks.prepend(Journal(store, self.datadir, self.node_id, self.address,
+                                  retention=self.config.journal_retention, clock=clock))
+        stack.callback(hooks.detach)  # after the engine's last turn (the journal flushes it)
+        self._requests = PendingRequests()
+        self._dispatcher = dispatcher = Dispatcher(
+            store, self.config, on_idle=self._wake, requests=self._requests,
+            on_reply=self._reply_ready, hooks=hooks, clock=clock)
+        self._engine = engine = E.Engine(
+            config=self.config, store=store, clock=clock, sockets=sockets,
+            address=self.address, node_id=self.node_id, dispatcher=dispatcher,
+            requests=self._requests, hooks=hooks, datadir=self.datadir)
+        stack.callback(self._stop_engine, engine)
+        staging = dispatcher.runner.staging
+        staging.publisher = engine.publisher  # message.publish/send commit with the handler's run
+        staging.outgoing = hooks.outgoing
+        self.kv = KeyValue(store, self._commit_kv, staging.kv_lock, self.config.max_payload,
+                           self._check_open)
+        stack.callback(self._remove_endpoint_files)
+        if admin_endpoint is not None:
+            (self.datadir / OFF_FILE).unlink(missing_ok=True)
+            (self.datadir / ENDPOINT_FILE).write_text(admin_endpoint + "\n")
+        else:
+            # The CLI reads why, rather than wait on an endpoint that is not there.
+            log.warning("bus starts without its admin endpoint: %s", sockets.admin_off)
+            (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
+            (self.datadir / OFF_FILE).write_text(f"{sockets.admin_off}\n")
+        dispatcher.start()
+        stack.callback(dispatcher.close, self.config.close_timeout)  # first thing close() does
+        engine.start()
+        hooks.attach(_View(self))  # the journal's first flush moves what a crash left behind
+        if self.config.metrics_port is not None:
+            from .hooks.metrics import serve  # ImportError naming the extra without it
+
+            server, _thread = serve(self, self.config.metrics_port, self.config.metrics_bind)
+            self.metrics_address = f"http://{self.config.metrics_bind}:{server.server_port}/metrics"
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+        log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
+
+    # --- closing, step by step (run by the stack in reverse order of opening) ----------------
+
+    def _stop_engine(self, engine: E.Engine) -> None:
+        if engine.ident is None:  # made but never started: nothing runs, release its fd
+            engine.close_wake()
+            return
+        engine.stop(self.config.close_timeout)
+        if engine.is_alive():
+            log.error("the engine did not stop within %.1fs; its sockets are left open",
+                      self.config.close_timeout)
+            return
+        engine.close_wake()
+
+    def _remove_endpoint_files(self) -> None:
+        (self.datadir / ENDPOINT_FILE).unlink(missing_ok=True)
+        (self.datadir / OFF_FILE).unlink(missing_ok=True)
+        (self.datadir / "admin.sock").unlink(missing_ok=True)  # where versions up to 0.1 put it
+
+    def _destroy_sockets(self, sockets: Sockets) -> None:
+        if self._engine is not None and self._engine.is_alive():
+            return  # its sockets belong to a thread that is still running: never close them under it
+        sockets.destroy()  # every socket it made, including ones a failed open left
+
+    def _close_store(self, store: Store) -> None:
+        try:
+            store.sync()
+        except StoreError as exc:
+            log.error("final sync failed: %s", exc)
+        store.close()
+
+    def _wake(self) -> None:
+        if self._engine is not None:
+            self._engine.wake()
+
+    def _reply_ready(self, command_id: str, reply: ReplyRecord) -> None:
+        # Called on a worker thread once a request's reply is stored. If the engine has
+        # stopped, the stored reply is queued by the next start instead.
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            engine.submit(E.QueueReply(command_id, reply))
+        except BusClosedError:
+            pass
+
+    # --- plumbing ----------------------------------------------------------------------
+
+    def orphan(self) -> None:
+        """In a fork()ed child (forks.py): every call raises ``BusForkedError``."""
+        self._forked = True
+
+    def _check_open(self) -> E.Engine:
+        if self._forked:
+            raise forks.forked_error("Bus", self._pid)
+        engine = self._engine
+        if self._closed or engine is None:
+            raise BusClosedError("the bus is closed")
+        if engine.failure is not None:
+            raise engine.broken()
+        return engine
+
+    def _call(self, make: Callable[[Future], Any], timeout: float | None = None) -> Any:
+        engine = self._check_open()
+        future: Future = Future()
+        engine.submit(make(future))
+        return self._wait(future, timeout)
+
+    def _wait(self, future: Future, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
+            try:
+                return future.result(step)
+            except FutureTimeout:
+                engine = self._engine
+                if engine is not None and engine.failure is not None:
+                    raise engine.broken() from None
+                if engine is None or not engine.is_alive():
+                    raise BusClosedError("the bus closed before this call completed") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop taking work, let running handlers finish (up to ``close_timeout``), make
+        everything durable, close the store and release the lock. Idempotent."""
+        if self._forked:
+            # The parent's to close: here its threads are gone and its locks may be held.
+            self._closed = True
+            return
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._resources.close()
+        self._watchdog.close()
+        log.info("bus %s closed", getattr(self, "node_id", "?"))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Bus {getattr(self, 'address', '?')} {self.datadir} {state}>"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and not self._forked:
+            log.warning("%r was never closed", self)
