@@ -43,6 +43,7 @@ pairs still open forward.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -55,15 +56,28 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+if not __package__:
+    # spark-submit (or ``python job.py``) runs this file as a script, outside any package.
+    # Its directory is loaded as a package of its own so that this file and its siblings
+    # import each other with the same relative imports as when installed. Not as
+    # ``servicebus.audit``: that would import ``servicebus``, the bus, which a Spark driver
+    # need not have installed.
+    _here = Path(__file__).resolve().parent
+    _spec = importlib.util.spec_from_file_location(
+        "servicebus_audit", _here / "__init__.py", submodule_search_locations=[str(_here)])
+    assert _spec is not None and _spec.loader is not None
+    sys.modules[_spec.name] = _package = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_package)
+    __package__ = _spec.name
+
+from . import report
+from .errors import AuditError
+
 SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
           "kind STRING, peer STRING, attempt INT, role STRING, error STRING")
 CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
 PROBLEMS = ("lost", "handled_more_than_once")
 SHOW_IDS = 20
-
-
-class AuditError(Exception):
-    """Bad input (no journals, bad arguments, no Java): one clear line for the operator."""
 
 
 # --- arguments -----------------------------------------------------------------------------
@@ -607,10 +621,6 @@ def _summary(paths: list[str], n_events: int, rows: list[dict], grace_ms: int,
 
 def _write_outputs(spark, out: str, summary: dict, rows: list[dict], times) -> None:
     """The small tables, summary.json, report.html and report.png (the plots alone)."""
-    try:
-        from . import report
-    except ImportError:  # run as a script by spark-submit
-        import report  # type: ignore[no-redef]
     times.write.mode("overwrite").parquet(f"{out}/timeline")
     timeline_rows = [(r["second"], r["published"], r["handled"])
                      for r in spark.read.parquet(f"{out}/timeline").orderBy("second").limit(100_000).collect()]
