@@ -72,9 +72,18 @@ if not __package__:
 
 from . import report
 from .errors import AuditError
+from .journals import SCHEMA, input_paths, read_events, segment_files
 
-SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
-          "kind STRING, peer STRING, attempt INT, role STRING, error STRING")
+# Every public name job.py had before its parts moved to sibling modules: the CLI,
+# tools/bench_audit, the tests and users' scripts import them from here.
+__all__ = [
+    "AuditError", "CLASSES", "Checkpoint", "PROBLEMS", "SCHEMA", "SHOW_IDS", "SPARK_LOG",
+    "classify", "combine", "delete_path", "input_paths", "java_problem", "journal_clocks",
+    "main", "parse_duration", "parse_since", "partials", "print_summary", "read_events",
+    "read_text", "rollup", "run", "segment_files", "spark_session", "summarize", "timeline",
+    "write_bytes", "write_text",
+]
+
 CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
 PROBLEMS = ("lost", "handled_more_than_once")
 SHOW_IDS = 20
@@ -132,31 +141,6 @@ def java_problem() -> str | None:
     return None
 
 
-def input_paths(paths: list[str]) -> list[str]:
-    """Glob patterns for the journal segments under each PATH."""
-    out: list[str] = []
-    for raw in paths:
-        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", raw) and not raw.startswith("file://"):
-            out.append(raw.rstrip("/") + "/{journal,*/journal}/*.jsonl")
-            continue
-        local = Path(raw.removeprefix("file://"))
-        if not local.exists():
-            raise AuditError(f"{raw}: no such file or directory")
-        if local.is_file():
-            out.append(str(local.resolve()))
-            continue
-        found = False
-        for pattern in ("journal/*.jsonl", "*/journal/*.jsonl", "*.jsonl"):
-            if next(local.glob(pattern), None) is not None:
-                out.append(str(local.resolve() / pattern))
-                found = True
-                break
-        if not found:
-            raise AuditError(f"{raw}: no journal segments (DATADIR/journal/*.jsonl) found; "
-                             "for a stopped bus, `servicebus journal flush DATADIR` writes them")
-    return out
-
-
 # --- spark ---------------------------------------------------------------------------------
 
 
@@ -206,10 +190,6 @@ def _start_quietly(builder):
         os.dup2(saved[1], 2)
         for fd in (*saved, log_fd):
             os.close(fd)
-
-
-def read_events(spark, paths: list[str]):
-    return spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(paths)
 
 
 # Columns of a pair's partial aggregate, each with how two partials combine (a checkpoint
@@ -447,18 +427,6 @@ def read_text(spark, path: str) -> str | None:
         return "\n".join(lines)
     finally:
         stream.close()
-
-
-def segment_files(spark, globs: list[str]) -> list[str]:
-    """Every journal segment the globs match (as Spark names them)."""
-    jvm = spark.sparkContext._jvm
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    found: list[str] = []
-    for pattern in globs:
-        path = jvm.org.apache.hadoop.fs.Path(pattern)
-        statuses = path.getFileSystem(conf).globStatus(path) or []
-        found += [str(st.getPath().toString()) for st in statuses if st.isFile()]
-    return sorted(set(found))
 
 
 def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: int | None = None,
