@@ -73,6 +73,7 @@ from . import report
 from .classify import (CLASSES, PROBLEMS, build_summary, classify, latency_histogram, rollup, summarize,
                        timeline)
 from .errors import AuditError
+from .hadoopfs import delete_path, read_text, write_bytes, write_text
 from .journals import SCHEMA, input_paths, read_events, segment_files
 from .reconcile import combine, journal_clocks, partials
 
@@ -195,40 +196,6 @@ def _start_quietly(builder):
 # --- output --------------------------------------------------------------------------------
 
 
-def write_text(spark, path: str, text: str) -> None:
-    """Write a small file through Hadoop's FileSystem, so DIR can be any URI Spark writes."""
-    write_bytes(spark, path, text.encode("utf-8"))
-
-
-def write_bytes(spark, path: str, data: bytes) -> None:
-    jvm = spark.sparkContext._jvm
-    target = jvm.org.apache.hadoop.fs.Path(path)
-    fs = target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    stream = fs.create(target, True)
-    try:
-        stream.write(bytearray(data))
-    finally:
-        stream.close()
-
-
-def read_text(spark, path: str) -> str | None:
-    """A small file through Hadoop's FileSystem, or None if there is none."""
-    jvm = spark.sparkContext._jvm
-    target = jvm.org.apache.hadoop.fs.Path(path)
-    fs = target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    if not fs.exists(target):
-        return None
-    stream = fs.open(target)
-    try:
-        reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
-        lines = []
-        while (line := reader.readLine()) is not None:
-            lines.append(line)
-        return "\n".join(lines)
-    finally:
-        stream.close()
-
-
 def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: int | None = None,
         write: bool = True, checkpoint: str | None = None, carry_ms: int = 7 * 86_400_000) -> dict:
     """The whole audit; returns the summary (also written to ``out`` when ``write``).
@@ -337,12 +304,6 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
         phases.done("checkpoint")
     summary["phases"] = phases.seconds
     return summary
-
-
-def delete_path(spark, path: str) -> None:
-    jvm = spark.sparkContext._jvm
-    target = jvm.org.apache.hadoop.fs.Path(path)
-    target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).delete(target, True)
 
 
 def _write_outputs(spark, out: str, summary: dict, rows: list[dict], times) -> None:
