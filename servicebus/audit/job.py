@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -69,13 +68,12 @@ if not __package__:
     _spec.loader.exec_module(_package)
     __package__ = _spec.name
 
-from . import report
 from .checkpoint import Checkpoint
-from .classify import (CLASSES, PROBLEMS, build_summary, classify, latency_histogram, rollup, summarize,
-                       timeline)
+from .classify import CLASSES, PROBLEMS, build_summary, classify, rollup, summarize, timeline
 from .errors import AuditError
 from .hadoopfs import delete_path, read_text, write_bytes, write_text
 from .journals import SCHEMA, input_paths, read_events, segment_files
+from .outputs import write_outputs
 from .reconcile import combine, journal_clocks, partials
 
 # Every public name job.py had before its parts moved to sibling modules: the CLI,
@@ -297,7 +295,7 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
     summary["problems"] = problems
     phases.done("summarize")
     if write:
-        _write_outputs(spark, out, summary, rows, timeline(reported))
+        write_outputs(spark, out, summary, rows, timeline(reported))
         phases.done("tables_and_report")
     if state is not None:
         everything = classify(spark, pairs, clocks, grace_ms=grace_ms, since_ms=None)
@@ -305,29 +303,6 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
         phases.done("checkpoint")
     summary["phases"] = phases.seconds
     return summary
-
-
-def _write_outputs(spark, out: str, summary: dict, rows: list[dict], times) -> None:
-    """The small tables, summary.json, report.html and report.png (the plots alone)."""
-    times.write.mode("overwrite").parquet(f"{out}/timeline")
-    timeline_rows = [(r["second"], r["published"], r["handled"])
-                     for r in spark.read.parquet(f"{out}/timeline").orderBy("second").limit(100_000).collect()]
-    for name in ("by_topic", "by_receiver"):
-        key = "topic" if name == "by_topic" else "receiver"
-        table = summary[name]
-        schema = (f"{key} STRING, messages LONG, " + ", ".join(f"{c} LONG" for c in CLASSES)
-                  + ", latency_max_ms LONG, retries LONG, max_attempts INT, latency_p50_ms DOUBLE, "
-                  "latency_p95_ms DOUBLE, latency_p99_ms DOUBLE")
-        frame = spark.createDataFrame([tuple(r[c.split()[0]] for c in schema.split(", ")) for r in table], schema)
-        frame.coalesce(1).write.mode("overwrite").parquet(f"{out}/{name}")
-    summary["by_topic"] = summary["by_topic"][:200]
-    summary["by_receiver"] = summary["by_receiver"][:200]
-    histogram = latency_histogram(rows)
-    write_text(spark, f"{out}/summary.json", json.dumps(summary, indent=2, default=str))
-    page, png = report.render(summary, histogram, timeline_rows)
-    write_text(spark, f"{out}/report.html", page)
-    if png is not None:
-        write_bytes(spark, f"{out}/report.png", png)
 
 
 def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
