@@ -35,9 +35,13 @@ of the events by pair, with conditional aggregates); each journal's "now" comes 
 pairs; every summary (classes, percentiles, per topic and receiver, the histogram) comes
 from one small rollup of the pairs; plots are drawn from those small tables only.
 
-``--checkpoint DIR`` makes audits incremental (see ``run``): a daily audit reads only the
-segments written since the last one (segments are immutable once written) and carries the
-pairs still open forward.
+``--checkpoint DIR`` makes audits incremental (see ``pipeline.run`` and checkpoint.py): a
+daily audit reads only the segments written since the last one (segments are immutable once
+written) and carries the pairs still open forward.
+
+This module is the entry point: the command line, the Java check, starting Spark, and the
+summary printed at the end. The audit itself is in its sibling modules (the package's
+docstring lists them); the names this module held before they moved are re-exported here.
 """
 
 from __future__ import annotations
@@ -190,7 +194,7 @@ def _start_quietly(builder):
             os.close(fd)
 
 
-# --- output --------------------------------------------------------------------------------
+# --- the command line ----------------------------------------------------------------------
 
 
 def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
