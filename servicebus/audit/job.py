@@ -169,7 +169,10 @@ def spark_session(master: str | None):
     return spark
 
 
-SPARK_LOG: Path | None = None  # where the JVM's own output went, once it started
+# Where the JVM's own output went, once it started. It stays in this module, not with
+# the audit: the CLI, tools/bench_audit and the tests read job.SPARK_LOG after the start,
+# and a name re-exported from another module would still be the None it was at import.
+SPARK_LOG: Path | None = None
 
 
 def _start_quietly(builder):
