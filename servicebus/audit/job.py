@@ -35,15 +35,19 @@ of the events by pair, with conditional aggregates); each journal's "now" comes 
 pairs; every summary (classes, percentiles, per topic and receiver, the histogram) comes
 from one small rollup of the pairs; plots are drawn from those small tables only.
 
-``--checkpoint DIR`` makes audits incremental (see ``run``): a daily audit reads only the
-segments written since the last one (segments are immutable once written) and carries the
-pairs still open forward.
+``--checkpoint DIR`` makes audits incremental (see ``pipeline.run`` and checkpoint.py): a
+daily audit reads only the segments written since the last one (segments are immutable once
+written) and carries the pairs still open forward.
+
+This module is the entry point: the command line, the Java check, starting Spark, and the
+summary printed at the end. The audit itself is in its sibling modules (the package's
+docstring lists them); the names this module held before they moved are re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import re
 import shutil
@@ -53,17 +57,38 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
-          "kind STRING, peer STRING, attempt INT, role STRING, error STRING")
-CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
-PROBLEMS = ("lost", "handled_more_than_once")
-SHOW_IDS = 20
+if not __package__:
+    # spark-submit (or ``python job.py``) runs this file as a script, outside any package.
+    # Its directory is loaded as a package of its own so that this file and its siblings
+    # import each other with the same relative imports as when installed. Not as
+    # ``servicebus.audit``: that would import ``servicebus``, the bus, which a Spark driver
+    # need not have installed.
+    _here = Path(__file__).resolve().parent
+    _spec = importlib.util.spec_from_file_location(
+        "servicebus_audit", _here / "__init__.py", submodule_search_locations=[str(_here)])
+    assert _spec is not None and _spec.loader is not None
+    sys.modules[_spec.name] = _package = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_package)
+    __package__ = _spec.name
 
+from .checkpoint import Checkpoint
+from .classify import CLASSES, PROBLEMS, classify, rollup, summarize, timeline
+from .errors import AuditError
+from .hadoopfs import delete_path, read_text, write_bytes, write_text
+from .journals import SCHEMA, input_paths, read_events, segment_files
+from .pipeline import SHOW_IDS, run
+from .reconcile import combine, journal_clocks, partials
 
-class AuditError(Exception):
-    """Bad input (no journals, bad arguments, no Java): one clear line for the operator."""
+# Every public name job.py had before its parts moved to sibling modules: the CLI,
+# tools/bench_audit, the tests and users' scripts import them from here.
+__all__ = [
+    "AuditError", "CLASSES", "Checkpoint", "PROBLEMS", "SCHEMA", "SHOW_IDS", "SPARK_LOG",
+    "classify", "combine", "delete_path", "input_paths", "java_problem", "journal_clocks",
+    "main", "parse_duration", "parse_since", "partials", "print_summary", "read_events",
+    "read_text", "rollup", "run", "segment_files", "spark_session", "summarize", "timeline",
+    "write_bytes", "write_text",
+]
 
 
 # --- arguments -----------------------------------------------------------------------------
@@ -118,31 +143,6 @@ def java_problem() -> str | None:
     return None
 
 
-def input_paths(paths: list[str]) -> list[str]:
-    """Glob patterns for the journal segments under each PATH."""
-    out: list[str] = []
-    for raw in paths:
-        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", raw) and not raw.startswith("file://"):
-            out.append(raw.rstrip("/") + "/{journal,*/journal}/*.jsonl")
-            continue
-        local = Path(raw.removeprefix("file://"))
-        if not local.exists():
-            raise AuditError(f"{raw}: no such file or directory")
-        if local.is_file():
-            out.append(str(local.resolve()))
-            continue
-        found = False
-        for pattern in ("journal/*.jsonl", "*/journal/*.jsonl", "*.jsonl"):
-            if next(local.glob(pattern), None) is not None:
-                out.append(str(local.resolve() / pattern))
-                found = True
-                break
-        if not found:
-            raise AuditError(f"{raw}: no journal segments (DATADIR/journal/*.jsonl) found; "
-                             "for a stopped bus, `servicebus journal flush DATADIR` writes them")
-    return out
-
-
 # --- spark ---------------------------------------------------------------------------------
 
 
@@ -169,7 +169,10 @@ def spark_session(master: str | None):
     return spark
 
 
-SPARK_LOG: Path | None = None  # where the JVM's own output went, once it started
+# Where the JVM's own output went, once it started. It stays in this module, not with
+# the audit: the CLI, tools/bench_audit and the tests read job.SPARK_LOG after the start,
+# and a name re-exported from another module would still be the None it was at import.
+SPARK_LOG: Path | None = None
 
 
 def _start_quietly(builder):
@@ -194,500 +197,7 @@ def _start_quietly(builder):
             os.close(fd)
 
 
-def read_events(spark, paths: list[str]):
-    return spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(paths)
-
-
-# Columns of a pair's partial aggregate, each with how two partials combine (a checkpoint
-# carries partials forward and the next run folds new events into them).
-_COMBINE = {
-    "topic": "first", "kind": "first", "sender": "first",
-    "published_ts": "min", "received_ts": "min", "handled_ts": "min", "first_ts": "min",
-    "received": "sum", "handled_count": "sum", "deadlettered": "sum", "dropped": "sum",
-    "retries": "sum", "n_events": "sum",
-    "deadletter_reason": "first",
-    "attempts": "max", "send_attempts": "max", "sender_max_ts": "max", "receiver_max_ts": "max",
-}
-
-
-def partials(events):
-    """One row per (message id, receiver): everything the classification needs.
-
-    The events are shuffled once, by pair. The aggregation runs in two steps over that
-    one partitioning: first grouped by pair and its strings (topic, kind, sender, dead
-    letter reason), so that every aggregate is a number and Spark uses its hash
-    aggregation; then the few rows of a pair whose strings differ (a dead letter's reason
-    is on one event only) are folded into one. Strings in the aggregation buffers make
-    Spark sort all the events instead (measured: 9-13 s against 7-8 s on 5M events)."""
-    from pyspark.sql import functions as F
-
-    col, when = F.col, F.when
-    is_ = lambda *names: col("event").isin(*names)  # noqa: E731
-    count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
-    sender_side = col("role") == "sender"
-    e = (events
-         .where(col("id").isNotNull() & col("event").isNotNull())
-         .withColumn("receiver", when(sender_side, col("peer")).otherwise(col("address")))
-         .withColumn("sender", when(sender_side, col("address")).otherwise(col("peer")))
-         .withColumn("deadletter_reason",
-                     when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event")))))
-    partitions = int(events.sparkSession.conf.get("spark.sql.shuffle.partitions"))
-    by_strings = e.repartition(partitions, "id", "receiver").groupBy(
-        "id", "receiver", "topic", "kind", "sender", "deadletter_reason").agg(
-        F.min(when(is_("published"), col("ts"))).alias("published_ts"),
-        F.min(when(is_("received"), col("ts"))).alias("received_ts"),
-        F.min(when(is_("handled"), col("ts"))).alias("handled_ts"),
-        F.min("ts").alias("first_ts"),
-        count_of("received").alias("received"),
-        count_of("handled").alias("handled_count"),
-        count_of("deadlettered", "expired").alias("deadlettered"),
-        count_of("dropped").alias("dropped"),
-        count_of("retried").alias("retries"),
-        F.count(F.lit(1)).alias("n_events"),
-        F.max(when(is_("handled", "handler_failed"), col("attempt"))).alias("attempts"),
-        F.max(when(is_("sent"), col("attempt"))).alias("send_attempts"),
-        # Each journal's "now" is its latest event, on its own clock: kept per side here
-        # so that it comes from the pairs, without a second pass over the events.
-        F.max(when(sender_side, col("ts"))).alias("sender_max_ts"),
-        F.max(when(~sender_side, col("ts"))).alias("receiver_max_ts"),
-    )
-    return combine([by_strings])
-
-
-def combine(frames):
-    """Fold partials of the same pairs (a checkpoint's and a new run's) into one row each."""
-    from functools import reduce
-
-    from pyspark.sql import functions as F
-
-    union = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames)
-    fold = {"first": lambda c: F.first(c, ignorenulls=True), "min": F.min, "max": F.max, "sum": F.sum}
-    extra = [F.max(c).alias(c) for c in ("touched", "was_open") if c in union.columns]
-    if "new_events" in union.columns:  # events read by this run (not carried in)
-        extra.append(F.sum("new_events").alias("new_events"))
-    return union.groupBy("id", "receiver").agg(
-        *[fold[how](c).alias(c) for c, how in _COMBINE.items()], *extra)
-
-
-def journal_clocks(pairs) -> dict[str, int]:
-    """Each journal's latest event (its address -> ts): the sender side of every pair is
-    in the sender's journal, the receiver side in the receiver's."""
-    from pyspark.sql import functions as F
-
-    sides = (pairs.select(F.col("sender").alias("node"), F.col("sender_max_ts").alias("ts"))
-             .unionByName(pairs.select(F.col("receiver").alias("node"), F.col("receiver_max_ts").alias("ts"))))
-    rows = sides.where(F.col("node").isNotNull() & F.col("ts").isNotNull()).groupBy("node").agg(
-        F.max("ts").alias("ts")).collect()
-    return {r["node"]: r["ts"] for r in rows}
-
-
-def classify(spark, pairs, clocks: dict[str, int], *, grace_ms: int, since_ms: int | None):
-    """The ``messages`` table: one row per pair with its class."""
-    from pyspark.sql import functions as F
-
-    col, when = F.col, F.when
-    ref_node = when(col("published_ts").isNotNull(), col("sender")).otherwise(col("receiver"))
-    as_of = spark.createDataFrame(list(clocks.items()) or [("", 0)], "ref_node STRING, as_of LONG")
-    pairs = (pairs
-             .withColumn("ref_ts", F.coalesce(col("published_ts"), col("first_ts")))
-             .withColumn("ref_node", ref_node)
-             .join(F.broadcast(as_of), "ref_node", "left")
-             .withColumn("age_ms", col("as_of") - col("ref_ts")))
-    if since_ms is not None:
-        pairs = pairs.where(col("ref_ts") >= F.lit(since_ms))
-    klass = (when(col("handled_count") > 1, "handled_more_than_once")
-             .when(col("handled_count") == 1, "handled")
-             .when(col("deadlettered") > 0, "deadlettered")
-             .when(col("dropped") > 0, "dropped")
-             .when(col("received") > 0, "in_flight")
-             .when(col("age_ms") < F.lit(grace_ms), "in_flight")
-             .otherwise("lost"))
-    latency = when(col("handled_ts").isNotNull() & col("published_ts").isNotNull(),
-                   F.greatest(col("handled_ts") - col("published_ts"), F.lit(0)))
-    return pairs.select(
-        "id", "receiver", "sender", "topic", "kind", klass.alias("class"), "published_ts",
-        "received_ts", "handled_ts", latency.alias("latency_ms"), "handled_count",
-        F.coalesce(col("attempts"), F.lit(0)).alias("attempts"), "send_attempts", "retries",
-        "deadletter_reason", "age_ms", *[c for c in ("touched", "was_open") if c in pairs.columns])
-
-
-# Latency buckets: 100 per decade (each 2.3 % wide), so that percentiles come from one
-# small aggregate rather than a sort or a sketch per group; a value is reported as its
-# bucket's lower bound (within 2.3 % below the true percentile).
-_BUCKETS_PER_DECADE = 100
-
-
-def rollup(messages) -> list[dict]:
-    """Counts by (topic, receiver, class, attempts, dead letter reason, latency bucket):
-    one pass over ``messages``, a few thousand rows at most, from which every summary
-    (classes, percentiles, per topic, per receiver, the histogram) is computed here."""
-    from pyspark.sql import functions as F
-
-    col = F.col
-    bucket = F.floor(F.log10(F.greatest(col("latency_ms"), F.lit(1))) * _BUCKETS_PER_DECADE).cast("int")
-    rows = (messages
-            .withColumn("bucket", F.when(col("latency_ms").isNotNull(), bucket))
-            .groupBy("topic", "receiver", "class", "attempts", "deadletter_reason", "bucket")
-            .agg(F.count(F.lit(1)).alias("n"), F.sum("retries").alias("retries"),
-                 F.max("latency_ms").alias("latency_max"), F.min("published_ts").alias("first"),
-                 F.max("published_ts").alias("last"))
-            .collect())
-    return [r.asDict() for r in rows]
-
-
-def _percentiles(buckets: dict[int, int]) -> list[float | None]:
-    """p50, p95, p99 (ms) from latency bucket counts."""
-    total = sum(buckets.values())
-    if not total:
-        return [None, None, None]
-    out: list[float | None] = []
-    seen, wanted = 0, [0.5, 0.95, 0.99]
-    for b in sorted(buckets):
-        seen += buckets[b]
-        while wanted and seen >= wanted[0] * total:
-            wanted.pop(0)
-            out.append(0.0 if b <= 0 else round(10 ** (b / _BUCKETS_PER_DECADE), 1))
-    return out
-
-
-def summarize(rows: list[dict], key: str) -> list[dict]:
-    """The ``by_topic`` / ``by_receiver`` rows, from the rollup."""
-    groups: dict[str, dict] = {}
-    latency: dict[str, dict[int, int]] = {}
-    for r in rows:
-        name = r[key] if r[key] is not None else "(unknown)"
-        g = groups.setdefault(name, {key: name, "messages": 0, **{c: 0 for c in CLASSES},
-                                     "latency_max_ms": None, "retries": 0, "max_attempts": 0})
-        g["messages"] += r["n"]
-        g[r["class"]] += r["n"]
-        g["retries"] += r["retries"] or 0
-        g["max_attempts"] = max(g["max_attempts"], r["attempts"] or 0)
-        if r["latency_max"] is not None:
-            g["latency_max_ms"] = max(g["latency_max_ms"] or 0, r["latency_max"])
-        if r["bucket"] is not None:
-            lat = latency.setdefault(name, {})
-            lat[r["bucket"]] = lat.get(r["bucket"], 0) + r["n"]
-    out = []
-    for name in sorted(groups):
-        p50, p95, p99 = _percentiles(latency.get(name, {}))
-        out.append({**groups[name], "latency_p50_ms": p50, "latency_p95_ms": p95, "latency_p99_ms": p99})
-    return out
-
-
-def timeline(messages):
-    """Messages published and handled per second (sender and receiver clocks): one
-    ``groupBy`` over both times."""
-    from pyspark.sql import functions as F
-
-    col = F.col
-    stamps = messages.select(F.explode(F.array(
-        F.struct((col("published_ts") / 1000).cast("long").alias("second"), F.lit(1).alias("p"), F.lit(0).alias("h")),
-        F.struct((col("handled_ts") / 1000).cast("long").alias("second"), F.lit(0).alias("p"), F.lit(1).alias("h")),
-    )).alias("s")).select("s.*").where(col("second").isNotNull())
-    return (stamps.groupBy("second").agg(F.sum("p").alias("published"), F.sum("h").alias("handled"))
-            .orderBy("second"))
-
-
-def _histogram(rows: list[dict]) -> list[tuple[float, int]]:
-    """(bucket lower bound ms, count), 10 buckets per decade, for the report's plot."""
-    coarse: dict[int, int] = {}
-    for r in rows:
-        if r["bucket"] is not None:
-            b = r["bucket"] // (_BUCKETS_PER_DECADE // 10)
-            coarse[b] = coarse.get(b, 0) + r["n"]
-    return [(10 ** (b / 10), n) for b, n in sorted(coarse.items())]
-
-
-# --- output --------------------------------------------------------------------------------
-
-
-def write_text(spark, path: str, text: str) -> None:
-    """Write a small file through Hadoop's FileSystem, so DIR can be any URI Spark writes."""
-    write_bytes(spark, path, text.encode("utf-8"))
-
-
-def write_bytes(spark, path: str, data: bytes) -> None:
-    jvm = spark.sparkContext._jvm
-    target = jvm.org.apache.hadoop.fs.Path(path)
-    fs = target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    stream = fs.create(target, True)
-    try:
-        stream.write(bytearray(data))
-    finally:
-        stream.close()
-
-
-def read_text(spark, path: str) -> str | None:
-    """A small file through Hadoop's FileSystem, or None if there is none."""
-    jvm = spark.sparkContext._jvm
-    target = jvm.org.apache.hadoop.fs.Path(path)
-    fs = target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    if not fs.exists(target):
-        return None
-    stream = fs.open(target)
-    try:
-        reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
-        lines = []
-        while (line := reader.readLine()) is not None:
-            lines.append(line)
-        return "\n".join(lines)
-    finally:
-        stream.close()
-
-
-def segment_files(spark, globs: list[str]) -> list[str]:
-    """Every journal segment the globs match (as Spark names them)."""
-    jvm = spark.sparkContext._jvm
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    found: list[str] = []
-    for pattern in globs:
-        path = jvm.org.apache.hadoop.fs.Path(pattern)
-        statuses = path.getFileSystem(conf).globStatus(path) or []
-        found += [str(st.getPath().toString()) for st in statuses if st.isFile()]
-    return sorted(set(found))
-
-
-def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: int | None = None,
-        write: bool = True, checkpoint: str | None = None, carry_ms: int = 7 * 86_400_000) -> dict:
-    """The whole audit; returns the summary (also written to ``out`` when ``write``).
-
-    With ``checkpoint`` (a directory or URI): read only the segments no earlier run with
-    that checkpoint read, fold in the pairs it carried forward, report the pairs the new
-    segments touched and those it carried open, and carry forward to the next run every
-    pair still in flight and every pair published within ``carry_ms`` (default 7 days, the
-    dedupe window: a late duplicate of a message reported handled is still found)."""
-    from pyspark.sql import functions as F
-
-    started = time.monotonic()
-    globs = input_paths(paths)
-    state = None
-    files: list[str] = []
-    if checkpoint is not None:
-        state = Checkpoint.load(spark, checkpoint)
-        files = segment_files(spark, globs)
-        globs = [f for f in files if f not in state.files]
-        state.files = set(files)  # what the checkpoint says was read, once this run is saved
-    if globs:
-        pairs = partials(read_events(spark, globs))
-    else:
-        pairs = None
-    if state is not None:
-        frames = ([pairs.withColumn("touched", F.lit(1)).withColumn("was_open", F.lit(0))
-                   .withColumn("new_events", F.col("n_events"))] if pairs is not None else [])
-        carried = state.pairs(spark)
-        if carried is not None:
-            frames.append(carried.withColumn("touched", F.lit(0)).withColumn("new_events", F.lit(0)))
-        if not frames:
-            raise AuditError("no new journal segments since the last checkpointed audit, and nothing carried")
-        pairs = combine(frames)
-    if pairs is None:
-        raise AuditError("the journals hold no events")
-    # Intermediate tables go to Parquet under DIR/_work and are read back: measured on 5M
-    # events, caching the pairs in Spark's memory took 14 s, writing and reading them 1.3 s.
-    work = f"{out.rstrip('/')}/_work"
-    try:
-        summary = _audit(spark, pairs, paths, out.rstrip("/"), work, state, grace_ms=grace_ms,
-                         since_ms=since_ms, write=write, carry_ms=carry_ms)
-    finally:
-        delete_path(spark, work)
-    if state is not None:
-        summary["checkpoint"] = {"segments_read": len(globs), "segments_known": len(files),
-                                 "carried_in": state.carried, "carried_out": state.carried_out}
-    summary["seconds"] = round(time.monotonic() - started, 3)
-    return summary
-
-
-class _Phases:
-    """Seconds spent in each phase of a run (``summary["phases"]``)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.monotonic()
-
-    def done(self, name: str) -> None:
-        now = time.monotonic()
-        self.seconds[name] = round(now - self._last, 3)
-        self._last = now
-
-
-def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoint | None", *,
-           grace_ms: int, since_ms: int | None, write: bool, carry_ms: int) -> dict:
-    from pyspark.sql import functions as F
-
-    phases = _Phases()
-    pairs.write.mode("overwrite").parquet(f"{work}/pairs")
-    phases.done("read_and_reconcile")
-    pairs = spark.read.parquet(f"{work}/pairs")
-    read = "new_events" if "new_events" in pairs.columns else "n_events"
-    n_events = pairs.agg(F.sum(read).alias("n")).first()["n"] or 0
-    if n_events == 0 and state is None:  # (an incremental run may find nothing new)
-        raise AuditError("the journals hold no events")
-    clocks = journal_clocks(pairs)
-    if state is not None:
-        for node, ts in state.clocks.items():
-            clocks[node] = max(ts, clocks.get(node, ts))
-        state.clocks = clocks
-    messages = classify(spark, pairs, clocks, grace_ms=grace_ms, since_ms=since_ms)
-    if state is not None:
-        # This run reports what its new segments touched and what it carried open.
-        messages = messages.where((F.col("touched") == 1) | (F.coalesce(F.col("was_open"), F.lit(0)) == 1))
-    table = f"{out}/messages" if write else f"{work}/messages"
-    messages.drop("touched", "was_open").write.mode("overwrite").parquet(table)
-    phases.done("classify_and_write_messages")
-    reported = spark.read.parquet(table)
-    rows = rollup(reported)
-    summary = _summary(paths, n_events, rows, grace_ms, since_ms)
-    problems = {}
-    for klass in PROBLEMS:
-        found = []
-        if summary["classes"][klass]:
-            found = (reported.where(F.col("class") == klass).select("id", "receiver")
-                     .orderBy("id", "receiver").limit(SHOW_IDS).collect())
-        problems[klass] = [{"id": r["id"], "receiver": r["receiver"]} for r in found]
-    summary["problems"] = problems
-    phases.done("summarize")
-    if write:
-        _write_outputs(spark, out, summary, rows, timeline(reported))
-        phases.done("tables_and_report")
-    if state is not None:
-        everything = classify(spark, pairs, clocks, grace_ms=grace_ms, since_ms=None)
-        state.save(spark, pairs, everything, carry_ms)
-        phases.done("checkpoint")
-    summary["phases"] = phases.seconds
-    return summary
-
-
-def delete_path(spark, path: str) -> None:
-    jvm = spark.sparkContext._jvm
-    target = jvm.org.apache.hadoop.fs.Path(path)
-    target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).delete(target, True)
-
-
-def _summary(paths: list[str], n_events: int, rows: list[dict], grace_ms: int,
-             since_ms: int | None) -> dict[str, Any]:
-    classes = {c: 0 for c in CLASSES}
-    attempts: dict[str, int] = {}
-    reasons: dict[str, int] = {}
-    buckets: dict[int, int] = {}
-    retries, latency_max, first, last = 0, None, None, None
-    for r in rows:
-        classes[r["class"]] += r["n"]
-        key = str(r["attempts"])
-        attempts[key] = attempts.get(key, 0) + r["n"]
-        if r["class"] == "deadlettered":
-            reason = r["deadletter_reason"] or "?"
-            reasons[reason] = reasons.get(reason, 0) + r["n"]
-        if r["bucket"] is not None:
-            buckets[r["bucket"]] = buckets.get(r["bucket"], 0) + r["n"]
-        retries += r["retries"] or 0
-        if r["latency_max"] is not None:
-            latency_max = max(latency_max or 0, r["latency_max"])
-        if r["first"] is not None:
-            first = r["first"] if first is None else min(first, r["first"])
-            last = r["last"] if last is None else max(last, r["last"])
-    p50, p95, p99 = _percentiles(buckets)
-    return {
-        "inputs": paths,
-        "events": n_events,
-        "messages": sum(classes.values()),
-        "classes": classes,
-        "ok": classes["lost"] == 0 and classes["handled_more_than_once"] == 0,
-        "latency_ms": {"p50": p50, "p95": p95, "p99": p99, "max": latency_max},
-        "retries": retries,
-        "attempts": dict(sorted(attempts.items(), key=lambda kv: int(kv[0]))),
-        "deadletter_reasons": reasons,
-        "published_from_ms": first,
-        "published_to_ms": last,
-        "grace_ms": grace_ms,
-        "since_ms": since_ms,
-        "by_topic": summarize(rows, "topic"),
-        "by_receiver": summarize(rows, "receiver"),
-    }
-
-
-def _write_outputs(spark, out: str, summary: dict, rows: list[dict], times) -> None:
-    """The small tables, summary.json, report.html and report.png (the plots alone)."""
-    try:
-        from . import report
-    except ImportError:  # run as a script by spark-submit
-        import report  # type: ignore[no-redef]
-    times.write.mode("overwrite").parquet(f"{out}/timeline")
-    timeline_rows = [(r["second"], r["published"], r["handled"])
-                     for r in spark.read.parquet(f"{out}/timeline").orderBy("second").limit(100_000).collect()]
-    for name in ("by_topic", "by_receiver"):
-        key = "topic" if name == "by_topic" else "receiver"
-        table = summary[name]
-        schema = (f"{key} STRING, messages LONG, " + ", ".join(f"{c} LONG" for c in CLASSES)
-                  + ", latency_max_ms LONG, retries LONG, max_attempts INT, latency_p50_ms DOUBLE, "
-                  "latency_p95_ms DOUBLE, latency_p99_ms DOUBLE")
-        frame = spark.createDataFrame([tuple(r[c.split()[0]] for c in schema.split(", ")) for r in table], schema)
-        frame.coalesce(1).write.mode("overwrite").parquet(f"{out}/{name}")
-    summary["by_topic"] = summary["by_topic"][:200]
-    summary["by_receiver"] = summary["by_receiver"][:200]
-    histogram = _histogram(rows)
-    write_text(spark, f"{out}/summary.json", json.dumps(summary, indent=2, default=str))
-    page, png = report.render(summary, histogram, timeline_rows)
-    write_text(spark, f"{out}/report.html", page)
-    if png is not None:
-        write_bytes(spark, f"{out}/report.png", png)
-
-
-class Checkpoint:
-    """What an incremental audit keeps between runs, under its checkpoint directory:
-    ``checkpoint.json`` (the segments read, each journal's latest event, the current
-    state directory) and ``state-<n>`` (the carried pairs, Parquet). A run writes a new
-    state directory, then the JSON that points at it: one that stops half-way leaves the
-    previous checkpoint whole."""
-
-    def __init__(self, root: str, files: set[str], clocks: dict[str, int], state: str | None,
-                 generation: int) -> None:
-        self.root = root.rstrip("/")
-        self.files = files
-        self.clocks = clocks
-        self.state = state
-        self.generation = generation
-        self.carried = 0
-        self.carried_out = 0
-
-    @classmethod
-    def load(cls, spark, root: str) -> "Checkpoint":
-        text = read_text(spark, f"{root.rstrip('/')}/checkpoint.json")
-        if text is None:
-            return cls(root, set(), {}, None, 0)
-        try:
-            data = json.loads(text)
-            return cls(root, set(data["files"]), {k: int(v) for k, v in data["clocks"].items()},
-                       data.get("state"), int(data["generation"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise AuditError(f"{root}/checkpoint.json is not a checkpoint this audit wrote ({exc}); "
-                             "move it away to start over") from exc
-
-    def pairs(self, spark):
-        if self.state is None:
-            return None
-        frame = spark.read.parquet(f"{self.root}/{self.state}")
-        self.carried = frame.count()
-        return frame
-
-    def save(self, spark, pairs, messages, carry_ms: int) -> None:
-        """Write the pairs to carry (from ``pairs``, classified in ``messages``), then the
-        JSON naming them, the segments read (``self.files``) and the journals' clocks."""
-        from pyspark.sql import functions as F
-
-        col = F.col
-        keep = (messages.where((col("class") == "in_flight")
-                               | (col("age_ms").isNull()) | (col("age_ms") < F.lit(carry_ms)))
-                .select("id", "receiver", (col("class") == "in_flight").cast("int").alias("was_open")))
-        carried = pairs.drop("touched", "was_open", "new_events").join(keep, ["id", "receiver"], "inner")
-        generation = self.generation + 1
-        name = f"state-{generation}"
-        carried.write.mode("overwrite").parquet(f"{self.root}/{name}")
-        self.carried_out = spark.read.parquet(f"{self.root}/{name}").count()
-        write_text(spark, f"{self.root}/checkpoint.json", json.dumps(
-            {"generation": generation, "state": name, "files": sorted(self.files),
-             "clocks": self.clocks}, indent=1))
-        if self.state is not None:  # the previous state: no checkpoint points at it now
-            delete_path(spark, f"{self.root}/{self.state}")
+# --- the command line ----------------------------------------------------------------------
 
 
 def print_summary(summary: dict, out: str, file=sys.stdout) -> None:

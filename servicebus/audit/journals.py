@@ -1,0 +1,59 @@
+"""The input: where the journal segments are and how they are read.
+
+A PATH on the command line is a data directory, a folder of data directories, a segment,
+or any URI Spark reads; ``input_paths`` turns each into a glob of its segments (checked
+here for local paths, so that a typo fails before a JVM starts). ``read_events`` parses
+them with an explicit schema, the one pass over the input. ``segment_files`` lists the
+segments the globs match, for a checkpoint to know which ones it has read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import AuditError
+
+SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
+          "kind STRING, peer STRING, attempt INT, role STRING, error STRING")
+
+
+def input_paths(paths: list[str]) -> list[str]:
+    """Glob patterns for the journal segments under each PATH."""
+    out: list[str] = []
+    for raw in paths:
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", raw) and not raw.startswith("file://"):
+            out.append(raw.rstrip("/") + "/{journal,*/journal}/*.jsonl")
+            continue
+        local = Path(raw.removeprefix("file://"))
+        if not local.exists():
+            raise AuditError(f"{raw}: no such file or directory")
+        if local.is_file():
+            out.append(str(local.resolve()))
+            continue
+        found = False
+        for pattern in ("journal/*.jsonl", "*/journal/*.jsonl", "*.jsonl"):
+            if next(local.glob(pattern), None) is not None:
+                out.append(str(local.resolve() / pattern))
+                found = True
+                break
+        if not found:
+            raise AuditError(f"{raw}: no journal segments (DATADIR/journal/*.jsonl) found; "
+                             "for a stopped bus, `servicebus journal flush DATADIR` writes them")
+    return out
+
+
+def read_events(spark, paths: list[str]):
+    return spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(paths)
+
+
+def segment_files(spark, globs: list[str]) -> list[str]:
+    """Every journal segment the globs match (as Spark names them)."""
+    jvm = spark.sparkContext._jvm
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    found: list[str] = []
+    for pattern in globs:
+        path = jvm.org.apache.hadoop.fs.Path(pattern)
+        statuses = path.getFileSystem(conf).globStatus(path) or []
+        found += [str(st.getPath().toString()) for st in statuses if st.isFile()]
+    return sorted(set(found))

@@ -1,0 +1,133 @@
+"""The audit itself (``run``): the journals in, the summary out, in the order that costs
+one read and one shuffle of the events.
+
+Segments are read and reconciled into pairs (reconcile.py), the pairs written to Parquet
+under DIR/_work and read back, classified into the ``messages`` table (classify.py),
+summarised from one rollup of it, and written out (outputs.py); with a checkpoint,
+folded with the pairs carried from the last run and the open ones carried on
+(checkpoint.py). Each phase's seconds go into ``summary["phases"]``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .checkpoint import Checkpoint
+from .classify import PROBLEMS, build_summary, classify, rollup, timeline
+from .errors import AuditError
+from .hadoopfs import delete_path
+from .journals import input_paths, read_events, segment_files
+from .outputs import write_outputs
+from .reconcile import combine, journal_clocks, partials
+
+SHOW_IDS = 20
+
+
+def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: int | None = None,
+        write: bool = True, checkpoint: str | None = None, carry_ms: int = 7 * 86_400_000) -> dict:
+    """The whole audit; returns the summary (also written to ``out`` when ``write``).
+
+    With ``checkpoint`` (a directory or URI): read only the segments no earlier run with
+    that checkpoint read, fold in the pairs it carried forward, report the pairs the new
+    segments touched and those it carried open, and carry forward to the next run every
+    pair still in flight and every pair published within ``carry_ms`` (default 7 days, the
+    dedupe window: a late duplicate of a message reported handled is still found)."""
+    from pyspark.sql import functions as F
+
+    started = time.monotonic()
+    globs = input_paths(paths)
+    state = None
+    files: list[str] = []
+    if checkpoint is not None:
+        state = Checkpoint.load(spark, checkpoint)
+        files = segment_files(spark, globs)
+        globs = [f for f in files if f not in state.files]
+        state.files = set(files)  # what the checkpoint says was read, once this run is saved
+    if globs:
+        pairs = partials(read_events(spark, globs))
+    else:
+        pairs = None
+    if state is not None:
+        frames = ([pairs.withColumn("touched", F.lit(1)).withColumn("was_open", F.lit(0))
+                   .withColumn("new_events", F.col("n_events"))] if pairs is not None else [])
+        carried = state.pairs(spark)
+        if carried is not None:
+            frames.append(carried.withColumn("touched", F.lit(0)).withColumn("new_events", F.lit(0)))
+        if not frames:
+            raise AuditError("no new journal segments since the last checkpointed audit, and nothing carried")
+        pairs = combine(frames)
+    if pairs is None:
+        raise AuditError("the journals hold no events")
+    # Intermediate tables go to Parquet under DIR/_work and are read back: measured on 5M
+    # events, caching the pairs in Spark's memory took 14 s, writing and reading them 1.3 s.
+    work = f"{out.rstrip('/')}/_work"
+    try:
+        summary = _audit(spark, pairs, paths, out.rstrip("/"), work, state, grace_ms=grace_ms,
+                         since_ms=since_ms, write=write, carry_ms=carry_ms)
+    finally:
+        delete_path(spark, work)
+    if state is not None:
+        summary["checkpoint"] = {"segments_read": len(globs), "segments_known": len(files),
+                                 "carried_in": state.carried, "carried_out": state.carried_out}
+    summary["seconds"] = round(time.monotonic() - started, 3)
+    return summary
+
+
+class _Phases:
+    """Seconds spent in each phase of a run (``summary["phases"]``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._last, 3)
+        self._last = now
+
+
+def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoint | None", *,
+           grace_ms: int, since_ms: int | None, write: bool, carry_ms: int) -> dict:
+    from pyspark.sql import functions as F
+
+    phases = _Phases()
+    pairs.write.mode("overwrite").parquet(f"{work}/pairs")
+    phases.done("read_and_reconcile")
+    pairs = spark.read.parquet(f"{work}/pairs")
+    read = "new_events" if "new_events" in pairs.columns else "n_events"
+    n_events = pairs.agg(F.sum(read).alias("n")).first()["n"] or 0
+    if n_events == 0 and state is None:  # (an incremental run may find nothing new)
+        raise AuditError("the journals hold no events")
+    clocks = journal_clocks(pairs)
+    if state is not None:
+        for node, ts in state.clocks.items():
+            clocks[node] = max(ts, clocks.get(node, ts))
+        state.clocks = clocks
+    messages = classify(spark, pairs, clocks, grace_ms=grace_ms, since_ms=since_ms)
+    if state is not None:
+        # This run reports what its new segments touched and what it carried open.
+        messages = messages.where((F.col("touched") == 1) | (F.coalesce(F.col("was_open"), F.lit(0)) == 1))
+    table = f"{out}/messages" if write else f"{work}/messages"
+    messages.drop("touched", "was_open").write.mode("overwrite").parquet(table)
+    phases.done("classify_and_write_messages")
+    reported = spark.read.parquet(table)
+    rows = rollup(reported)
+    summary = build_summary(paths, n_events, rows, grace_ms, since_ms)
+    problems = {}
+    for klass in PROBLEMS:
+        found = []
+        if summary["classes"][klass]:
+            found = (reported.where(F.col("class") == klass).select("id", "receiver")
+                     .orderBy("id", "receiver").limit(SHOW_IDS).collect())
+        problems[klass] = [{"id": r["id"], "receiver": r["receiver"]} for r in found]
+    summary["problems"] = problems
+    phases.done("summarize")
+    if write:
+        write_outputs(spark, out, summary, rows, timeline(reported))
+        phases.done("tables_and_report")
+    if state is not None:
+        everything = classify(spark, pairs, clocks, grace_ms=grace_ms, since_ms=None)
+        state.save(spark, pairs, everything, carry_ms)
+        phases.done("checkpoint")
+    summary["phases"] = phases.seconds
+    return summary

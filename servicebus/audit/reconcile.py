@@ -1,0 +1,94 @@
+"""Reconciliation: the journal events folded into one row per (message, receiver) pair.
+
+A sender-side event's receiver is its ``peer``, a receiver-side event's receiver is its
+``address``; the pair's row carries everything the classification needs (first times,
+counts, attempts, the dead letter reason, each side's latest event). Those rows are
+partial aggregates that fold together (``combine``), which is what lets a checkpoint
+carry pairs from one run into the next. Each journal's "now" (``journal_clocks``) is
+taken from the pairs, so the events are read and shuffled once.
+"""
+
+from __future__ import annotations
+
+
+# Columns of a pair's partial aggregate, each with how two partials combine (a checkpoint
+# carries partials forward and the next run folds new events into them).
+_COMBINE = {
+    "topic": "first", "kind": "first", "sender": "first",
+    "published_ts": "min", "received_ts": "min", "handled_ts": "min", "first_ts": "min",
+    "received": "sum", "handled_count": "sum", "deadlettered": "sum", "dropped": "sum",
+    "retries": "sum", "n_events": "sum",
+    "deadletter_reason": "first",
+    "attempts": "max", "send_attempts": "max", "sender_max_ts": "max", "receiver_max_ts": "max",
+}
+
+
+def partials(events):
+    """One row per (message id, receiver): everything the classification needs.
+
+    The events are shuffled once, by pair. The aggregation runs in two steps over that
+    one partitioning: first grouped by pair and its strings (topic, kind, sender, dead
+    letter reason), so that every aggregate is a number and Spark uses its hash
+    aggregation; then the few rows of a pair whose strings differ (a dead letter's reason
+    is on one event only) are folded into one. Strings in the aggregation buffers make
+    Spark sort all the events instead (measured: 9-13 s against 7-8 s on 5M events)."""
+    from pyspark.sql import functions as F
+
+    col, when = F.col, F.when
+    is_ = lambda *names: col("event").isin(*names)  # noqa: E731
+    count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
+    sender_side = col("role") == "sender"
+    e = (events
+         .where(col("id").isNotNull() & col("event").isNotNull())
+         .withColumn("receiver", when(sender_side, col("peer")).otherwise(col("address")))
+         .withColumn("sender", when(sender_side, col("address")).otherwise(col("peer")))
+         .withColumn("deadletter_reason",
+                     when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event")))))
+    partitions = int(events.sparkSession.conf.get("spark.sql.shuffle.partitions"))
+    by_strings = e.repartition(partitions, "id", "receiver").groupBy(
+        "id", "receiver", "topic", "kind", "sender", "deadletter_reason").agg(
+        F.min(when(is_("published"), col("ts"))).alias("published_ts"),
+        F.min(when(is_("received"), col("ts"))).alias("received_ts"),
+        F.min(when(is_("handled"), col("ts"))).alias("handled_ts"),
+        F.min("ts").alias("first_ts"),
+        count_of("received").alias("received"),
+        count_of("handled").alias("handled_count"),
+        count_of("deadlettered", "expired").alias("deadlettered"),
+        count_of("dropped").alias("dropped"),
+        count_of("retried").alias("retries"),
+        F.count(F.lit(1)).alias("n_events"),
+        F.max(when(is_("handled", "handler_failed"), col("attempt"))).alias("attempts"),
+        F.max(when(is_("sent"), col("attempt"))).alias("send_attempts"),
+        # Each journal's "now" is its latest event, on its own clock: kept per side here
+        # so that it comes from the pairs, without a second pass over the events.
+        F.max(when(sender_side, col("ts"))).alias("sender_max_ts"),
+        F.max(when(~sender_side, col("ts"))).alias("receiver_max_ts"),
+    )
+    return combine([by_strings])
+
+
+def combine(frames):
+    """Fold partials of the same pairs (a checkpoint's and a new run's) into one row each."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    union = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames)
+    fold = {"first": lambda c: F.first(c, ignorenulls=True), "min": F.min, "max": F.max, "sum": F.sum}
+    extra = [F.max(c).alias(c) for c in ("touched", "was_open") if c in union.columns]
+    if "new_events" in union.columns:  # events read by this run (not carried in)
+        extra.append(F.sum("new_events").alias("new_events"))
+    return union.groupBy("id", "receiver").agg(
+        *[fold[how](c).alias(c) for c, how in _COMBINE.items()], *extra)
+
+
+def journal_clocks(pairs) -> dict[str, int]:
+    """Each journal's latest event (its address -> ts): the sender side of every pair is
+    in the sender's journal, the receiver side in the receiver's."""
+    from pyspark.sql import functions as F
+
+    sides = (pairs.select(F.col("sender").alias("node"), F.col("sender_max_ts").alias("ts"))
+             .unionByName(pairs.select(F.col("receiver").alias("node"), F.col("receiver_max_ts").alias("ts"))))
+    rows = sides.where(F.col("node").isNotNull() & F.col("ts").isNotNull()).groupBy("node").agg(
+        F.max("ts").alias("ts")).collect()
+    return {r["node"]: r["ts"] for r in rows}
