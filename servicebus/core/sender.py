@@ -15,7 +15,8 @@ from ..wire import protocol as P
 from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
                         is_command_stream, is_delayed, stream_target)
 from ..model.ids import id_millis
-from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind, header_bytes
+from ..wire.payload import header_bytes
+from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind
 from collections.abc import Iterable
 from .expiry import Expiry
 from .state import Peer, State

@@ -36,7 +36,8 @@ from ..errors import Reject, Retry, StoreError, TransactionError
 from .handlers import Handler, Handlers
 from ..hooks.journal import Journal
 from ..model.letters import incoming_letter
-from ..wire.protocol import KIND_NAMES, Kind, decode_payload, encode_payload
+from ..wire.payload import decode_payload, encode_payload
+from ..wire.protocol import KIND_NAMES, Kind
 from ..model.records import Message
 from ..model.stored import NO_RUNS, JournalEvent, OutboxSend, ReplyRecord, RunState
 from .transaction import StagedEvent, Transaction

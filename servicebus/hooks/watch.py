@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..core.state import Incoming
-from ..wire.protocol import KIND_NAMES, Kind, decode_payload
+from ..wire.payload import decode_payload
+from ..wire.protocol import KIND_NAMES, Kind
 from ..model.records import Message
 from ..wire.topics import matches
 

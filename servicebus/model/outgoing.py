@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER
-from ..wire.protocol import MAX_HEADERS, MAX_MS, encode_headers, encode_payload, validate_address
+from ..wire.payload import encode_headers, encode_payload
+from ..wire.protocol import MAX_HEADERS, MAX_MS, validate_address
 from .stored import OutboxSend
 from ..wire.topics import validate_topic
 

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from servicebus.wire import protocol as P
+from servicebus.wire.payload import encode_payload
 from servicebus.wire.policy import AddressPolicy, OwnAddress
 from servicebus.testing import FakeStore, Network
 
@@ -354,7 +355,7 @@ def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_
 
     sender, receiver = net.node("sender"), net.node("receiver")
     key = "01handled\x00h:000000"
-    send = OutboxSend(receiver.address, "charge", P.encode_payload({"n": 1}), None, None, None)
+    send = OutboxSend(receiver.address, "charge", encode_payload({"n": 1}), None, None, None)
     sender.store.sends[key] = send  # stored by the write that finished the handler's run
     sender.stop()
     sender.start()  # a restart queues what the outbox holds ...
@@ -381,7 +382,7 @@ def test_an_undecodable_message_is_kept_as_a_dead_letter_and_the_rest_of_its_fra
     sub = net.node("tcp://127.0.0.1:2001")
     raw = b"\x81\x92\x01\x02\x03"  # {[1, 2]: 3}: a key no receiver can hash
     envs = [P.Envelope(f"m{i}", TOPIC, 1, body, 1, None, None, {})
-            for i, body in enumerate([P.encode_payload(0), raw, P.encode_payload(2)])]
+            for i, body in enumerate([encode_payload(0), raw, encode_payload(2)])]
     frame = P.decode(P.encode_batch(P.Kind.EVENT, "old", "tcp://127.0.0.1:2002", envs), max_payload=1 << 20)
     for _ in range(2):  # and once more, as a resend: nothing twice
         sub.core.on_router(b"x", frame, 0.0)
@@ -398,7 +399,7 @@ def raw_batch(reply_to, metas, now=None):
     head = {"sender": "old", "reply_to": reply_to, "msgs": metas}
     if now is not None:
         head["now"] = now
-    bodies = msgpack.packb([P.encode_payload(n) for n in range(len(metas))])
+    bodies = msgpack.packb([encode_payload(n) for n in range(len(metas))])
     return P.decode([P.MAGIC, bytes([P.Kind.EVENT]), msgpack.packb(head), bodies], max_payload=1 << 20)
 
 
@@ -417,7 +418,7 @@ def test_a_message_with_a_bad_field_is_a_dead_letter_acked_and_the_rest_of_its_f
     assert (letter["origin"], letter["reason"], letter["topic"], letter["kind"]) == (
         "incoming", "invalid", "bad topic", "event")
     assert letter["error"].startswith("topic 'bad topic' contains a whitespace")
-    assert msgpack.unpackb(letter["header"]) == metas[1] and letter["body"] == P.encode_payload(1)
+    assert msgpack.unpackb(letter["header"]) == metas[1] and letter["body"] == encode_payload(1)
     assert (letter["sender"], letter["reply_to"]) == ("old", old.address)
     assert "not_replayable" in letter  # its fields cannot make a message to handle
     acked = [mid for ack in net.sent(sub.address, old.address, P.Ack) for mid in ack.ids]

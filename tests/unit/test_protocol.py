@@ -4,6 +4,7 @@ import msgpack
 import pytest
 
 from servicebus.wire import protocol as P
+from servicebus.wire.payload import decode_payload, encode_payload
 from servicebus.errors import ProtocolError
 from servicebus.wire.protocol import Kind
 
@@ -18,7 +19,7 @@ def roundtrip(frames):
 
 def env(i=1, **kw):
     base = dict(id=f"{i:024x}", topic="user.signup", sent=1_700_000_000_000 + i,
-                body=P.encode_payload({"n": i}))
+                body=encode_payload({"n": i}))
     base.update(kw)
     return P.Envelope(**base)
 
@@ -28,7 +29,7 @@ def test_every_message_kind_round_trips_with_all_fields(kind):
     msgs = [env(1), env(2, attempt=3, expires=123, correlation_id="c1", headers={"trace": "t"})]
     frame = roundtrip(P.encode_batch(kind, "node1", ADDR, msgs))
     assert frame == P.Batch(kind, "node1", ADDR, tuple(msgs))
-    assert P.decode_payload(frame.messages[1].body) == {"n": 2}
+    assert decode_payload(frame.messages[1].body) == {"n": 2}
 
 
 def test_control_kinds_round_trip():
@@ -42,14 +43,14 @@ def test_control_kinds_round_trip():
 
 def test_payloads_of_every_msgpack_type_survive_encoding():
     payload = {"d": {"x": [1, 2.5, True, None]}, "s": "é", "b": b"\x00\xff", "i": -(2**63)}
-    assert P.decode_payload(P.encode_payload(payload)) == payload
+    assert decode_payload(encode_payload(payload)) == payload
 
 
 def test_unencodable_payload_raises_type_error_naming_the_type():
     with pytest.raises(TypeError, match="set"):
-        P.encode_payload({"x": {1, 2}})
+        encode_payload({"x": {1, 2}})
     with pytest.raises(TypeError, match="object"):
-        P.encode_payload(object())
+        encode_payload(object())
 
 
 def reason(frames):
@@ -77,7 +78,7 @@ def test_malformed_frames_raise_protocol_errors_with_a_reason():
 def test_fields_of_the_frame_are_validated():
     def batch_with(meta, reply_to=ADDR):
         header = msgpack.packb({"sender": "n", "reply_to": reply_to, "msgs": [meta]})
-        return [P.MAGIC, bytes([Kind.EVENT]), header, msgpack.packb([P.encode_payload(1)])]
+        return [P.MAGIC, bytes([Kind.EVENT]), header, msgpack.packb([encode_payload(1)])]
 
     ok = ["id1", "t", 1, 1, None, None, {}]
     assert isinstance(roundtrip(batch_with(ok)), P.Batch)
@@ -87,8 +88,8 @@ def test_fields_of_the_frame_are_validated():
 
 
 def test_oversize_payloads_are_refused_by_id_and_the_rest_of_the_frame_is_accepted():
-    big = env(body=P.encode_payload(b"x" * 2000))
-    small = env(body=P.encode_payload(b"y"))._replace(id="small-1")
+    big = env(body=encode_payload(b"x" * 2000))
+    small = env(body=encode_payload(b"y"))._replace(id="small-1")
     frame = P.decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big, small]), max_payload=1000)
     assert frame.oversize == (big.id,)
     assert [m.id for m in frame.messages] == ["small-1"]
@@ -141,7 +142,7 @@ zstandard = pytest.importorskip("zstandard", reason="the compression extra is no
 
 
 def big_batch(n=20, size=2000):
-    return [P.Envelope(f"id{i}", "t", 1, P.encode_payload("x" * size), 1, None, None, {}) for i in range(n)]
+    return [P.Envelope(f"id{i}", "t", 1, encode_payload("x" * size), 1, None, None, {}) for i in range(n)]
 
 
 def test_a_compressed_batch_decodes_to_the_same_messages_and_is_smaller():
@@ -210,7 +211,7 @@ def body_of_exactly(size: int) -> bytes:
     """A well-formed batch body of two payloads (each a valid msgpack bin32: ``size`` of at
     least 256 KiB) ``size`` bytes long."""
     first = (size - 11) // 2  # array (1 byte), two bin32 payloads (5 + 5 bytes of headers)
-    payloads = [P.encode_payload(b"y" * (n - 5)) for n in (first, size - 11 - first)]
+    payloads = [encode_payload(b"y" * (n - 5)) for n in (first, size - 11 - first)]
     body = msgpack.packb(payloads, use_bin_type=True)
     assert len(body) == size
     return body
@@ -313,7 +314,7 @@ class Hashable(dict):
 def test_publish_refuses_what_no_receiver_can_decode_saying_where_in_the_payload(payload, where):
     assert not receiver_decodes(payload)
     with pytest.raises(TypeError, match=where):
-        P.encode_payload(payload)
+        encode_payload(payload)
 
 
 def nested(depth: int, leaf=1):
@@ -331,8 +332,8 @@ def nested(depth: int, leaf=1):
     nested(500), "é" * 1000, "\U0001f600",
 ])
 def test_publish_accepts_odd_but_decodable_payloads_and_a_receiver_reads_them_back(payload):
-    body = P.encode_payload(payload)
-    assert P.pack(P.decode_payload(body)) == body  # what was sent, read back the same
+    body = encode_payload(payload)
+    assert P.pack(decode_payload(body)) == body  # what was sent, read back the same
 
 
 def odd_values(rng, depth=0):
@@ -378,12 +379,12 @@ def test_fuzzed_payloads_are_accepted_exactly_when_a_receiver_decodes_them_and_r
     for _ in range(20_000):
         value = odd_values(rng)
         if receiver_decodes(value):
-            body = P.encode_payload(value)
-            assert P.pack(P.decode_payload(body)) == body
+            body = encode_payload(value)
+            assert P.pack(decode_payload(body)) == body
             accepted += 1
         else:
             with pytest.raises(TypeError) as err:
-                P.encode_payload(value)
+                encode_payload(value)
             where = str(err.value).split(": ", 1)[0]
             assert where.startswith("payload"), err.value
             # The path names a place that exists in the value (eval'ed: keys print as literals).
@@ -422,8 +423,8 @@ def test_a_ttl_is_refused_at_publish_unless_every_receiver_can_keep_its_end():
 
 
 def test_an_undecodable_payload_is_set_apart_and_the_rest_of_its_frame_decodes():
-    bad = [P.encode_payload(1)[:0] + b"\x81\x92\x01\x02\x03",  # {[1, 2]: 3}: an unhashable key
-           b"\xc1", P.encode_payload("x")[:-1] + b"\xd4", b"\x01\x02"]  # junk, cut short, extra data
+    bad = [encode_payload(1)[:0] + b"\x81\x92\x01\x02\x03",  # {[1, 2]: 3}: an unhashable key
+           b"\xc1", encode_payload("x")[:-1] + b"\xd4", b"\x01\x02"]  # junk, cut short, extra data
     msgs = [env(0)] + [env(i + 1, body=body) for i, body in enumerate(bad)] + [env(9)]
     frame = roundtrip(P.encode_batch(Kind.EVENT, "n", ADDR, msgs))
     assert [m.id for m in frame.messages] == [msgs[0].id, msgs[-1].id]
@@ -465,7 +466,7 @@ def meta(mid, **fields):
 def batch_of(*metas, bodies=None, **header):
     """A batch frame's parts, as a sender that did not check what it sent would make them."""
     head = {"sender": "n", "reply_to": ADDR, "msgs": list(metas), **header}
-    bodies = [P.encode_payload(i) for i in range(len(metas))] if bodies is None else bodies
+    bodies = [encode_payload(i) for i in range(len(metas))] if bodies is None else bodies
     return [P.MAGIC, bytes([Kind.EVENT]), msgpack.packb(head), msgpack.packb(bodies)]
 
 
@@ -502,19 +503,19 @@ def test_a_message_with_a_bad_field_is_set_apart_naming_it_and_the_rest_of_its_f
     assert invalid.error.startswith(field) and re.search(why, invalid.error), invalid.error
     # What it was, kept as it came: its header array and its payload's bytes.
     assert msgpack.unpackb(invalid.header, raw=False) == bad
-    assert invalid.body == P.encode_payload(1)
+    assert invalid.body == encode_payload(1)
     shown = "user.signup" if field != "topic" else value if isinstance(value, str) else None
     assert invalid.topic == shown
 
 
 @pytest.mark.parametrize("bad, body, why", [
-    (meta("id-bad")[:6], P.encode_payload(1), r"6 fields; expected 7"),
-    (meta("id-bad") + ["more"], P.encode_payload(1), r"8 fields; expected 7"),
+    (meta("id-bad")[:6], encode_payload(1), r"6 fields; expected 7"),
+    (meta("id-bad") + ["more"], encode_payload(1), r"8 fields; expected 7"),
     (meta("id-bad"), 7, r"payload must be msgpack bin, not int"),
     (meta("id-bad"), [1, 2], r"payload must be msgpack bin, not list"),
 ])
 def test_a_message_of_the_wrong_shape_whose_id_can_be_read_is_set_apart_too(bad, body, why):
-    frame = roundtrip(batch_of(meta("id-0"), bad, bodies=[P.encode_payload(0), body]))
+    frame = roundtrip(batch_of(meta("id-0"), bad, bodies=[encode_payload(0), body]))
     assert [m.id for m in frame.messages] == ["id-0"]
     [invalid] = frame.invalid
     assert invalid.id == "id-bad" and re.search(why, invalid.error), invalid.error
@@ -547,7 +548,7 @@ def test_a_message_whose_header_a_receiver_cannot_read_is_set_apart_and_the_rest
     [invalid] = frame.invalid
     assert invalid.id == "id-bad" and re.search(why, invalid.error), invalid.error
     assert invalid.header in frames[2]  # its bytes, exactly as they came
-    assert invalid.body == P.encode_payload(1)
+    assert invalid.body == encode_payload(1)
 
 
 @pytest.mark.parametrize("bad", [
