@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 
 from ..wire.policy import parse_allow
-from ..wire.protocol import MAX_BATCH, codecs
+from ..wire.compression import codecs
+from ..wire.protocol import MAX_BATCH
 
 __all__ = ["BusConfig"]
 
