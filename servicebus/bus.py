@@ -34,7 +34,8 @@ from .hooks.journal import Journal
 from .wire.keys import load_keys
 from .store.lockfile import DataDirLock
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
-from .wire.protocol import Kind, validate_address, validate_bind, validate_group
+from .wire.protocol import Kind
+from .wire.validation import validate_address, validate_bind, validate_group
 from .model.stored import ReplyRecord
 from .model.records import BusStatus, DeadLetter, Message
 from .handling.requests import PendingRequests

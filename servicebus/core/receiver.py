@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from ..wire import protocol as P
+from ..wire.validation import MAX_MS
 from ..model.letters import incoming_letter, invalid_letter
 from ..wire.protocol import KIND_NAMES
 from .state import Incoming, State, incoming_record
@@ -76,7 +77,7 @@ class Receiver:
         for env, was_seen in zip(frame.messages, known):
             if skew and env.expires is not None:
                 # Within what a datetime shows (Message.expires), as it was sent (protocol.MAX_MS).
-                env = env._replace(expires=min(P.MAX_MS - 1, max(0, env.expires + skew)))
+                env = env._replace(expires=min(MAX_MS - 1, max(0, env.expires + skew)))
             mid = env.id
             acks.append(mid)
             if was_seen or mid in seen:

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER
 from ..wire.payload import encode_headers, encode_payload
-from ..wire.protocol import MAX_HEADERS, MAX_MS, validate_address
+from ..wire.protocol import MAX_HEADERS
+from ..wire.validation import MAX_MS, validate_address
 from .stored import OutboxSend
 from ..wire.topics import validate_topic
 

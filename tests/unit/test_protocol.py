@@ -4,6 +4,7 @@ import msgpack
 import pytest
 
 from servicebus.wire import protocol as P
+from servicebus.wire.validation import validate_address
 from servicebus.wire.payload import decode_payload, encode_payload
 from servicebus.errors import ProtocolError
 from servicebus.wire.protocol import Kind
@@ -101,15 +102,15 @@ def test_a_pong_carries_the_largest_payload_its_bus_accepts():
 
 
 def test_an_ipc_path_longer_than_a_socket_path_can_be_is_refused():
-    P.validate_address("ipc:///" + "x" * 106)
+    validate_address("ipc:///" + "x" * 106)
     with pytest.raises(ValueError, match="at most 107 bytes"):
-        P.validate_address("ipc:///" + "x" * 107)
+        validate_address("ipc:///" + "x" * 107)
 
 
 @pytest.mark.parametrize("address", [
     "tcp://127.0.0.1:1", "tcp://localhost:65535", "tcp://[::1]:80", "ipc:///tmp/x.sock"])
 def test_valid_addresses(address):
-    assert P.validate_address(address) == address
+    assert validate_address(address) == address
 
 
 @pytest.mark.parametrize("address", [
@@ -117,7 +118,7 @@ def test_valid_addresses(address):
     "tcp://0.0.0.0:5555", "udp://x:1", "inproc://x", "", 5, "tcp://a b:1"])
 def test_invalid_addresses(address):
     with pytest.raises(ValueError):
-        P.validate_address(address)
+        validate_address(address)
 
 
 def test_random_junk_never_escapes_as_anything_but_protocol_error():
