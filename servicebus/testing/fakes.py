@@ -17,7 +17,8 @@ from ..core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from ..model.ids import IdGenerator
 from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 from ..wire.payload import decode_payload, encode_payload
-from ..wire.protocol import decode, encode_ack
+from ..wire.decoding import decode
+from ..wire.protocol import encode_ack
 from .stub import Sent, StubBus
 
 __all__ = ["StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
 from servicebus.wire.payload import encode_payload
 from servicebus.testing import free_address, wait_until
 
@@ -181,7 +182,7 @@ def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_
 
     def read_acks() -> set[str]:
         while dealer.poll(0):
-            reply = P.decode(dealer.recv_multipart(), max_payload=1 << 20)
+            reply = decode(dealer.recv_multipart(), max_payload=1 << 20)
             assert isinstance(reply, P.Ack), reply
             acked.update(reply.ids)
         return acked
@@ -265,7 +266,7 @@ def ack_reader(dealer: zmq.Socket) -> tuple[set[str], Callable[[], set[str]]]:
 
     def read() -> set[str]:
         while dealer.poll(0):
-            reply = P.decode(dealer.recv_multipart(), max_payload=1 << 20)
+            reply = decode(dealer.recv_multipart(), max_payload=1 << 20)
             assert isinstance(reply, P.Ack), reply
             acked.update(reply.ids)
         return acked

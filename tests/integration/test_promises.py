@@ -19,6 +19,7 @@ import zmq
 
 from servicebus import Bus, BusClosedError, LockedError
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
 from servicebus.wire.payload import encode_payload
 from servicebus.store.lockfile import probe
 from servicebus.testing import free_address, wait_until
@@ -366,7 +367,7 @@ def test_a_receiver_refuses_an_oversize_message_in_a_frame_with_a_nack(make_bus)
         deadline = time.monotonic() + 10
         while len(answers) < 2 and time.monotonic() < deadline:
             if sock.poll(200):
-                answers.append(P.decode(sock.recv_multipart(), max_payload=1000))
+                answers.append(decode(sock.recv_multipart(), max_payload=1000))
     finally:
         sock.close(linger=0)
     kinds = {type(a).__name__: a for a in answers}

@@ -4,6 +4,7 @@ import msgpack
 import pytest
 
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
 from servicebus.wire.validation import validate_address
 from servicebus.wire.payload import decode_payload, encode_payload
 from servicebus.errors import ProtocolError
@@ -15,7 +16,7 @@ ADDR = "tcp://127.0.0.1:5555"
 
 def roundtrip(frames):
     assert all(isinstance(f, bytes) for f in frames)
-    return P.decode(frames, max_payload=LIMIT)
+    return decode(frames, max_payload=LIMIT)
 
 
 def env(i=1, **kw):
@@ -56,7 +57,7 @@ def test_unencodable_payload_raises_type_error_naming_the_type():
 
 def reason(frames):
     with pytest.raises(ProtocolError) as info:
-        P.decode(frames, max_payload=LIMIT)
+        decode(frames, max_payload=LIMIT)
     return info.value.reason
 
 
@@ -70,7 +71,7 @@ def test_malformed_frames_raise_protocol_errors_with_a_reason():
     assert reason([good[0], good[1], msgpack.packb([1]), good[3]]) == "bad_header"
     assert reason([good[0], good[1], msgpack.packb({"sender": "n"}), good[3]]) == "missing_field"
     assert reason([good[0], good[1], good[2], msgpack.packb([b"1", b"2"])]) == "bad_body"
-    junk = P.decode([good[0], good[1], good[2], msgpack.packb([b"\xc1"])], max_payload=LIMIT)
+    junk = decode([good[0], good[1], good[2], msgpack.packb([b"\xc1"])], max_payload=LIMIT)
     assert junk.messages == () and len(junk.undecodable) == 1  # that message alone, not the frame
     ack = P.encode_ack(["a"])
     assert reason([ack[0], ack[1], ack[2], b"extra"]) == "bad_body"
@@ -91,14 +92,14 @@ def test_fields_of_the_frame_are_validated():
 def test_oversize_payloads_are_refused_by_id_and_the_rest_of_the_frame_is_accepted():
     big = env(body=encode_payload(b"x" * 2000))
     small = env(body=encode_payload(b"y"))._replace(id="small-1")
-    frame = P.decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big, small]), max_payload=1000)
+    frame = decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big, small]), max_payload=1000)
     assert frame.oversize == (big.id,)
     assert [m.id for m in frame.messages] == ["small-1"]
 
 
 def test_a_pong_carries_the_largest_payload_its_bus_accepts():
-    assert P.decode(P.encode_pong("n", "b", 4096), max_payload=1) == P.Pong("n", "b", 4096)
-    assert P.decode(P.encode_pong("n", "b"), max_payload=1) == P.Pong("n", "b", None)
+    assert decode(P.encode_pong("n", "b", 4096), max_payload=1) == P.Pong("n", "b", 4096)
+    assert decode(P.encode_pong("n", "b"), max_payload=1) == P.Pong("n", "b", None)
 
 
 def test_an_ipc_path_longer_than_a_socket_path_can_be_is_refused():
@@ -132,7 +133,7 @@ def test_random_junk_never_escapes_as_anything_but_protocol_error():
             for _ in range(rng.randint(1, 4)):
                 frames[part][rng.randrange(len(frames[part]))] = rng.randrange(256)
         try:
-            P.decode([bytes(f) for f in frames], max_payload=LIMIT)
+            decode([bytes(f) for f in frames], max_payload=LIMIT)
         except ProtocolError:
             pass
 
@@ -151,7 +152,7 @@ def test_a_compressed_batch_decodes_to_the_same_messages_and_is_smaller():
     plain = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5)
     packed = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5, compress="zstd")
     assert len(packed[3]) < len(plain[3]) / 10
-    assert P.decode(packed, max_payload=1 << 20) == P.decode(plain, max_payload=1 << 20)
+    assert decode(packed, max_payload=1 << 20) == decode(plain, max_payload=1 << 20)
 
 
 def test_a_small_batch_is_sent_as_it_is_even_with_compression_on():
@@ -170,27 +171,27 @@ def test_a_frame_declaring_more_than_its_messages_may_hold_is_refused_before_dec
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MiB of zeros, ~2 KiB
     assert len(bomb) < 1 << 16
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(bomb), max_payload=1000)
+        decode(compressed_frames(bomb), max_payload=1000)
     assert err.value.reason == "bad_compression"
     streamed = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (8 << 20))
     with pytest.raises(ProtocolError, match="bad_compression|did not|exceed|error"):
-        P.decode(compressed_frames(streamed), max_payload=1000)
+        decode(compressed_frames(streamed), max_payload=1000)
 
 
 @pytest.mark.parametrize("codec, body", [("lz77", b"x"), ("zstd", b"not zstd at all")])
 def test_an_unknown_codec_or_a_damaged_body_is_a_protocol_error(codec, body):
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(body, codec), max_payload=1000)
+        decode(compressed_frames(body, codec), max_payload=1000)
     assert err.value.reason == "bad_compression"
 
 
 def test_a_pong_says_which_codecs_its_bus_decodes():
-    pong = P.decode(P.encode_pong("n", "b", 10, ("zstd",)), max_payload=10)
+    pong = decode(P.encode_pong("n", "b", 10, ("zstd",)), max_payload=10)
     assert pong.codecs == ("zstd",)
-    assert P.decode(P.encode_pong("n", "b", 10), max_payload=10).codecs == ()
+    assert decode(P.encode_pong("n", "b", 10), max_payload=10).codecs == ()
     header = msgpack.packb({"sender": "n", "boot": "b", "z": "zstd"})
     with pytest.raises(ProtocolError):
-        P.decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
+        decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
 
 
 # --- decompression limits: what one frame may carry, and not a byte more -----------------------
@@ -222,11 +223,11 @@ def body_of_exactly(size: int) -> bytes:
 def test_a_compressed_frame_is_read_up_to_what_one_frame_may_carry_and_refused_one_byte_past_it(declared):
     cap = P.frame_body_limit(2, LIMIT)
     assert cap < LIMIT + (1 << 16)  # one frame's worth, not one max_payload per message
-    at_cap = P.decode(compressed_frames(zstd_frame(body_of_exactly(cap), declared=declared), n=2),
+    at_cap = decode(compressed_frames(zstd_frame(body_of_exactly(cap), declared=declared), n=2),
                       max_payload=LIMIT)
     assert len(at_cap.messages) == 2
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(zstd_frame(body_of_exactly(cap + 1), declared=declared), n=2),
+        decode(compressed_frames(zstd_frame(body_of_exactly(cap + 1), declared=declared), n=2),
                  max_payload=LIMIT)
     assert err.value.reason == "bad_compression"
 
@@ -235,7 +236,7 @@ def test_a_compressed_frame_is_read_up_to_what_one_frame_may_carry_and_refused_o
 def test_declaring_thousands_of_messages_does_not_raise_what_a_frame_may_decompress_to(declared):
     body = zstd_frame(bytes(8 << 20), declared=declared)  # 8 MiB: eight frames' worth
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(body, n=P.MAX_BATCH), max_payload=LIMIT)
+        decode(compressed_frames(body, n=P.MAX_BATCH), max_payload=LIMIT)
     assert err.value.reason == "bad_compression"
 
 
@@ -247,7 +248,7 @@ def test_a_bomb_without_a_declared_size_is_refused_while_streaming_never_holding
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError) as err:
-            P.decode(compressed_frames(bomb, n=P.MAX_BATCH), max_payload=LIMIT)
+            decode(compressed_frames(bomb, n=P.MAX_BATCH), max_payload=LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -262,7 +263,7 @@ def test_a_frame_that_asks_the_decoder_for_a_huge_window_is_refused():
     body = comp.compress(body_of_exactly(1 << 18)) + comp.flush()
     assert zstandard.get_frame_parameters(body).window_size == 1 << 27
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(body, n=2), max_payload=LIMIT)
+        decode(compressed_frames(body, n=2), max_payload=LIMIT)
     assert err.value.reason == "bad_compression"
 
 
@@ -274,7 +275,7 @@ def test_frames_compressed_by_a_sender_at_any_level_still_decode():
         header = msgpack.unpackb(plain[2], raw=False)
         header["z"] = "zstd"
         frames = [plain[0], plain[1], msgpack.packb(header, use_bin_type=True), body]
-        assert P.decode(frames, max_payload=LIMIT) == P.decode(plain, max_payload=LIMIT)
+        assert decode(frames, max_payload=LIMIT) == decode(plain, max_payload=LIMIT)
 
 
 # --- what publish accepts, every receiver decodes (DESIGN rule 11) ------------------------------
@@ -441,7 +442,7 @@ def test_a_body_holding_more_payloads_than_its_header_declares_is_refused_before
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError) as err:
-            P.decode([P.MAGIC, bytes([Kind.EVENT]), header, body], max_payload=LIMIT)
+            decode([P.MAGIC, bytes([Kind.EVENT]), header, body], max_payload=LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -602,7 +603,7 @@ def test_random_junk_in_a_batch_header_sets_apart_what_it_can_and_never_escapes(
         for _ in range(rng.randint(1, 3)):
             header[rng.randrange(len(header))] = rng.randrange(256)
         try:
-            frame = P.decode([good[0], good[1], bytes(header), good[3]], max_payload=LIMIT)
+            frame = decode([good[0], good[1], bytes(header), good[3]], max_payload=LIMIT)
         except ProtocolError:
             continue
         # Every message is accounted for, once: handled, too large, undecodable or invalid.
