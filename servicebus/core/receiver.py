@@ -14,9 +14,9 @@ import logging
 from collections.abc import Callable
 
 from ..wire import protocol as P
-from ..wire.validation import MAX_MS
 from ..model.letters import incoming_letter, invalid_letter
 from ..wire.protocol import KIND_NAMES
+from ..wire.validation import MAX_MS
 from .state import Incoming, State, incoming_record
 
 log = logging.getLogger("servicebus")
@@ -76,7 +76,7 @@ class Receiver:
         handoff = s.out.handoff
         for env, was_seen in zip(frame.messages, known):
             if skew and env.expires is not None:
-                # Within what a datetime shows (Message.expires), as it was sent (protocol.MAX_MS).
+                # Within what a datetime shows (Message.expires), as it was sent (validation.MAX_MS).
                 env = env._replace(expires=min(MAX_MS - 1, max(0, env.expires + skew)))
             mid = env.id
             acks.append(mid)

@@ -20,7 +20,7 @@ __all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_eve
            "MAX_TTL"]
 
 # Seconds a ttl may be, at most: far past any use, and its end well below the year 10000,
-# past which a receiver refuses an expires (protocol.MAX_MS; a datetime shows no more).
+# past which a receiver refuses an expires (validation.MAX_MS; a datetime shows no more).
 MAX_TTL = 1000 * 365 * 86400
 
 
