@@ -208,7 +208,8 @@ def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_
 
 OLD_PUBLISHER = textwrap.dedent("""
     import sys
-    from servicebus import Bus, outgoing
+    from servicebus import Bus
+    from servicebus.model import outgoing
     from servicebus.model.packer import pack
     from servicebus.testing import wait_until
 
