@@ -21,7 +21,8 @@ from .handling.handlers import handler_name
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
 from .ops.admin import live_status
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
-from .wire.protocol import Kind, validate_address, validate_group
+from .wire.protocol import Kind
+from .wire.validation import validate_address, validate_group
 from .model.records import BusStatus, DeadLetter, Message
 from .handling.transaction import Transaction
 from .wire.topics import validate_pattern, validate_topic

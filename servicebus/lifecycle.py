@@ -38,7 +38,7 @@ from .model.stored import ReplyRecord
 from .ops.admin import ENDPOINT_FILE, OFF_FILE
 from .store import Store
 from .store.lockfile import DataDirLock
-from .wire.protocol import validate_bind
+from .wire.validation import validate_bind
 
 __all__ = ["Lifecycle"]
 

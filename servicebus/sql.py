@@ -55,7 +55,7 @@ except ImportError as exc:  # the extra is not installed
 from .errors import BusError
 from .model.letters import sql_outbox_letter
 from .model.outgoing import check_seconds, prepare_command, prepare_event
-from .wire.protocol import decode_payload, encode_payload
+from .wire.payload import decode_payload, encode_payload
 from .handling.transaction import MAX_KEY_BYTES
 
 __all__ = ["SqlOutbox", "OutboxTableError"]

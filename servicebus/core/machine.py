@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..wire import protocol as P
+from ..wire.compression import codecs
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.delivery import (Consumer, base_stream, event_stream, group_peer, is_command_stream,
@@ -89,7 +90,7 @@ class Core:
         self.receiver = Receiver(s)
         self._next_tick = self._next_gc = self._next_expiry = 0.0
         self._next_prune = self._next_clock_save = 0.0
-        self._codecs = P.codecs()  # what this bus decodes, told to every peer that pings it
+        self._codecs = codecs()  # what this bus decodes, told to every peer that pings it
 
     @property
     def out(self) -> Effects:

@@ -17,6 +17,7 @@ from ..wire import protocol as P
 from ..model.letters import incoming_letter, invalid_letter
 from ..model.stored import event
 from ..wire.protocol import KIND_NAMES
+from ..wire.validation import MAX_MS
 from .state import Incoming, State, incoming_record
 
 log = logging.getLogger("servicebus")
@@ -76,8 +77,8 @@ class Receiver:
         handoff = s.out.handoff
         for env, was_seen in zip(frame.messages, known):
             if skew and env.expires is not None:
-                # Within what a datetime shows (Message.expires), as it was sent (protocol.MAX_MS).
-                env = env._replace(expires=min(P.MAX_MS - 1, max(0, env.expires + skew)))
+                # Within what a datetime shows (Message.expires), as it was sent (validation.MAX_MS).
+                env = env._replace(expires=min(MAX_MS - 1, max(0, env.expires + skew)))
             mid = env.id
             acks.append(mid)
             if was_seen or mid in seen:

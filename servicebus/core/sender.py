@@ -16,7 +16,8 @@ from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, e
                         is_command_stream, is_delayed, stream_target)
 from ..model.ids import id_millis
 from ..model.stored import event
-from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind, header_bytes
+from ..wire.payload import header_bytes
+from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind
 from collections.abc import Iterable
 from .expiry import Expiry
 from .state import Peer, State

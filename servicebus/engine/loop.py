@@ -29,6 +29,7 @@ from typing import Any, cast
 import zmq
 
 from ..wire import protocol as P
+from ..wire.decoding import decode
 from .adminserve import AdminReply, AdminServer
 from ..model.clock import BusClock
 from .publisher import Publisher
@@ -410,7 +411,7 @@ class Engine(threading.Thread):
 
     def _decode(self, frames: list[bytes]) -> P.Frame | None:
         try:
-            return P.decode(frames, max_payload=self.config.max_payload)
+            return decode(frames, max_payload=self.config.max_payload)
         except BusError as exc:
             self.core.malformed(getattr(exc, "reason", "malformed"), str(exc))
             return None

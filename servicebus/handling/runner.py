@@ -44,9 +44,10 @@ from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.delivery import backoff
 from ..model.letters import incoming_letter
+from ..wire.payload import decode_payload, encode_payload
 from ..model.records import Message
 from ..model.stored import NO_RUNS, Event, Incoming, ReplyRecord, RunState, event
-from ..wire.protocol import KIND_NAMES, Kind, decode_payload, encode_payload
+from ..wire.protocol import KIND_NAMES, Kind
 from .handlers import Handler, Handlers
 from .requests import PendingRequests
 from .staging import Staging, UpdateFailed

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..model.outgoing import due_ms, prepare_command, prepare_event
-from ..wire.protocol import decode_payload, encode_payload
+from ..wire.payload import decode_payload, encode_payload
 from ..model.stored import OutboxSend
 
 __all__ = ["KeyValue", "TransactionKeyValue", "Transaction", "StagedEvent", "MAX_KEY_BYTES",

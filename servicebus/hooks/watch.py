@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..model.stored import Incoming
-from ..wire.protocol import KIND_NAMES, Kind, decode_payload
+from ..wire.payload import decode_payload
+from ..wire.protocol import KIND_NAMES, Kind
 from ..model.records import Message
 from ..wire.topics import matches
 from .base import Hook

@@ -8,7 +8,8 @@ from typing import Any
 from dataclasses import dataclass
 
 from ..wire.policy import parse_allow
-from ..wire.protocol import MAX_BATCH, codecs
+from ..wire.compression import codecs
+from ..wire.protocol import MAX_BATCH
 
 __all__ = ["BusConfig"]
 

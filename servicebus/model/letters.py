@@ -18,7 +18,8 @@ from typing import Any
 
 from .clock import wall_ms
 from .delivery import OutgoingRecord
-from ..wire.protocol import KIND_NAMES, MAX_REASON_LEN, Invalid
+from ..wire.protocol import KIND_NAMES, Invalid
+from ..wire.validation import MAX_REASON_LEN
 from .stored import IncomingRecord
 
 __all__ = ["incoming_letter", "outgoing_letter", "damaged_letter", "invalid_letter", "sql_outbox_letter"]

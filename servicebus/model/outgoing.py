@@ -10,7 +10,9 @@ from typing import Any, NamedTuple, Protocol
 
 from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER, is_group_peer, pack_outgoing, priority_stream
-from ..wire.protocol import MAX_HEADERS, MAX_MS, Kind, encode_headers, encode_payload, validate_address
+from ..wire.payload import encode_headers, encode_payload
+from ..wire.protocol import MAX_HEADERS, Kind
+from ..wire.validation import MAX_MS, validate_address
 from .ids import IdGenerator
 from .routes import Routes
 from .stored import Event as EventRecord, OutboxSend, event
@@ -20,7 +22,7 @@ __all__ = ["check_seconds", "check_ttl_headers", "due_ms", "Event", "prepare_eve
            "MAX_TTL", "stage_publish", "Staged"]
 
 # Seconds a ttl may be, at most: far past any use, and its end well below the year 10000,
-# past which a receiver refuses an expires (protocol.MAX_MS; a datetime shows no more).
+# past which a receiver refuses an expires (validation.MAX_MS; a datetime shows no more).
 MAX_TTL = 1000 * 365 * 86400
 
 

@@ -17,7 +17,9 @@ from ..core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from ..model.ids import IdGenerator
 from ..model.outgoing import stage_publish
 from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
-from ..wire.protocol import decode, decode_payload, encode_ack, encode_payload
+from ..wire.payload import decode_payload, encode_payload
+from ..wire.decoding import decode
+from ..wire.protocol import encode_ack
 from .stub import Sent, StubBus
 
 __all__ = ["StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",

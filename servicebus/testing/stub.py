@@ -32,7 +32,9 @@ from typing import Any
 from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
 from ..handling.handlers import Handler, Handlers, handler_name
-from ..wire.protocol import Kind, decode_payload, encode_payload, validate_address
+from ..wire.payload import decode_payload, encode_payload
+from ..wire.protocol import Kind
+from ..wire.validation import validate_address
 from ..model.outgoing import check_seconds, check_ttl_headers, due_ms, prepare_command, prepare_event
 from ..model.records import DeadLetter, Message
 from ..wire.topics import validate_pattern, validate_topic

@@ -1,3 +1,4 @@
-"""The wire: frames to records and back (``protocol``), which addresses may be connected
-to (``policy``), CURVE keys and peers (``keys``, ``trust``), topics and patterns
-(``topics``). No sockets, no disk."""
+"""The wire: frames and records (``protocol``: kinds, records, encoders; ``decoding``),
+what a field or a payload may be (``validation``, ``payload``), compression
+(``compression``), which addresses may be connected to (``policy``), CURVE keys and peers
+(``keys``, ``trust``), topics and patterns (``topics``). No sockets, no disk."""

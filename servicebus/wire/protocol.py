@@ -1,4 +1,4 @@
-"""The wire protocol, sans I/O: frames <-> typed records, with validation.
+"""The wire protocol's frame layer, sans I/O: kinds, typed records, frame limits, encoders.
 
 Every ZeroMQ message is four frames (after the ROUTER identity, which the engine strips)::
 
@@ -10,27 +10,20 @@ sender's node id, its reply address and a list of per-message arrays
 is a msgpack array of the payloads, each already msgpack-encoded by the publisher (so they
 are forwarded as bytes and never re-encoded). Control kinds carry a map and an empty body.
 
-This module imports neither zmq nor plyvel. Anything malformed raises ``ProtocolError``
-with a short ``reason`` (used as a counter name by the engine), but for what is wrong with
-one message of a batch alone: its payload too large (``Batch.oversize``), not decodable
-(``Batch.undecodable``) or its own fields not valid (``Batch.invalid``). Those are set
-apart by their id and the rest of the frame goes on (DESIGN rule 11); a message whose id
-cannot be used refuses its frame (``bad_id``), as nothing could ack it.
+The rest of the wire package: ``decoding`` turns frames back into these records (and
+refuses what is malformed), ``validation`` says what a field may be, ``payload`` what a
+payload may be, ``compression`` how a batch's body is compressed and, within bounds,
+decompressed. None of them imports zmq or plyvel.
 """
 
 from __future__ import annotations
 
-import re
-import threading
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-import msgpack
-
-from ..errors import ProtocolError
 from ..model.packer import pack
 from ..model.stored import subscription_options
-from .topics import validate_pattern, validate_topic
+from .compression import COMPRESS_MIN, _compressor
 
 __all__ = [
     "MAGIC",
@@ -45,8 +38,6 @@ __all__ = [
     "Ping",
     "Pong",
     "Frame",
-    "validate_bind",
-    "validate_group",
     "MESSAGE_KINDS",
     "KIND_NAMES",
     "encode_batch",
@@ -56,20 +47,13 @@ __all__ = [
     "encode_unsubscribe",
     "encode_ping",
     "encode_pong",
-    "decode",
-    "validate_address",
-    "encode_payload",
-    "encode_headers",
-    "decode_payload",
     "MAX_BATCH",
     "FRAME_BYTES",
     "MAX_HEADERS",
-    "header_bytes",
     "frame_body_limit",
 ]
 
 MAGIC = b"SB1"
-COMPRESS_MIN = 1024  # bytes of packed payloads below which a frame is sent as it is
 MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
 # Payload bytes a sender puts in one batch frame, at most; one message alone may be bigger
 # (up to max_payload). The sender cuts frames by it (core/sender.py) and a receiver bounds
@@ -79,18 +63,6 @@ FRAME_BYTES = 1 << 20
 # must stay under the receiver's ZeroMQ message size limit (sockets.py) with the rest.
 MAX_HEADERS = 64 << 10
 _BIN_HEADER = 5  # bytes msgpack puts before a payload (bin 32), at most; the array's alike
-MAX_ID_LEN = 64
-MAX_NAME_LEN = 64
-MAX_ADDRESS_LEN = 512
-MAX_REASON_LEN = 4096
-# What a message's times (ms since the epoch) and attempt number may be: below the year
-# 10000, which a datetime (Message.sent, .expires, the CLI) cannot show, and far below
-# what msgpack stores (2**64 - 1, which a TTL moved onto our clock passed); an attempt the
-# audit reads as a 32-bit INT. The sender's own values are in range by far.
-MAX_MS = 253_402_300_800_000
-MAX_ATTEMPT = 2**31 - 1
-_FIELDS = ("id", "topic", "sent", "attempt", "expires", "correlation_id", "headers")
-_TOPIC_SHOWN = 300  # characters of an invalid message's topic kept on its dead letter
 
 
 class Kind(IntEnum):
@@ -200,256 +172,18 @@ class Pong(NamedTuple):
 Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
 
 
+def frame_body_limit(count: int, max_payload: int) -> int:
+    """The most bytes the body of a batch frame of ``count`` messages may hold once
+    decompressed: what a sender puts in one frame (FRAME_BYTES of payload, or one message
+    of up to ``max_payload``) plus msgpack's framing. Not ``count`` payloads' worth: a frame
+    may declare 10,000 messages in a few KB of header."""
+    return max(FRAME_BYTES, max_payload) + _BIN_HEADER * (count + 1)
+
 
 _pack = pack
-_tuple = tuple.__new__
-
-
-# --- payloads ------------------------------------------------------------------------------
-
-_unpackb = msgpack.unpackb
-_CHECKED = (TypeError, ValueError, OverflowError)  # what msgpack raises on what it refuses
-
-
-def encode_payload(payload: Any, what: str = "payload") -> bytes:
-    """msgpack-encode a user payload that every receiver decodes, or raise ``TypeError``
-    saying where in it (``what`` names its root) the problem is (DESIGN rule 11). The check is the receiver's own
-    decode (msgpack's C unpacker, ~0.5 us for a small payload): what it refuses is what a
-    receiver would refuse, e.g. a map keyed by a tuple (an array, unhashable once
-    decoded). A walk through the payload, in Python, runs only to explain a refusal."""
-    try:
-        body = pack(payload)
-        _unpackb(body, raw=False, strict_map_key=False)
-    except _CHECKED as exc:
-        raise TypeError(_refusal(payload, what, exc, strict_keys=False)) from exc
-    return body
-
-
-def encode_headers(headers: dict[str, Any]) -> bytes:
-    """msgpack-encode a message's user headers as a receiver reads them (in the frame's
-    header, where every map must have str or bytes keys), or raise ``TypeError`` saying
-    where the problem is: a frame a receiver cannot read is dropped whole, and resent."""
-    try:
-        body = pack(headers)
-        _unpackb(body, raw=False, strict_map_key=True)
-    except _CHECKED as exc:
-        raise TypeError(_refusal(headers, "headers", exc, strict_keys=True)) from exc
-    return body
-
-
-def header_bytes(headers: dict[str, Any] | None) -> int:
-    """What a message's headers take in a frame's header part (0 for none): the sender
-    counts them with its payload when it cuts frames."""
-    return len(pack(headers)) if headers else 0
-
-
-def decode_payload(body: bytes) -> Any:
-    """A payload as every receiver decodes it (and ``encode_payload`` checks)."""
-    return _unpackb(body, raw=False, strict_map_key=False)
-
-
-# Containers msgpack nests, at most (its C packer and unpacker; measured on msgpack 1.x).
-_MAX_NESTING = 1024
-_INT_RANGE = "-2**63 to 2**64 - 1"
-
-
-def _refusal(value: Any, root: str, exc: Exception, *, strict_keys: bool) -> str:
-    """Why ``value`` cannot be sent, and where: the first problem msgpack meets."""
-    try:
-        found = _first_problem(value, root, strict_keys)
-    except RecursionError:
-        found = None
-    # Should the walk miss what msgpack refused, msgpack's own words still say what.
-    return found or f"{root} cannot be sent: {type(exc).__name__}: {exc}"
-
-
-def _a(name: str) -> str:
-    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _step(key: Any) -> str:
-    """``[key]`` as a path shows it: str keys in double quotes, as most people write them."""
-    text = repr(key)
-    if isinstance(key, str) and text.startswith("'") and '"' not in text:
-        text = f'"{text[1:-1]}"'
-    return f"[{text if len(text) <= 80 else text[:77] + '...'}]"
-
-
-def _scalar_problem(value: Any, key: bool) -> str | None:
-    """Why msgpack cannot pack a non-container (its checks, in its order), or None; worded
-    to follow ``map key <value>`` (``key``) or ``<path>:``."""
-    if value is None or isinstance(value, (bool, float, bytes, bytearray, memoryview)):
-        return None
-    if isinstance(value, int):
-        if -(2**63) <= value < 2**64:
-            return None
-        where = "is an int" if key else f"int {_show(value)} is"
-        return f"{where} out of msgpack's range ({_INT_RANGE})"
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            where = "is a str with" if key else f"str {_show(value)} has"
-            return (f"{where} a lone surrogate ({value[exc.start]!r} at {exc.start}), which "
-                    "cannot be encoded as UTF-8")
-        return None
-    if isinstance(value, msgpack.ExtType) or type(value) is msgpack.Timestamp:
-        return None
-    kind = _a(type(value).__name__)
-    return f"is {kind}, which cannot be encoded with msgpack" if key else \
-        f"{kind} cannot be encoded with msgpack"
-
-
-def _key_problem(key: Any, strict_keys: bool) -> str | None:
-    if isinstance(key, dict):  # a dict subclass with a __hash__: a plain dict once decoded
-        return f"is {_a(type(key).__name__)} (a map); a receiver cannot decode it"
-    if isinstance(key, tuple) and not isinstance(key, msgpack.ExtType):
-        kind = "a tuple" if type(key) is tuple else f"{_a(type(key).__name__)} (a tuple)"
-        return f"is {kind}; a receiver cannot decode it"  # an array: a list once decoded
-    problem = _scalar_problem(key, True)
-    if problem is None and strict_keys and not isinstance(key, (str, bytes)):
-        return f"is {_a(type(key).__name__)}; a receiver reads header maps with str or bytes keys only"
-    return problem
-
-
-def _first_problem(value: Any, root: str, strict_keys: bool) -> str | None:
-    """Walk ``value`` as msgpack packs it (depth first, in order) to the first thing it
-    or a receiver refuses: ``path: what``. Iterative: payloads nest up to 1,024 deep."""
-    stack: list[tuple[Any, str, int]] = [(value, root, 0)]
-    while stack:
-        item, path, depth = stack.pop()
-        if isinstance(item, dict):
-            children = []
-            for key, child in item.items():
-                problem = _key_problem(key, strict_keys)
-                if problem is not None:
-                    return f"{path}: map key {_show(key)} {problem}"
-                children.append((child, path + _step(key)))
-        elif isinstance(item, (list, tuple)) and not isinstance(item, msgpack.ExtType):
-            children = [(child, f"{path}[{i}]") for i, child in enumerate(item)]
-        else:
-            problem = _scalar_problem(item, False)
-            if problem is None:
-                continue
-            return f"{path}: {problem}"
-        if depth >= _MAX_NESTING:
-            path = path if len(path) <= 200 else f"{path[:100]}...{path[-100:]}"
-            return (f"{path}: nested more than {_MAX_NESTING} deep (or a container holds "
-                    "itself); msgpack refuses it")
-        stack.extend((child, where, depth + 1) for child, where in reversed(children))
-    return None
-
-
-# --- addresses -----------------------------------------------------------------------------
-
-_TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})$")
-_IPC = re.compile(r"^ipc://(?P<path>[^\x00-\x1f\x7f]+)$")
-# A Unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL on Linux):
-# libzmq refuses longer ones at connect(), which must never be where we find out.
-MAX_IPC_PATH_BYTES = 107
-
-
-def validate_address(address: object, *, what: str = "address") -> str:
-    """Return a peer address (``tcp://host:port`` or ``ipc://path``) or raise ``ValueError``.
-
-    Used on user input and on every address that arrives off the wire before any
-    ``connect()``: junk would make libzmq raise, and a forged address must not point the
-    bus at arbitrary endpoints in forms we never meant to support.
-    """
-    if not isinstance(address, str):
-        raise ValueError(f"{what} must be a str, not {type(address).__name__}")
-    if len(address) > MAX_ADDRESS_LEN:
-        raise ValueError(f"{what} is longer than {MAX_ADDRESS_LEN} characters")
-    match = _TCP.match(address)
-    if match:
-        port = int(match.group("port"))
-        if not 1 <= port <= 65535:
-            raise ValueError(f"{what} {address!r} has port {port}; expected 1-65535")
-        if match.group("host") in ("*", "0.0.0.0", "[::]"):
-            raise ValueError(f"{what} {address!r} is a wildcard; peers need a reachable host")
-        return address
-    match = _IPC.match(address)
-    if match:
-        size = len(match.group("path").encode("utf-8", "surrogatepass"))
-        if size > MAX_IPC_PATH_BYTES:
-            raise ValueError(f"{what} {address[:60]!r}...: an ipc path is at most "
-                             f"{MAX_IPC_PATH_BYTES} bytes (the OS limit for socket paths), not {size}")
-        return address
-    raise ValueError(f"{what} {address!r} is not of the form tcp://host:port or ipc://path")
-
-
-_BIND_TCP = re.compile(r"^tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\*|[0-9]{1,5})$")
-_WILDCARD_HOSTS = {"*", "0.0.0.0", "[::]"}
-
-
-def validate_bind(bind: object, advertise: str | None) -> None:
-    """Check a bus's ``bind`` (``tcp://host:port``, ``*`` and port 0 allowed, or
-    ``ipc://path``) and its ``advertise`` address; ``TypeError``/``ValueError`` if bad."""
-    if not isinstance(bind, str):
-        raise TypeError(f"bind must be a str, not {type(bind).__name__}")
-    if bind.startswith("ipc://"):
-        validate_address(bind, what="bind")
-        return
-    match = _BIND_TCP.match(bind)
-    if not match:
-        raise ValueError(f"bind {bind!r} is not of the form tcp://host:port or ipc://path")
-    if match.group("host") in _WILDCARD_HOSTS and advertise is None:
-        raise ValueError(f"bind {bind!r} listens on every interface; pass advertise= with the "
-                         "address other buses should use to reach this one")
-    if advertise is not None:
-        validate_address(advertise, what="advertise")
 
 
 # --- encoding ------------------------------------------------------------------------------
-
-
-_GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-
-
-def validate_group(name: object) -> str:
-    """A subscriber group's name: 1-64 of letters, digits, ``_ . -``; else an error."""
-    if not isinstance(name, str):
-        raise TypeError(f"group must be a str, not {type(name).__name__}")
-    if not _GROUP_NAME.match(name):
-        raise ValueError(f"group {name[:80]!r} must be 1-64 letters, digits, '_', '.' or '-'")
-    return name
-
-
-def codecs() -> tuple[str, ...]:
-    """Codecs this process can decode (and encode): zstd with the ``compression`` extra."""
-    return ("zstd",) if _zstd() is not None else ()
-
-
-_zstd_mod: Any = False
-
-
-def _zstd() -> Any:
-    """The zstandard module, or None without the ``compression`` extra (imported once)."""
-    global _zstd_mod
-    if _zstd_mod is False:
-        try:
-            import zstandard as module
-        except ImportError:
-            module = None  # type: ignore[assignment]
-        _zstd_mod = module
-    return _zstd_mod
-
-
-_local = threading.local()
-
-
-def _compressor() -> Any:
-    """This thread's zstd compressor (one compressor must not be used by two at once)."""
-    comp = getattr(_local, "zstd", None)
-    if comp is None:
-        comp = _local.zstd = _zstd().ZstdCompressor(level=1)  # fast; frames are small
-    return comp
-
 
 def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope],
                  sent_at: int | None = None, compress: str | None = None) -> list[bytes]:
@@ -507,409 +241,3 @@ def encode_pong(sender: str, boot: str, max_payload: int | None = None,
     if codecs:
         header["z"] = list(codecs)
     return _control(Kind.PONG, header)
-
-
-# --- decoding ------------------------------------------------------------------------------
-
-
-def _unpack(data: bytes, what: str) -> Any:
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
-        raise ProtocolError("bad_msgpack", f"{what}: {type(exc).__name__}") from exc
-
-
-def _str(value: Any, field: str, limit: int) -> str:
-    if not isinstance(value, str) or not value or len(value) > limit:
-        raise ProtocolError("bad_field", f"{field} must be a non-empty str of at most {limit}")
-    return value
-
-
-def _int(value: Any, field: str, minimum: int = 0) -> int:
-    if type(value) is not int or value < minimum:
-        raise ProtocolError("bad_field", f"{field} must be an int >= {minimum}")
-    return value
-
-
-def _ms(value: Any, field: str) -> int:
-    if type(value) is not int or not 0 <= value < MAX_MS:
-        raise ProtocolError("bad_field", f"{field} must be an int from 0 to {MAX_MS - 1} "
-                            "(ms since the epoch, before the year 10000)")
-    return value
-
-
-def _attempt(value: Any) -> int:
-    if type(value) is not int or not 1 <= value <= MAX_ATTEMPT:
-        raise ProtocolError("bad_field", f"attempt must be an int from 1 to {MAX_ATTEMPT}")
-    return value
-
-
-def _headers(value: Any) -> dict[str, Any] | None:
-    """A message's headers that are not a map: None, or refused."""
-    if value is None:
-        return None
-    raise ProtocolError("bad_field", f"headers must be a map, not {type(value).__name__}")
-
-
-_valid_topics: set[str] = set()  # a bus sees few distinct topics, each thousands of times
-
-
-def _pattern(value: Any) -> str:
-    """A SUBSCRIBE's topic: a topic or a pattern (topics.py)."""
-    try:
-        return validate_pattern(value)
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError("bad_field", str(exc)) from exc
-
-
-def _topic(value: Any) -> str:
-    if type(value) is str and value in _valid_topics:  # junk may be unhashable
-        return value
-    try:
-        topic = validate_topic(value)  # the same rules as for a topic given to the API
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError("bad_field", str(exc)) from exc
-    if len(_valid_topics) < 10_000:
-        _valid_topics.add(topic)
-    return topic
-
-
-def _address(value: Any, field: str) -> str:
-    try:
-        return validate_address(value, what=field)
-    except ValueError as exc:
-        raise ProtocolError("bad_address", str(exc)) from exc
-
-
-def _require(header: dict[str, Any], *fields: str) -> None:
-    missing = [f for f in fields if f not in header]
-    if missing:
-        raise ProtocolError("missing_field", ", ".join(missing))
-
-
-def _ids(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > MAX_BATCH:
-        raise ProtocolError("bad_field", "ids must be a list")
-    return tuple(_str(v, "ids[]", MAX_ID_LEN) for v in value)
-
-
-def decode(frames: list[bytes], *, max_payload: int) -> Frame:
-    """Turn the frames of one ZeroMQ message into a typed record, or raise ProtocolError."""
-    if len(frames) != 4:
-        raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
-    magic, kind_b, header_b, body_b = frames
-    if magic != MAGIC:
-        raise ProtocolError("bad_magic")
-    if len(kind_b) != 1 or kind_b[0] not in Kind._value2member_map_:
-        raise ProtocolError("unknown_kind")
-    kind = Kind(kind_b[0])
-    if kind in MESSAGE_KINDS:
-        header, parts = _batch_header(header_b)
-        if not isinstance(header, dict):
-            raise ProtocolError("bad_header", "header must be a map")
-        return _decode_batch(kind, header, body_b, max_payload, parts)
-    header = _unpack(header_b, "header")
-    if not isinstance(header, dict):
-        raise ProtocolError("bad_header", "header must be a map")
-    if body_b:
-        raise ProtocolError("bad_body", f"{kind.name} carries no body")
-    if kind is Kind.ACK:
-        _require(header, "ids")
-        return Ack(_ids(header["ids"]))
-    if kind is Kind.NACK:
-        _require(header, "ids", "reason")
-        return Nack(_ids(header["ids"]), _str(header["reason"], "reason", MAX_REASON_LEN))
-    if kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBE):
-        _require(header, "id", "topic", "address", "sender")
-        fields = (
-            _str(header["id"], "id", MAX_ID_LEN),
-            _pattern(header["topic"]),
-            _address(header["address"], "address"),
-            _str(header["sender"], "sender", MAX_NAME_LEN),
-        )
-        if kind is Kind.UNSUBSCRIBE:
-            return Unsubscribe(*fields)
-        group, ordered = header.get("group"), header.get("ordered", False)
-        if group is not None:
-            try:
-                group = validate_group(group)
-            except (TypeError, ValueError) as exc:
-                raise ProtocolError("bad_field", str(exc)) from exc
-        if type(ordered) is not bool:
-            raise ProtocolError("bad_field", "ordered must be a bool")
-        limit = header.get("limit")
-        if limit is not None:
-            limit = _int(limit, "limit", 1)
-        return Subscribe(*fields, group, ordered, limit)
-    _require(header, "sender", "boot")
-    sender, boot = _str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN)
-    if kind is Kind.PING:
-        return Ping(sender, boot)
-    limit = header.get("max")
-    z = header.get("z", [])
-    if not isinstance(z, list) or not all(isinstance(c, str) and len(c) <= 16 for c in z) or len(z) > 8:
-        raise ProtocolError("bad_field", "z must be a short list of codec names")
-    return Pong(sender, boot, None if limit is None else _int(limit, "max", 1), tuple(z))
-
-
-class _Unread:
-    """In place of a field of a message's header that a receiver cannot read (msgpack
-    refused it: a map key that is not a str or bytes, a str that is not UTF-8): its error."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _batch_header(data: bytes) -> tuple[Any, list[bytes] | None]:
-    """A batch frame's header, and None; or, when it does not decode as a whole, what
-    ``_read_apart`` makes of it and each message's header bytes. The second reading runs
-    only then: the hot path is one C call, as for every other kind."""
-    try:
-        return _unpackb(data, raw=False, strict_map_key=True, use_list=True), None
-    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
-        error = exc
-    try:
-        return _read_apart(data)
-    except ProtocolError:
-        raise
-    except Exception:  # noqa: BLE001 - not one message's: the frame's, as the first reading said
-        pass
-    raise ProtocolError("bad_msgpack", f"header: {type(error).__name__}") from error
-
-
-def _reader(data: bytes) -> Any:
-    reader = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(1, len(data)))
-    reader.feed(data)
-    return reader
-
-
-def _next_part(reader: Any, data: bytes) -> bytes:
-    """The bytes of the next whole msgpack object ``reader`` holds, skipped unread."""
-    start = reader.tell()
-    reader.skip()
-    return data[start:reader.tell()]
-
-
-def _read_apart(data: bytes) -> tuple[dict[Any, Any], list[bytes]]:
-    """A batch header that msgpack refused as a whole, read part by part, so that one
-    message's header that a receiver cannot read is that message's problem alone (DESIGN
-    rule 11): each message's array is read on its own and, if it is refused, each of its
-    fields, a refused one standing as an ``_Unread``. Anything else refused is the frame's
-    (raises): the header's own keys and values, a message whose bytes cannot even be
-    skipped (cut short, junk), bytes after the header. Returns the header as ``decode``
-    reads it and the bytes of each message's array, as they came."""
-    reader = _reader(data)
-    header: dict[Any, Any] = {}
-    parts: list[bytes] = []
-    for _ in range(reader.read_map_header()):
-        key = reader.unpack()
-        if type(key) is not str and type(key) is not bytes:
-            raise ValueError(f"{type(key).__name__} is not allowed for map key")
-        if key != "msgs":
-            header[key] = reader.unpack()
-            continue
-        count = reader.read_array_header()
-        if count > MAX_BATCH:
-            raise ProtocolError("oversize", f"{count} messages in one frame")
-        metas: list[Any] = []
-        parts = []
-        for _ in range(count):
-            part = _next_part(reader, data)
-            parts.append(part)
-            try:
-                metas.append(_unpackb(part, raw=False, strict_map_key=True))
-            except Exception:  # noqa: BLE001 - read its fields one by one
-                metas.append(_fields_apart(part))
-        header[key] = metas
-    if reader.tell() != len(data):
-        raise ValueError("extra data after the header")
-    return header, parts
-
-
-def _fields_apart(part: bytes) -> Any:
-    """A message's header array that msgpack refused, field by field (``_read_apart``)."""
-    reader = _reader(part)
-    try:
-        count = reader.read_array_header()
-    except Exception as exc:  # not an array: no id to name it by (the frame is refused)
-        return _Unread(f"{type(exc).__name__}: {exc}")
-    fields: list[Any] = []
-    for _ in range(count):
-        field = _next_part(reader, part)
-        try:
-            fields.append(_unpackb(field, raw=False, strict_map_key=True))
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many types
-            fields.append(_Unread(f"{type(exc).__name__}: {exc}"))
-    return fields
-
-
-def _invalid(meta: Any, body: Any, error: str, part: bytes | None) -> Invalid:
-    """A message that is not valid (``error`` says why), set apart by its id; or, if its id
-    cannot be used, ``ProtocolError`` for the frame: a message nobody can name cannot be
-    acked (its sender resends it, and the rest of an ordered lane waits behind it, anyway),
-    deduplicated or kept as a dead letter, and the rest of its frame handled without it
-    would be a gap nobody sees; refused, it is counted and logged as malformed."""
-    if type(meta) is not list or not meta:
-        what = meta.error if isinstance(meta, _Unread) else f"{type(meta).__name__} {_show(meta)}"
-        raise ProtocolError("bad_id", f"a message's header is not an array that starts with its "
-                            f"id ({what}): it cannot be acked or kept")
-    mid = meta[0]
-    if type(mid) is not str or not mid or len(mid) > MAX_ID_LEN:
-        what = f"cannot be read ({mid.error})" if isinstance(mid, _Unread) else (
-            f"must be a non-empty str of at most {MAX_ID_LEN}, not {type(mid).__name__} {_show(mid)}")
-        raise ProtocolError("bad_id", f"a message's id {what}: it cannot be acked or kept")
-    for name, value in zip(_FIELDS, meta):
-        if isinstance(value, _Unread):
-            error = f"{name}: a receiver cannot read it ({value.error})"
-            break
-    topic = meta[1] if len(meta) > 1 and type(meta[1]) is str else None
-    if part is None:
-        try:
-            part = _pack(meta)
-        except Exception:  # noqa: BLE001 - what msgpack read, it writes; should it not, nothing is lost but a copy
-            part = b""
-    return _tuple(Invalid, (mid, error[:MAX_REASON_LEN], topic and topic[:_TOPIC_SHOWN], part,
-                            body if type(body) is bytes else _pack(body)))
-
-
-def frame_body_limit(count: int, max_payload: int) -> int:
-    """The most bytes the body of a batch frame of ``count`` messages may hold once
-    decompressed: what a sender puts in one frame (FRAME_BYTES of payload, or one message
-    of up to ``max_payload``) plus msgpack's framing. Not ``count`` payloads' worth: a frame
-    may declare 10,000 messages in a few KB of header."""
-    return max(FRAME_BYTES, max_payload) + _BIN_HEADER * (count + 1)
-
-
-_READ = 1 << 18  # bytes decompressed per step of a stream: the cap is never overshot by more
-
-
-def _decompress(codec: Any, data: bytes, limit: int) -> bytes:
-    """A compressed body, never more than ``limit`` bytes (rule 12: a frame of a few KB
-    may hold gigabytes). A frame that declares more is refused before anything is
-    allocated; one that declares its size is decompressed into a buffer of that size,
-    which zstd refuses to write past; one that does not (a stream) is decompressed step by
-    step and refused the moment it passes ``limit``. The window zstd allocates for it is
-    bounded by ``limit`` too: a frame may ask for far more than it holds."""
-    zstd = _zstd()
-    if codec != "zstd" or zstd is None:
-        raise ProtocolError("bad_compression", f"codec {str(codec)[:16]!r} is not one this bus decodes")
-    try:
-        declared = zstd.frame_content_size(data)
-        if declared > limit:
-            raise ProtocolError("bad_compression", f"declares {declared} bytes, more than {limit}")
-        # No window larger than the frame may be: a power of two >= limit (zstd's unit).
-        dctx = zstd.ZstdDecompressor(max_window_size=1 << max(10, (limit - 1).bit_length()))
-        if declared >= 0:  # what encode_batch makes; a frame that holds more than it says fails
-            return bytes(dctx.decompress(data, max_output_size=declared))
-        reader = dctx.stream_reader(data)
-        parts = []
-        size = 0
-        while True:
-            part = reader.read(_READ)
-            if not part:
-                break
-            size += len(part)
-            if size > limit:
-                raise ProtocolError("bad_compression", f"decompresses to more than {limit} bytes")
-            parts.append(part)
-        # A stream cut short reads as its first part: the msgpack body then ends in the
-        # middle (or exactly at its end, when nothing is missing), and unpacking it tells.
-        return b"".join(parts)
-    except zstd.ZstdError as exc:
-        raise ProtocolError("bad_compression", str(exc)[:200]) from exc
-
-
-def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload: int,
-                  parts: list[bytes] | None = None) -> Batch:
-    _require(header, "sender", "reply_to", "msgs")
-    sender = _str(header["sender"], "sender", MAX_NAME_LEN)
-    reply_to = _address(header["reply_to"], "reply_to")
-    metas = header["msgs"]
-    if not isinstance(metas, list) or not metas:
-        raise ProtocolError("bad_field", "msgs must be a non-empty list")
-    if len(metas) > MAX_BATCH:
-        raise ProtocolError("oversize", f"{len(metas)} messages in one frame")
-    sent_at = header.get("now")
-    if sent_at is not None:
-        sent_at = _ms(sent_at, "now")
-    if "z" in header:
-        body_b = _decompress(header["z"], body_b, frame_body_limit(len(metas), max_payload))
-    try:
-        # An array of len(metas) bins and nothing else, checked as msgpack reads the
-        # lengths: a body of a million tiny payloads is refused before it is 50 MB of objects.
-        bodies = _unpackb(body_b, raw=False, max_array_len=len(metas), max_map_len=0,
-                          max_str_len=0, max_ext_len=0)
-    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
-        raise ProtocolError("bad_body", f"body must be an array of {len(metas)} payloads: "
-                            f"{type(exc).__name__}") from exc
-    if not isinstance(bodies, list) or len(bodies) != len(metas):
-        raise ProtocolError("bad_body", "body must be a list with one payload per message")
-    out = []
-    oversize = []
-    undecodable = []
-    invalid = []
-    max_ms, max_id = MAX_MS, MAX_ID_LEN
-    for meta, body in zip(metas, bodies):
-        # One message's fields that are not valid set that message apart, not its frame: a
-        # frame refused is resent for ever and an ordered lane waits behind it (rule 11).
-        if type(meta) is not list or len(meta) != 7 or type(body) is not bytes:
-            invalid.append(_invalid(meta, body, _shape(meta, body), _part(meta, metas, parts)))
-            continue
-        mid, topic, sent, attempt, expires, corr, headers = meta
-        if len(body) > max_payload:
-            oversize.append(_id(mid))  # refused by id, the rest accepted
-            continue
-        try:
-            # Per message, 20-40k times a second: each check inline, its function called
-            # only to raise, and the NamedTuple made without its keyword parsing.
-            env = _tuple(Envelope, (
-                mid if type(mid) is str and 0 < len(mid) <= max_id else _id(mid),
-                _topic(topic),
-                sent if type(sent) is int and 0 <= sent < max_ms else _ms(sent, "sent"),
-                body,
-                attempt if type(attempt) is int and 1 <= attempt <= MAX_ATTEMPT else _attempt(attempt),
-                None if expires is None else (
-                    expires if type(expires) is int and 0 <= expires < max_ms else _ms(expires, "expires")),
-                None if corr is None else _str(corr, "correlation_id", max_id),
-                (headers or None) if type(headers) is dict else _headers(headers),
-            ))
-        except ProtocolError as exc:
-            invalid.append(_invalid(meta, body, exc.detail, _part(meta, metas, parts)))
-            continue
-        try:
-            # Payloads are checked here so that junk never reaches a handler; decode_payload.
-            _unpackb(body, raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises many types on junk
-            # Set apart, not the frame refused: a frame dropped is resent for ever, and an
-            # ordered subscription waits behind it.
-            undecodable.append((env, f"{type(exc).__name__}: {exc}"[:MAX_REASON_LEN]))
-            continue
-        out.append(env)
-    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize), tuple(undecodable),
-                 tuple(invalid))
-
-
-def _id(value: Any) -> str:
-    if type(value) is not str or not value or len(value) > MAX_ID_LEN:
-        raise ProtocolError("bad_id", f"id must be a non-empty str of at most {MAX_ID_LEN}")
-    return value
-
-
-def _part(meta: Any, metas: list[Any], parts: list[bytes] | None) -> bytes | None:
-    """The bytes ``meta`` came in, when the header was read apart (``_read_apart``)."""
-    if parts:
-        for other, part in zip(metas, parts):
-            if other is meta:
-                return part
-    return None
-
-
-def _shape(meta: Any, body: Any) -> str:
-    """What is wrong with a message's header array or payload as a whole."""
-    if type(meta) is not list:
-        return f"a message's header must be an array, not {type(meta).__name__}"
-    if len(meta) != 7:
-        return f"the message's header has {len(meta)} fields; expected 7 ({', '.join(_FIELDS)})"
-    return f"payload must be msgpack bin, not {type(body).__name__}"

@@ -19,6 +19,8 @@ import pytest
 import zmq
 
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
+from servicebus.wire.payload import encode_payload
 from servicebus.testing import free_address, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -170,7 +172,7 @@ def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_
     handled: list[int] = []
     bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
     ids = [f"{k:024x}" for k in range(1, 8)]
-    bodies = [P.encode_payload({"n": n}) for n in range(7)]
+    bodies = [encode_payload({"n": n}) for n in range(7)]
     bodies[3] = UNDECODABLE
     envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, body, 1, None, None, {ORDER_HEADER: "stream-1"})
             for mid, body in zip(ids, bodies)]
@@ -180,7 +182,7 @@ def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_
 
     def read_acks() -> set[str]:
         while dealer.poll(0):
-            reply = P.decode(dealer.recv_multipart(), max_payload=1 << 20)
+            reply = decode(dealer.recv_multipart(), max_payload=1 << 20)
             assert isinstance(reply, P.Ack), reply
             acked.update(reply.ids)
         return acked
@@ -265,7 +267,7 @@ def ack_reader(dealer: zmq.Socket) -> tuple[set[str], Callable[[], set[str]]]:
 
     def read() -> set[str]:
         while dealer.poll(0):
-            reply = P.decode(dealer.recv_multipart(), max_payload=1 << 20)
+            reply = decode(dealer.recv_multipart(), max_payload=1 << 20)
             assert isinstance(reply, P.Ack), reply
             acked.update(reply.ids)
         return acked
@@ -282,7 +284,7 @@ def test_messages_with_bad_fields_in_a_raw_ordered_frame_are_dead_letters_and_th
     bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
     ids = [f"{k:024x}" for k in range(1, 8)]
     lane = {ORDER_HEADER: "stream-1"}
-    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, P.encode_payload({"n": n}), 1, None, None, lane)
+    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, encode_payload({"n": n}), 1, None, None, lane)
             for n, mid in enumerate(ids)]
     envs[2] = envs[2]._replace(topic="user signup")  # not a topic
     envs[4] = envs[4]._replace(headers={**lane, "x": {1: 2}})  # a map no receiver reads in a header
@@ -331,7 +333,7 @@ def test_a_ttl_past_any_clock_from_a_raw_dealer_is_a_dead_letter_and_the_bus_goe
     handled: list[int] = []
     bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
     ids = [f"{k:024x}" for k in range(1, 4)]
-    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, P.encode_payload({"n": n}), 1, None, None, {})
+    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, encode_payload({"n": n}), 1, None, None, {})
             for n, mid in enumerate(ids)]
     envs[1] = envs[1]._replace(expires=2**64 - 1)
     dealer = raw(bus.address)

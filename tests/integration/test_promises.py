@@ -19,6 +19,8 @@ import zmq
 
 from servicebus import Bus, BusClosedError, LockedError
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
+from servicebus.wire.payload import encode_payload
 from servicebus.store.lockfile import probe
 from servicebus.testing import free_address, wait_until
 
@@ -204,7 +206,7 @@ def test_a_reply_owed_to_a_caller_that_went_away_expires_and_drain_returns(make_
     sock = raw_dealer(bus.address)
     try:
         env = P.Envelope("0000000000000000000001", "ask", int(time.time() * 1000),
-                         P.encode_payload(1), 1, None, "corr-1", None)
+                         encode_payload(1), 1, None, "corr-1", None)
         sock.send_multipart(P.encode_batch(P.Kind.COMMAND, "caller", gone, [env], int(time.time() * 1000)))
         wait_until(lambda: bus.status().handled == 1, 10)
     finally:
@@ -358,14 +360,14 @@ def test_a_receiver_refuses_an_oversize_message_in_a_frame_with_a_nack(make_bus)
     sock = raw_dealer(receiver.address)
     try:
         now = int(time.time() * 1000)
-        envs = [P.Envelope("0000000000000000000001", "c", now, P.encode_payload("x" * 2000)),
-                P.Envelope("0000000000000000000002", "c", now, P.encode_payload("ok"))]
+        envs = [P.Envelope("0000000000000000000001", "c", now, encode_payload("x" * 2000)),
+                P.Envelope("0000000000000000000002", "c", now, encode_payload("ok"))]
         sock.send_multipart(P.encode_batch(P.Kind.COMMAND, "raw", free_address(), envs, now))
         answers = []
         deadline = time.monotonic() + 10
         while len(answers) < 2 and time.monotonic() < deadline:
             if sock.poll(200):
-                answers.append(P.decode(sock.recv_multipart(), max_payload=1000))
+                answers.append(decode(sock.recv_multipart(), max_payload=1000))
     finally:
         sock.close(linger=0)
     kinds = {type(a).__name__: a for a in answers}

@@ -11,7 +11,8 @@ import zmq
 from servicebus import (
     Bus, BusClosedError, LockedError, Message, StoreError, SubscribeTimeout, TransportError,
 )
-from servicebus.wire.protocol import MAGIC, Kind, encode_batch, Envelope, encode_payload
+from servicebus.wire.payload import encode_payload
+from servicebus.wire.protocol import MAGIC, Kind, encode_batch, Envelope
 from servicebus.testing import free_address, wait_until
 
 

@@ -20,6 +20,8 @@ import zmq
 from servicebus import SubscribeRefused
 from servicebus.ops import admin as A
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
+from servicebus.wire.payload import decode_payload, encode_payload
 from servicebus.testing import free_address, wait_until
 
 TOPIC = "user.signup"
@@ -59,7 +61,7 @@ def test_a_subscribe_naming_an_address_off_its_sender_host_is_not_stored_nor_con
     assert forged not in peer_addresses(bus)
     # ... and the forger is told why, on its own connection
     assert sock.poll(5000)
-    assert isinstance(P.decode(sock.recv_multipart(), max_payload=1 << 20), P.Nack)
+    assert isinstance(decode(sock.recv_multipart(), max_payload=1 << 20), P.Nack)
 
 
 def bus_refused(bus) -> int:
@@ -71,11 +73,11 @@ def test_a_request_whose_reply_address_is_forged_is_refused_and_its_handler_neve
     ran = []
     server.handle("work", lambda p, m: ran.append(p) or "done")
     sock = raw(server.address)
-    env = P.Envelope("m1", "work", 1, P.encode_payload({"n": 1}), 1, None, "c1", {})
+    env = P.Envelope("m1", "work", 1, encode_payload({"n": 1}), 1, None, "c1", {})
     sock.send_multipart(P.encode_batch(P.Kind.COMMAND, "forger", "tcp://10.0.0.1:3", [env]))
     wait_until(lambda: server.counters().get("refused_not_source_host") == 1, 10)
     assert sock.poll(5000)
-    assert isinstance(P.decode(sock.recv_multipart(), max_payload=1 << 20), P.Nack)
+    assert isinstance(decode(sock.recv_multipart(), max_payload=1 << 20), P.Nack)
     assert server.drain(10) and ran == [] and "tcp://10.0.0.1:3" not in peer_addresses(server)
 
 
@@ -168,7 +170,7 @@ def test_a_forged_subscribe_naming_the_bus_s_own_address_is_refused_and_nothing_
     forger = raw(connect)
     forger.send_multipart(P.encode_subscribe("x1", TOPIC, alias, "forger"))
     assert forger.poll(35_000), "no answer to the forged subscribe"
-    answer = P.decode(forger.recv_multipart(), max_payload=1 << 20)
+    answer = decode(forger.recv_multipart(), max_payload=1 << 20)
     assert isinstance(answer, P.Nack) and "own_address" in answer.reason, answer
     assert bus.counters().get("refused_own_address") == 1
     assert bus.status().refused_by_reason == {"own_address": 1}
@@ -344,7 +346,7 @@ def test_buses_with_keys_deliver_and_a_null_intruder_gets_nothing_in_or_out_and_
     sub.subscribe(pub.address, TOPIC, wait=10)
     intruder = raw(pub.address)  # NULL mechanism
     intruder.send_multipart(P.encode_subscribe("x1", TOPIC, "tcp://127.0.0.1:9", "intruder"))
-    env = P.Envelope("m1", "work", 1, P.encode_payload(1), 1, None, "c1", {})
+    env = P.Envelope("m1", "work", 1, encode_payload(1), 1, None, "c1", {})
     intruder.send_multipart(P.encode_batch(P.Kind.COMMAND, "intruder", "tcp://127.0.0.1:9", [env]))
     pub.publish(TOPIC, {"n": 1})
     wait_until(lambda: got == [{"n": 1}], 10)
@@ -460,7 +462,7 @@ def test_frames_are_compressed_only_to_a_peer_whose_pongs_say_it_decodes_the_cod
         def serve() -> bool:
             while fake.poll(10):
                 ident, *frames = fake.recv_multipart()
-                frame = P.decode(frames, max_payload=1 << 20)
+                frame = decode(frames, max_payload=1 << 20)
                 if isinstance(frame, P.Ping):
                     fake.send_multipart([ident, *P.encode_pong("fake", "b1", 1 << 20, peer_codecs)])
                 elif isinstance(frame, P.Batch):
@@ -472,7 +474,7 @@ def test_frames_are_compressed_only_to_a_peer_whose_pongs_say_it_decodes_the_cod
         wait_until(lambda: serve() and len(batches) >= 1, 10)
         frames, frame = batches[0]
         assert ("z" in msgpack.unpackb(frames[2])) is compressed
-        assert [P.decode_payload(e.body)["n"] for e in frame.messages] == list(range(20))
+        assert [decode_payload(e.body)["n"] for e in frame.messages] == list(range(20))
     finally:
         fake.close(linger=0)
 
@@ -605,7 +607,7 @@ def _mutated_frames(count: int, seed: int, addr: str) -> list[list[bytes]]:
     import random
 
     rng = random.Random(seed)
-    env = P.Envelope("a" * 24, "user.signup", 1_700_000_000_000, P.encode_payload({"n": 1}),
+    env = P.Envelope("a" * 24, "user.signup", 1_700_000_000_000, encode_payload({"n": 1}),
                      2, 5, "c", {"sb-key": "k", "traceparent": "x"})
     goods = [P.encode_batch(kind, "n", addr, [env]) for kind in (P.Kind.EVENT, P.Kind.COMMAND, P.Kind.REPLY)]
     goods += [P.encode_ack(["a" * 24]), P.encode_nack(["a" * 24], "x"), P.encode_ping("n", "b"),
@@ -637,7 +639,7 @@ def _mutated_frames(count: int, seed: int, addr: str) -> list[list[bytes]]:
         header = mutate(msgpack.unpackb(good[2], raw=False, strict_map_key=False))
         candidate = [good[0], good[1], msgpack.packb(header, use_bin_type=True), good[3]]
         try:
-            P.decode(candidate, max_payload=1 << 20)
+            decode(candidate, max_payload=1 << 20)
         except Exception:  # noqa: BLE001 - only what decodes is of interest here
             continue
         frames.append(candidate)

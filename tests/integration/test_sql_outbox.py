@@ -24,7 +24,7 @@ import pytest
 sa = pytest.importorskip("sqlalchemy", reason="the sql extra (SQLAlchemy) is not installed")
 
 from servicebus.errors import StoreWriteError  # noqa: E402
-from servicebus.wire.protocol import encode_payload  # noqa: E402
+from servicebus.wire.payload import encode_payload  # noqa: E402
 from servicebus.sql import OutboxTableError, SqlOutbox  # noqa: E402
 from servicebus.testing import free_address, wait_until  # noqa: E402
 

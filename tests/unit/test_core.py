@@ -9,6 +9,8 @@ import msgpack
 import pytest
 
 from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
+from servicebus.wire.payload import encode_payload
 from servicebus.wire.policy import AddressPolicy, OwnAddress
 from servicebus.testing import FakeStore, Network
 
@@ -332,7 +334,7 @@ def test_a_request_whose_reply_address_is_forged_is_refused_not_stored():
     server = net.node("tcp://127.0.0.1:2000")
     frames = P.encode_batch(P.Kind.COMMAND, "forger", "tcp://10.0.0.1:3",
                             [P.Envelope("m1", "work", 1, b"\x01", 1, None, "c1", {})])
-    server.core.on_router(b"x", P.decode(frames, max_payload=1 << 20), 0.0, "127.0.0.1")
+    server.core.on_router(b"x", decode(frames, max_payload=1 << 20), 0.0, "127.0.0.1")
     net.run(seconds=0.1)
     assert not server.store.incoming and not server.core.s.peers
     assert server.core.s.counters["refused_not_source_host"] == 1
@@ -354,7 +356,7 @@ def test_a_handlers_outbox_command_is_moved_into_its_stream_once_even_if_queued_
 
     sender, receiver = net.node("sender"), net.node("receiver")
     key = "01handled\x00h:000000"
-    send = OutboxSend(receiver.address, "charge", P.encode_payload({"n": 1}), None, None, None)
+    send = OutboxSend(receiver.address, "charge", encode_payload({"n": 1}), None, None, None)
     sender.store.sends[key] = send  # stored by the write that finished the handler's run
     sender.stop()
     sender.start()  # a restart queues what the outbox holds ...
@@ -381,8 +383,8 @@ def test_an_undecodable_message_is_kept_as_a_dead_letter_and_the_rest_of_its_fra
     sub = net.node("tcp://127.0.0.1:2001")
     raw = b"\x81\x92\x01\x02\x03"  # {[1, 2]: 3}: a key no receiver can hash
     envs = [P.Envelope(f"m{i}", TOPIC, 1, body, 1, None, None, {})
-            for i, body in enumerate([P.encode_payload(0), raw, P.encode_payload(2)])]
-    frame = P.decode(P.encode_batch(P.Kind.EVENT, "old", "tcp://127.0.0.1:2002", envs), max_payload=1 << 20)
+            for i, body in enumerate([encode_payload(0), raw, encode_payload(2)])]
+    frame = decode(P.encode_batch(P.Kind.EVENT, "old", "tcp://127.0.0.1:2002", envs), max_payload=1 << 20)
     for _ in range(2):  # and once more, as a resend: nothing twice
         sub.core.on_router(b"x", frame, 0.0)
         net.run(seconds=0.1)
@@ -398,8 +400,8 @@ def raw_batch(reply_to, metas, now=None):
     head = {"sender": "old", "reply_to": reply_to, "msgs": metas}
     if now is not None:
         head["now"] = now
-    bodies = msgpack.packb([P.encode_payload(n) for n in range(len(metas))])
-    return P.decode([P.MAGIC, bytes([P.Kind.EVENT]), msgpack.packb(head), bodies], max_payload=1 << 20)
+    bodies = msgpack.packb([encode_payload(n) for n in range(len(metas))])
+    return decode([P.MAGIC, bytes([P.Kind.EVENT]), msgpack.packb(head), bodies], max_payload=1 << 20)
 
 
 def test_a_message_with_a_bad_field_is_a_dead_letter_acked_and_the_rest_of_its_frame_is_handled():
@@ -417,7 +419,7 @@ def test_a_message_with_a_bad_field_is_a_dead_letter_acked_and_the_rest_of_its_f
     assert (letter["origin"], letter["reason"], letter["topic"], letter["kind"]) == (
         "incoming", "invalid", "bad topic", "event")
     assert letter["error"].startswith("topic 'bad topic' contains a whitespace")
-    assert msgpack.unpackb(letter["header"]) == metas[1] and letter["body"] == P.encode_payload(1)
+    assert msgpack.unpackb(letter["header"]) == metas[1] and letter["body"] == encode_payload(1)
     assert (letter["sender"], letter["reply_to"]) == ("old", old.address)
     assert "not_replayable" in letter  # its fields cannot make a message to handle
     acked = [mid for ack in net.sent(sub.address, old.address, P.Ack) for mid in ack.ids]
@@ -431,11 +433,11 @@ def test_a_message_with_a_bad_field_in_a_command_frame_from_a_refused_address_is
     server = net.node("tcp://127.0.0.1:2000")
     metas = [["m1", "work", 1, 1, None, "c1", {}], ["m2", "work", 1, 0, None, "c2", {}]]
     head = {"sender": "forger", "reply_to": "tcp://10.0.0.1:3", "msgs": metas}
-    frame = P.decode([P.MAGIC, bytes([P.Kind.COMMAND]), msgpack.packb(head),
+    frame = decode([P.MAGIC, bytes([P.Kind.COMMAND]), msgpack.packb(head),
                       msgpack.packb([b"\x01", b"\x02"])], max_payload=1 << 20)
     server.core.on_router(b"x", frame, 0.0, "127.0.0.1")
     [(_, nack)] = server.core.take_router_frames()
-    assert P.decode(nack, max_payload=1 << 20).ids == ("m1", "m2")  # both refused, neither kept
+    assert decode(nack, max_payload=1 << 20).ids == ("m1", "m2")  # both refused, neither kept
     net.run(seconds=0.1)
     assert not server.store.incoming and not server.store.letters
 

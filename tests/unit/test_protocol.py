@@ -3,9 +3,13 @@ import re
 import msgpack
 import pytest
 
-from servicebus.wire import protocol as P
 from servicebus.errors import ProtocolError
+from servicebus.model.packer import pack
+from servicebus.wire import protocol as P
+from servicebus.wire.decoding import decode
+from servicebus.wire.payload import decode_payload, encode_payload
 from servicebus.wire.protocol import Kind
+from servicebus.wire.validation import validate_address
 
 LIMIT = 1 << 20
 ADDR = "tcp://127.0.0.1:5555"
@@ -13,12 +17,12 @@ ADDR = "tcp://127.0.0.1:5555"
 
 def roundtrip(frames):
     assert all(isinstance(f, bytes) for f in frames)
-    return P.decode(frames, max_payload=LIMIT)
+    return decode(frames, max_payload=LIMIT)
 
 
 def env(i=1, **kw):
     base = dict(id=f"{i:024x}", topic="user.signup", sent=1_700_000_000_000 + i,
-                body=P.encode_payload({"n": i}))
+                body=encode_payload({"n": i}))
     base.update(kw)
     return P.Envelope(**base)
 
@@ -28,7 +32,7 @@ def test_every_message_kind_round_trips_with_all_fields(kind):
     msgs = [env(1), env(2, attempt=3, expires=123, correlation_id="c1", headers={"trace": "t"})]
     frame = roundtrip(P.encode_batch(kind, "node1", ADDR, msgs))
     assert frame == P.Batch(kind, "node1", ADDR, tuple(msgs))
-    assert P.decode_payload(frame.messages[1].body) == {"n": 2}
+    assert decode_payload(frame.messages[1].body) == {"n": 2}
 
 
 def test_control_kinds_round_trip():
@@ -42,19 +46,19 @@ def test_control_kinds_round_trip():
 
 def test_payloads_of_every_msgpack_type_survive_encoding():
     payload = {"d": {"x": [1, 2.5, True, None]}, "s": "é", "b": b"\x00\xff", "i": -(2**63)}
-    assert P.decode_payload(P.encode_payload(payload)) == payload
+    assert decode_payload(encode_payload(payload)) == payload
 
 
 def test_unencodable_payload_raises_type_error_naming_the_type():
     with pytest.raises(TypeError, match="set"):
-        P.encode_payload({"x": {1, 2}})
+        encode_payload({"x": {1, 2}})
     with pytest.raises(TypeError, match="object"):
-        P.encode_payload(object())
+        encode_payload(object())
 
 
 def reason(frames):
     with pytest.raises(ProtocolError) as info:
-        P.decode(frames, max_payload=LIMIT)
+        decode(frames, max_payload=LIMIT)
     return info.value.reason
 
 
@@ -68,7 +72,7 @@ def test_malformed_frames_raise_protocol_errors_with_a_reason():
     assert reason([good[0], good[1], msgpack.packb([1]), good[3]]) == "bad_header"
     assert reason([good[0], good[1], msgpack.packb({"sender": "n"}), good[3]]) == "missing_field"
     assert reason([good[0], good[1], good[2], msgpack.packb([b"1", b"2"])]) == "bad_body"
-    junk = P.decode([good[0], good[1], good[2], msgpack.packb([b"\xc1"])], max_payload=LIMIT)
+    junk = decode([good[0], good[1], good[2], msgpack.packb([b"\xc1"])], max_payload=LIMIT)
     assert junk.messages == () and len(junk.undecodable) == 1  # that message alone, not the frame
     ack = P.encode_ack(["a"])
     assert reason([ack[0], ack[1], ack[2], b"extra"]) == "bad_body"
@@ -77,7 +81,7 @@ def test_malformed_frames_raise_protocol_errors_with_a_reason():
 def test_fields_of_the_frame_are_validated():
     def batch_with(meta, reply_to=ADDR):
         header = msgpack.packb({"sender": "n", "reply_to": reply_to, "msgs": [meta]})
-        return [P.MAGIC, bytes([Kind.EVENT]), header, msgpack.packb([P.encode_payload(1)])]
+        return [P.MAGIC, bytes([Kind.EVENT]), header, msgpack.packb([encode_payload(1)])]
 
     ok = ["id1", "t", 1, 1, None, None, {}]
     assert isinstance(roundtrip(batch_with(ok)), P.Batch)
@@ -87,28 +91,28 @@ def test_fields_of_the_frame_are_validated():
 
 
 def test_oversize_payloads_are_refused_by_id_and_the_rest_of_the_frame_is_accepted():
-    big = env(body=P.encode_payload(b"x" * 2000))
-    small = env(body=P.encode_payload(b"y"))._replace(id="small-1")
-    frame = P.decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big, small]), max_payload=1000)
+    big = env(body=encode_payload(b"x" * 2000))
+    small = env(body=encode_payload(b"y"))._replace(id="small-1")
+    frame = decode(P.encode_batch(Kind.EVENT, "n", ADDR, [big, small]), max_payload=1000)
     assert frame.oversize == (big.id,)
     assert [m.id for m in frame.messages] == ["small-1"]
 
 
 def test_a_pong_carries_the_largest_payload_its_bus_accepts():
-    assert P.decode(P.encode_pong("n", "b", 4096), max_payload=1) == P.Pong("n", "b", 4096)
-    assert P.decode(P.encode_pong("n", "b"), max_payload=1) == P.Pong("n", "b", None)
+    assert decode(P.encode_pong("n", "b", 4096), max_payload=1) == P.Pong("n", "b", 4096)
+    assert decode(P.encode_pong("n", "b"), max_payload=1) == P.Pong("n", "b", None)
 
 
 def test_an_ipc_path_longer_than_a_socket_path_can_be_is_refused():
-    P.validate_address("ipc:///" + "x" * 106)
+    validate_address("ipc:///" + "x" * 106)
     with pytest.raises(ValueError, match="at most 107 bytes"):
-        P.validate_address("ipc:///" + "x" * 107)
+        validate_address("ipc:///" + "x" * 107)
 
 
 @pytest.mark.parametrize("address", [
     "tcp://127.0.0.1:1", "tcp://localhost:65535", "tcp://[::1]:80", "ipc:///tmp/x.sock"])
 def test_valid_addresses(address):
-    assert P.validate_address(address) == address
+    assert validate_address(address) == address
 
 
 @pytest.mark.parametrize("address", [
@@ -116,7 +120,7 @@ def test_valid_addresses(address):
     "tcp://0.0.0.0:5555", "udp://x:1", "inproc://x", "", 5, "tcp://a b:1"])
 def test_invalid_addresses(address):
     with pytest.raises(ValueError):
-        P.validate_address(address)
+        validate_address(address)
 
 
 def test_random_junk_never_escapes_as_anything_but_protocol_error():
@@ -130,7 +134,7 @@ def test_random_junk_never_escapes_as_anything_but_protocol_error():
             for _ in range(rng.randint(1, 4)):
                 frames[part][rng.randrange(len(frames[part]))] = rng.randrange(256)
         try:
-            P.decode([bytes(f) for f in frames], max_payload=LIMIT)
+            decode([bytes(f) for f in frames], max_payload=LIMIT)
         except ProtocolError:
             pass
 
@@ -141,7 +145,7 @@ zstandard = pytest.importorskip("zstandard", reason="the compression extra is no
 
 
 def big_batch(n=20, size=2000):
-    return [P.Envelope(f"id{i}", "t", 1, P.encode_payload("x" * size), 1, None, None, {}) for i in range(n)]
+    return [P.Envelope(f"id{i}", "t", 1, encode_payload("x" * size), 1, None, None, {}) for i in range(n)]
 
 
 def test_a_compressed_batch_decodes_to_the_same_messages_and_is_smaller():
@@ -149,7 +153,7 @@ def test_a_compressed_batch_decodes_to_the_same_messages_and_is_smaller():
     plain = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5)
     packed = P.encode_batch(Kind.EVENT, "s", "tcp://127.0.0.1:1", msgs, 5, compress="zstd")
     assert len(packed[3]) < len(plain[3]) / 10
-    assert P.decode(packed, max_payload=1 << 20) == P.decode(plain, max_payload=1 << 20)
+    assert decode(packed, max_payload=1 << 20) == decode(plain, max_payload=1 << 20)
 
 
 def test_a_small_batch_is_sent_as_it_is_even_with_compression_on():
@@ -168,27 +172,27 @@ def test_a_frame_declaring_more_than_its_messages_may_hold_is_refused_before_dec
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MiB of zeros, ~2 KiB
     assert len(bomb) < 1 << 16
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(bomb), max_payload=1000)
+        decode(compressed_frames(bomb), max_payload=1000)
     assert err.value.reason == "bad_compression"
     streamed = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (8 << 20))
     with pytest.raises(ProtocolError, match="bad_compression|did not|exceed|error"):
-        P.decode(compressed_frames(streamed), max_payload=1000)
+        decode(compressed_frames(streamed), max_payload=1000)
 
 
 @pytest.mark.parametrize("codec, body", [("lz77", b"x"), ("zstd", b"not zstd at all")])
 def test_an_unknown_codec_or_a_damaged_body_is_a_protocol_error(codec, body):
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(body, codec), max_payload=1000)
+        decode(compressed_frames(body, codec), max_payload=1000)
     assert err.value.reason == "bad_compression"
 
 
 def test_a_pong_says_which_codecs_its_bus_decodes():
-    pong = P.decode(P.encode_pong("n", "b", 10, ("zstd",)), max_payload=10)
+    pong = decode(P.encode_pong("n", "b", 10, ("zstd",)), max_payload=10)
     assert pong.codecs == ("zstd",)
-    assert P.decode(P.encode_pong("n", "b", 10), max_payload=10).codecs == ()
+    assert decode(P.encode_pong("n", "b", 10), max_payload=10).codecs == ()
     header = msgpack.packb({"sender": "n", "boot": "b", "z": "zstd"})
     with pytest.raises(ProtocolError):
-        P.decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
+        decode([P.MAGIC, bytes([Kind.PONG]), header, b""], max_payload=10)
 
 
 # --- decompression limits: what one frame may carry, and not a byte more -----------------------
@@ -210,7 +214,7 @@ def body_of_exactly(size: int) -> bytes:
     """A well-formed batch body of two payloads (each a valid msgpack bin32: ``size`` of at
     least 256 KiB) ``size`` bytes long."""
     first = (size - 11) // 2  # array (1 byte), two bin32 payloads (5 + 5 bytes of headers)
-    payloads = [P.encode_payload(b"y" * (n - 5)) for n in (first, size - 11 - first)]
+    payloads = [encode_payload(b"y" * (n - 5)) for n in (first, size - 11 - first)]
     body = msgpack.packb(payloads, use_bin_type=True)
     assert len(body) == size
     return body
@@ -220,11 +224,11 @@ def body_of_exactly(size: int) -> bytes:
 def test_a_compressed_frame_is_read_up_to_what_one_frame_may_carry_and_refused_one_byte_past_it(declared):
     cap = P.frame_body_limit(2, LIMIT)
     assert cap < LIMIT + (1 << 16)  # one frame's worth, not one max_payload per message
-    at_cap = P.decode(compressed_frames(zstd_frame(body_of_exactly(cap), declared=declared), n=2),
+    at_cap = decode(compressed_frames(zstd_frame(body_of_exactly(cap), declared=declared), n=2),
                       max_payload=LIMIT)
     assert len(at_cap.messages) == 2
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(zstd_frame(body_of_exactly(cap + 1), declared=declared), n=2),
+        decode(compressed_frames(zstd_frame(body_of_exactly(cap + 1), declared=declared), n=2),
                  max_payload=LIMIT)
     assert err.value.reason == "bad_compression"
 
@@ -233,7 +237,7 @@ def test_a_compressed_frame_is_read_up_to_what_one_frame_may_carry_and_refused_o
 def test_declaring_thousands_of_messages_does_not_raise_what_a_frame_may_decompress_to(declared):
     body = zstd_frame(bytes(8 << 20), declared=declared)  # 8 MiB: eight frames' worth
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(body, n=P.MAX_BATCH), max_payload=LIMIT)
+        decode(compressed_frames(body, n=P.MAX_BATCH), max_payload=LIMIT)
     assert err.value.reason == "bad_compression"
 
 
@@ -245,7 +249,7 @@ def test_a_bomb_without_a_declared_size_is_refused_while_streaming_never_holding
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError) as err:
-            P.decode(compressed_frames(bomb, n=P.MAX_BATCH), max_payload=LIMIT)
+            decode(compressed_frames(bomb, n=P.MAX_BATCH), max_payload=LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -260,7 +264,7 @@ def test_a_frame_that_asks_the_decoder_for_a_huge_window_is_refused():
     body = comp.compress(body_of_exactly(1 << 18)) + comp.flush()
     assert zstandard.get_frame_parameters(body).window_size == 1 << 27
     with pytest.raises(ProtocolError) as err:
-        P.decode(compressed_frames(body, n=2), max_payload=LIMIT)
+        decode(compressed_frames(body, n=2), max_payload=LIMIT)
     assert err.value.reason == "bad_compression"
 
 
@@ -272,7 +276,7 @@ def test_frames_compressed_by_a_sender_at_any_level_still_decode():
         header = msgpack.unpackb(plain[2], raw=False)
         header["z"] = "zstd"
         frames = [plain[0], plain[1], msgpack.packb(header, use_bin_type=True), body]
-        assert P.decode(frames, max_payload=LIMIT) == P.decode(plain, max_payload=LIMIT)
+        assert decode(frames, max_payload=LIMIT) == decode(plain, max_payload=LIMIT)
 
 
 # --- what publish accepts, every receiver decodes (DESIGN rule 11) ------------------------------
@@ -313,7 +317,7 @@ class Hashable(dict):
 def test_publish_refuses_what_no_receiver_can_decode_saying_where_in_the_payload(payload, where):
     assert not receiver_decodes(payload)
     with pytest.raises(TypeError, match=where):
-        P.encode_payload(payload)
+        encode_payload(payload)
 
 
 def nested(depth: int, leaf=1):
@@ -331,8 +335,8 @@ def nested(depth: int, leaf=1):
     nested(500), "é" * 1000, "\U0001f600",
 ])
 def test_publish_accepts_odd_but_decodable_payloads_and_a_receiver_reads_them_back(payload):
-    body = P.encode_payload(payload)
-    assert P.pack(P.decode_payload(body)) == body  # what was sent, read back the same
+    body = encode_payload(payload)
+    assert pack(decode_payload(body)) == body  # what was sent, read back the same
 
 
 def odd_values(rng, depth=0):
@@ -378,12 +382,12 @@ def test_fuzzed_payloads_are_accepted_exactly_when_a_receiver_decodes_them_and_r
     for _ in range(20_000):
         value = odd_values(rng)
         if receiver_decodes(value):
-            body = P.encode_payload(value)
-            assert P.pack(P.decode_payload(body)) == body
+            body = encode_payload(value)
+            assert pack(decode_payload(body)) == body
             accepted += 1
         else:
             with pytest.raises(TypeError) as err:
-                P.encode_payload(value)
+                encode_payload(value)
             where = str(err.value).split(": ", 1)[0]
             assert where.startswith("payload"), err.value
             # The path names a place that exists in the value (eval'ed: keys print as literals).
@@ -422,8 +426,8 @@ def test_a_ttl_is_refused_at_publish_unless_every_receiver_can_keep_its_end():
 
 
 def test_an_undecodable_payload_is_set_apart_and_the_rest_of_its_frame_decodes():
-    bad = [P.encode_payload(1)[:0] + b"\x81\x92\x01\x02\x03",  # {[1, 2]: 3}: an unhashable key
-           b"\xc1", P.encode_payload("x")[:-1] + b"\xd4", b"\x01\x02"]  # junk, cut short, extra data
+    bad = [encode_payload(1)[:0] + b"\x81\x92\x01\x02\x03",  # {[1, 2]: 3}: an unhashable key
+           b"\xc1", encode_payload("x")[:-1] + b"\xd4", b"\x01\x02"]  # junk, cut short, extra data
     msgs = [env(0)] + [env(i + 1, body=body) for i, body in enumerate(bad)] + [env(9)]
     frame = roundtrip(P.encode_batch(Kind.EVENT, "n", ADDR, msgs))
     assert [m.id for m in frame.messages] == [msgs[0].id, msgs[-1].id]
@@ -439,7 +443,7 @@ def test_a_body_holding_more_payloads_than_its_header_declares_is_refused_before
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError) as err:
-            P.decode([P.MAGIC, bytes([Kind.EVENT]), header, body], max_payload=LIMIT)
+            decode([P.MAGIC, bytes([Kind.EVENT]), header, body], max_payload=LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -465,7 +469,7 @@ def meta(mid, **fields):
 def batch_of(*metas, bodies=None, **header):
     """A batch frame's parts, as a sender that did not check what it sent would make them."""
     head = {"sender": "n", "reply_to": ADDR, "msgs": list(metas), **header}
-    bodies = [P.encode_payload(i) for i in range(len(metas))] if bodies is None else bodies
+    bodies = [encode_payload(i) for i in range(len(metas))] if bodies is None else bodies
     return [P.MAGIC, bytes([Kind.EVENT]), msgpack.packb(head), msgpack.packb(bodies)]
 
 
@@ -502,19 +506,19 @@ def test_a_message_with_a_bad_field_is_set_apart_naming_it_and_the_rest_of_its_f
     assert invalid.error.startswith(field) and re.search(why, invalid.error), invalid.error
     # What it was, kept as it came: its header array and its payload's bytes.
     assert msgpack.unpackb(invalid.header, raw=False) == bad
-    assert invalid.body == P.encode_payload(1)
+    assert invalid.body == encode_payload(1)
     shown = "user.signup" if field != "topic" else value if isinstance(value, str) else None
     assert invalid.topic == shown
 
 
 @pytest.mark.parametrize("bad, body, why", [
-    (meta("id-bad")[:6], P.encode_payload(1), r"6 fields; expected 7"),
-    (meta("id-bad") + ["more"], P.encode_payload(1), r"8 fields; expected 7"),
+    (meta("id-bad")[:6], encode_payload(1), r"6 fields; expected 7"),
+    (meta("id-bad") + ["more"], encode_payload(1), r"8 fields; expected 7"),
     (meta("id-bad"), 7, r"payload must be msgpack bin, not int"),
     (meta("id-bad"), [1, 2], r"payload must be msgpack bin, not list"),
 ])
 def test_a_message_of_the_wrong_shape_whose_id_can_be_read_is_set_apart_too(bad, body, why):
-    frame = roundtrip(batch_of(meta("id-0"), bad, bodies=[P.encode_payload(0), body]))
+    frame = roundtrip(batch_of(meta("id-0"), bad, bodies=[encode_payload(0), body]))
     assert [m.id for m in frame.messages] == ["id-0"]
     [invalid] = frame.invalid
     assert invalid.id == "id-bad" and re.search(why, invalid.error), invalid.error
@@ -547,7 +551,7 @@ def test_a_message_whose_header_a_receiver_cannot_read_is_set_apart_and_the_rest
     [invalid] = frame.invalid
     assert invalid.id == "id-bad" and re.search(why, invalid.error), invalid.error
     assert invalid.header in frames[2]  # its bytes, exactly as they came
-    assert invalid.body == P.encode_payload(1)
+    assert invalid.body == encode_payload(1)
 
 
 @pytest.mark.parametrize("bad", [
@@ -600,7 +604,7 @@ def test_random_junk_in_a_batch_header_sets_apart_what_it_can_and_never_escapes(
         for _ in range(rng.randint(1, 3)):
             header[rng.randrange(len(header))] = rng.randrange(256)
         try:
-            frame = P.decode([good[0], good[1], bytes(header), good[3]], max_payload=LIMIT)
+            frame = decode([good[0], good[1], bytes(header), good[3]], max_payload=LIMIT)
         except ProtocolError:
             continue
         # Every message is accounted for, once: handled, too large, undecodable or invalid.
