@@ -29,7 +29,6 @@ from .handling.dispatch import Dispatcher
 from .handling.handlers import handler_name
 from .handling.timeouts import Watchdog
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
-from .ops.admin import ENDPOINT_FILE, OFF_FILE, live_status
 from .hooks.journal import Journal
 from .wire.keys import load_keys
 from .store.lockfile import DataDirLock
@@ -39,6 +38,8 @@ from .model.stored import ReplyRecord
 from .model.records import BusStatus, DeadLetter, Message
 from .handling.requests import PendingRequests
 from .store import Store
+from .store.datadir import ENDPOINT_FILE, OFF_FILE
+from .store.status import live_status
 from .handling.transaction import KeyValue, Transaction
 from .wire.topics import validate_pattern, validate_topic
 

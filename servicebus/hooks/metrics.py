@@ -34,8 +34,8 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError("servicebus metrics need prometheus_client: pip install 'servicebus[metrics]'") from exc
 
-from ..ops.admin import oldest_pending
 from ..model.clock import wall_ms
+from ..store.cursors import oldest_pending
 
 if TYPE_CHECKING:
     from ..bus import Bus

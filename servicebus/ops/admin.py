@@ -19,30 +19,26 @@ import json
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from ..model.clock import wall_ms
-from ..model.delivery import event_stream, group_peer, is_command_stream, stream_target, unpack_outgoing
+from ..model.delivery import is_command_stream, unpack_outgoing
 from ..errors import AdminDenied, AdminUnavailable
 from ..model.ids import id_millis
+from ..store.cursors import ConsumerView, consumers
+from ..store.datadir import ENDPOINT_FILE, OFF_FILE
 from ..store.lockfile import probe
 from ..wire.protocol import KIND_NAMES
-from ..errors import StoreError
-from ..model.records import BusStatus
 from ..model.stored import NO_RUNS, IncomingRecord, RunState
 from ..store import Store
 
 __all__ = [
-    "ConsumerView", "consumers", "Rows", "VIEWS", "run_view", "jsonable", "payload_of",
-    "ENDPOINT_FILE", "OFF_FILE", "query_live", "AdminUnavailable", "AdminDenied", "live_status",
+    "Rows", "VIEWS", "run_view", "jsonable", "payload_of",
+    "ENDPOINT_FILE", "OFF_FILE", "query_live", "AdminUnavailable", "AdminDenied",
 ]
-
-ENDPOINT_FILE = "admin.endpoint"  # the live bus's admin endpoint
-OFF_FILE = "admin.off"  # instead, when it runs without one: why
 
 
 def jsonable(value: Any) -> Any:
@@ -68,63 +64,6 @@ def payload_of(body: bytes) -> Any:
 
 def _age(ms: int | None, now: int) -> float | None:
     return None if not ms else max(0.0, (now - ms) / 1000)
-
-
-# --- delivery state as stored --------------------------------------------------------------
-
-
-@dataclass
-class ConsumerView:
-    peer: str
-    stream: str
-    floor: str | None
-    acked: set[str] = field(default_factory=set)
-    attempts: dict[str, int] = field(default_factory=dict)
-    last_ack: float | None = None
-
-    @property
-    def topic(self) -> str:
-        return stream_target(self.stream)
-
-    def owes(self, message_id: str) -> bool:
-        return (self.floor is None or message_id > self.floor) and message_id not in self.acked
-
-    def pending_ids(self, store: Store, limit: int | None = None) -> Iterator[str]:
-        after, batch = self.floor, 2000
-        while True:
-            ids = store.stream_ids(self.stream, after=after, limit=batch)
-            for mid in ids:
-                if mid not in self.acked:
-                    yield mid
-            if len(ids) < batch:
-                return
-            after = ids[-1]
-
-
-def consumers(store: Store) -> list[ConsumerView]:
-    """Every (peer, stream) delivery state, including subscriptions not yet written one."""
-    views: dict[tuple[str, str], ConsumerView] = {}
-    for peer, stream, rec in store.deliveries():
-        views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
-                                             dict(rec.get("attempts") or {}), rec.get("last_ack"))
-    for sub, topic, subscription in store.subscriptions():
-        group = subscription.get("group")
-        key = (group_peer(group) if group else sub, event_stream(topic))  # a group: one cursor
-        if key not in views:
-            views[key] = ConsumerView(key[0], key[1], subscription["since"])
-    return sorted(views.values(), key=lambda c: (c.peer, c.stream))
-
-
-def oldest_pending(store: Store) -> dict[str, int]:
-    """Subscriber (or address) -> the time (ms, from its id) of the oldest message it is
-    owed. Reads the stored cursors: at most a turn behind the engine."""
-    out: dict[str, int] = {}
-    for c in consumers(store):
-        first = next(c.pending_ids(store), None)
-        if first is not None:
-            ms = id_millis(first)
-            out[c.peer] = min(out.get(c.peer, ms), ms)
-    return out
 
 
 # --- views ---------------------------------------------------------------------------------
@@ -514,47 +453,3 @@ def live_export(datadir: Path, timeout: float = 30.0) -> Iterator[dict]:
             cursor = page["cursor"]
             if cursor is None:
                 return
-
-
-def live_status(store: Store, snap: dict, *, node_id: str, address: str, datadir: str,
-                running: bool, lock: dict, admin: tuple[str | None, str | None] = (None, None)) -> BusStatus:
-    """``Bus.status()``: the engine's snapshot (``snap``) and counts read from the store.
-    A count the store cannot give right now is -1; ``store_error`` says why."""
-    def count(keyspace: str) -> int:
-        try:
-            return store.count(keyspace)
-        except StoreError:
-            return -1
-
-    pending_by: dict[str, int] = {}
-    for peer, stream, floor, acked in snap["consumers"]:
-        try:
-            n = max(0, store.count_stream(stream, after=floor) - acked)
-        except StoreError:
-            n = -1
-        pending_by[peer] = n if n < 0 else pending_by.get(peer, 0) + n
-    return BusStatus(
-        node_id=node_id,
-        address=address,
-        datadir=datadir,
-        running=running,
-        subscriptions=count("subscriptions"),
-        intents=count("intents"),
-        intents_unconfirmed=snap["intents_unconfirmed"],
-        outgoing=count("outgoing"),
-        pending=-1 if any(n < 0 for n in pending_by.values()) else sum(pending_by.values()),
-        pending_by_subscriber=pending_by,
-        incoming=count("incoming"),
-        deadletters=count("deadletters"),
-        handled=count("handled"),
-        malformed=sum(snap["malformed"].values()),
-        malformed_by_reason=snap["malformed"],
-        refused_by_reason={k.removeprefix("refused_"): v for k, v in snap["counters"].items()
-                           if k.startswith(("refused_", "handshake_failed")) and k != "refused_oversize"},
-        peers=snap["peers"],
-        lock=lock,
-        store_error=snap["store_error"],
-        backlog_full=snap.get("backlog_full", ()),
-        admin_endpoint=admin[0],
-        admin_off_reason=admin[1],
-    )
