@@ -24,6 +24,8 @@ from typer.exceptions import TyperException
 from rich.table import Table
 
 from . import admin as A
+from . import export as X
+from . import views as V
 from . import maintenance as M
 from . import repair as R
 from ..hooks.journal import flush_datadir
@@ -153,7 +155,7 @@ def _open_store(path: Path) -> Iterator[Store]:
         store.close()
 
 
-def _view(path: Path, name: str, args: dict) -> A.Rows:
+def _view(path: Path, name: str, args: dict) -> V.Rows:
     """Rows of a read-only view: from the live bus if one holds the data directory."""
     path = _datadir(path)
     _owner, alive = probe(path)
@@ -165,7 +167,7 @@ def _view(path: Path, name: str, args: dict) -> A.Rows:
         except A.AdminUnavailable as exc:
             raise CliError(str(exc), EXIT_LOCKED) from None
     with _offline_store(path, writing=False) as store:
-        return A.run_view(store, path, name, args)
+        return V.run_view(store, path, name, args)
 
 
 # --- read-only commands ----------------------------------------------------------------------
@@ -279,7 +281,7 @@ def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar
     if alive:  # the bus sends the records; this process, as its user, writes the file
         try:
             with _progress("exporting", None) as step:
-                n = A.write_rows(A.live_export(datadir.resolve()), out_file, step)
+                n = X.write_rows(A.live_export(datadir.resolve()), out_file, step)
         except A.AdminDenied as exc:
             raise _denied(Path(exc.path), str(exc)) from None
         except A.AdminUnavailable as exc:
@@ -288,7 +290,7 @@ def export(datadir: Path = DATADIR, out_file: Path = typer.Argument(..., metavar
         return
     with _offline_store(datadir, writing=False) as store:
         with _progress("exporting", None) as step:
-            n = A.export(store, out_file, step)
+            n = X.export(store, out_file, step)
     err.print(f"exported {n} records to {out_file}")
 
 
