@@ -19,7 +19,7 @@ from .engine import loop as E
 from .lifecycle import Lifecycle
 from .handling.handlers import handler_name
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
-from .ops.admin import live_status
+from .store.status import live_status
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
 from .wire.protocol import Kind
 from .wire.validation import validate_address, validate_group

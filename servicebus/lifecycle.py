@@ -35,7 +35,7 @@ from .hooks.watch import Watches
 from .model.config import BusConfig
 from .model.records import BusStatus
 from .model.stored import ReplyRecord
-from .ops.admin import ENDPOINT_FILE, OFF_FILE
+from .store.datadir import ENDPOINT_FILE, OFF_FILE
 from .store import Store
 from .store.lockfile import DataDirLock
 from .wire.validation import validate_bind

@@ -17,6 +17,8 @@ from typing import Any
 import zmq
 
 from ..ops import admin as A
+from ..ops.export import export_rows
+from ..ops.views import run_view
 from ..errors import BusClosedError
 from ..store import Store
 
@@ -67,7 +69,7 @@ class AdminServer:
             if view == A.EXPORT_VIEW:
                 rows = self._export_page(args.get("cursor"))
             else:
-                rows = A.run_view(self.store, self.datadir, view, args, {"pid": os.getpid()})
+                rows = run_view(self.store, self.datadir, view, args, {"pid": os.getpid()})
             data = A.encode_reply(rows)
         except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
             data = A.encode_reply(error=f"{type(exc).__name__}: {exc}")
@@ -86,7 +88,7 @@ class AdminServer:
         if cursor is None:
             if len(self._exports) >= EXPORTS:
                 raise ValueError(f"{EXPORTS} exports are open already; try again in a minute")
-            cursor, rows = os.urandom(8).hex(), A.export_rows(self.store)
+            cursor, rows = os.urandom(8).hex(), export_rows(self.store)
         else:
             entry = self._exports.pop(str(cursor), None)
             if entry is None:

@@ -34,9 +34,9 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError("servicebus metrics need prometheus_client: pip install 'servicebus[metrics]'") from exc
 
-from ..ops.admin import oldest_pending
 from ..model.clock import wall_ms
 from ..model.records import Message
+from ..store.cursors import oldest_pending
 from .base import BusView, Hook, Hooks
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 from ..model.clock import wall_ms
-from .admin import consumers
+from ..store.cursors import consumers
 from ..model.delivery import is_command_stream, pack_outgoing, stream_target, unpack_outgoing
 from ..model.ids import IdGenerator
 from ..hooks.journal import Journal

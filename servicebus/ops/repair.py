@@ -30,7 +30,8 @@ from ..model.delivery import command_stream, event_stream, group_peer, is_comman
 from ..errors import CorruptRecordError
 from ..hooks.journal import FLUSH_CHUNK, ROLES
 from ..model.letters import outgoing_letter
-from ..store import FORMAT_VERSION, KEYSPACES, MARK_NAME, SEP, Store
+from ..store import FORMAT_VERSION, MARK_NAME, Store
+from ..store.keys import seq_name, split_pair, split_seq, split_stamped, stamped_name
 from ..model.clock import wall_ms
 
 __all__ = ["Problem", "check", "repair_files", "journal_owed", "lost_in_repair", "lost_writes", "Owed"]
@@ -109,15 +110,9 @@ class _Seen:
     journal_seq: int = 0
 
 
-def _pair(key: bytes) -> tuple[str, str]:
-    a, _, b = key[2:].partition(SEP)
-    return a.decode(), b.decode()
-
-
 def check(store: Store, repair: bool, progress: Progress = None,
           datadir: Path | None = None) -> list[Problem]:
     """Every record decodes and the keyspaces agree; with ``repair``, make them so."""
-    names = {prefix: name for name, prefix in KEYSPACES.items()}
     problems: list[Problem] = []
     fix = _Fixes(store, repair)
     seen = _Seen()
@@ -125,33 +120,34 @@ def check(store: Store, repair: bool, progress: Progress = None,
     def report(keyspace: str, key: str, problem: str, action: str) -> None:
         problems.append(Problem(keyspace, key, problem, action if repair else ""))
 
-    for n, (key, value) in enumerate(store.scan_raw(verify=True), 1):
+    # Records by keyspace and name (the key without its keyspace's prefix): the key layout
+    # is the store's to know.
+    for n, (keyspace, name, value) in enumerate(store.records(verify=True), 1):
         if progress and n % 1000 == 0:
             progress(n)
-        name = names.get(key[:2])
-        if name is None:
-            report("?", key.decode("utf-8", "backslashreplace"), "key of no known keyspace", "dropped")
-            fix(lambda b, k=key: b.delete_raw(k))
+        if keyspace is None:  # ``name`` is the whole key
+            report("?", name.decode("utf-8", "backslashreplace"), "key of no known keyspace", "dropped")
+            fix(lambda b, k=name: b.delete_record(None, k))
             continue
         try:
-            record = schema.decode(name, key, value)
+            record = schema.decode_record(keyspace, name, value)
         except CorruptRecordError as exc:
             detail = str(exc).split(": ", 1)[-1].split(";", 1)[0]
-            if name == "subscriptions":
-                seen.bad_subscriptions.append(_pair(key))
-            elif name == "deliveries":
-                seen.bad_deliveries.append(_pair(key))
-            elif name == "meta":
-                seen.bad_meta.add(key[2:].decode("utf-8", "replace"))
-                if key[2:].decode("utf-8", "replace") not in schema.META:
-                    report(name, exc.key, detail, "dropped")
-                    fix(lambda b, k=key: b.delete_raw(k))
+            if keyspace == "subscriptions":
+                seen.bad_subscriptions.append(split_pair(name))
+            elif keyspace == "deliveries":
+                seen.bad_deliveries.append(split_pair(name))
+            elif keyspace == "meta":
+                seen.bad_meta.add(name.decode("utf-8", "replace"))
+                if name.decode("utf-8", "replace") not in schema.META:
+                    report(keyspace, exc.key, detail, "dropped")
+                    fix(lambda b, k=keyspace, m=name: b.delete_record(k, m))
                 continue
             else:
-                fix(lambda b, k=key: b.delete_raw(k))
-            report(name, exc.key, detail, ON_UNDECODABLE[name])
+                fix(lambda b, k=keyspace, m=name: b.delete_record(k, m))
+            report(keyspace, exc.key, detail, ON_UNDECODABLE[keyspace])
             continue
-        _collect(seen, name, key, record)
+        _collect(seen, keyspace, name, record)
     _cross_check(store, seen, report, fix, datadir)
     fix.close()
     behind = store.mark_behind()
@@ -177,35 +173,36 @@ def lost_writes(store: Store, datadir: Path, progress: Progress = None) -> list[
     return rows
 
 
-def _collect(seen: _Seen, name: str, key: bytes, record: object) -> None:
-    if name == "subscriptions":
-        seen.subscriptions[_pair(key)] = record  # type: ignore[assignment]
-    elif name == "deliveries":
-        seen.deliveries[_pair(key)] = record  # type: ignore[assignment]
-    elif name == "incoming":
-        seen.incoming.add(key[2:].decode())
-    elif name == "runstate":
-        seen.runstates.add(key[2:].decode())
-    elif name == "handled":
-        seen.handled[key[2:].decode()] = record  # type: ignore[assignment]
-    elif name == "handled_index":
-        seen.index.append((int.from_bytes(key[2:10], "big"), key[10:].decode()))
-    elif name == "publish_keys":
-        seen.publish_keys[key[2:].decode()] = (record[0], record[1])  # type: ignore[index]
-    elif name == "publish_keys_index":
-        seen.publish_index.append((int.from_bytes(key[2:10], "big"), key[10:].decode()))
-    elif name == "outgoing":
-        seen.streams.add(key[2:].partition(SEP)[0].decode())
-    elif name == "journal":
-        seen.journal_seq = max(seen.journal_seq, int.from_bytes(key[2:], "big"))
-    elif name == "meta":
-        seen.meta.add(key[2:].decode())
+def _collect(seen: _Seen, keyspace: str, name: bytes, record: object) -> None:
+    """Note a record that decoded (``name``: its key without the keyspace's prefix)."""
+    if keyspace == "subscriptions":
+        seen.subscriptions[split_pair(name)] = record  # type: ignore[assignment]
+    elif keyspace == "deliveries":
+        seen.deliveries[split_pair(name)] = record  # type: ignore[assignment]
+    elif keyspace == "incoming":
+        seen.incoming.add(name.decode())
+    elif keyspace == "runstate":
+        seen.runstates.add(name.decode())
+    elif keyspace == "handled":
+        seen.handled[name.decode()] = record  # type: ignore[assignment]
+    elif keyspace == "handled_index":
+        seen.index.append(split_stamped(name))
+    elif keyspace == "publish_keys":
+        seen.publish_keys[name.decode()] = (record[0], record[1])  # type: ignore[index]
+    elif keyspace == "publish_keys_index":
+        seen.publish_index.append(split_stamped(name))
+    elif keyspace == "outgoing":
+        seen.streams.add(split_pair(name)[0])  # (stream, id)
+    elif keyspace == "journal":
+        seen.journal_seq = max(seen.journal_seq, split_seq(name))
+    elif keyspace == "meta":
+        seen.meta.add(name.decode())
 
 
 def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datadir: Path | None) -> None:
     for mid in sorted(seen.runstates - seen.incoming):
         report("runstate", mid, "run state of a message that is not stored", "dropped")
-        fix(lambda b, m=mid: b.delete_raw(KEYSPACES["runstate"] + m.encode()))
+        fix(lambda b, m=mid: b.delete_record("runstate", m))
 
     # Subscriptions and their delivery states determine each other.
     for sub, topic in seen.bad_subscriptions:
@@ -244,7 +241,7 @@ def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datad
     for at, mid in seen.index:
         if seen.handled.get(mid) != at:
             report("handled_index", f"{at} {mid}", "index entry of no handled id", "dropped")
-            fix(lambda b, a=at, m=mid: b.delete_raw(KEYSPACES["handled_index"] + a.to_bytes(8, "big") + m.encode()))
+            fix(lambda b, a=at, m=mid: b.delete_record("handled_index", stamped_name(a, m)))
     for mid, at in sorted(seen.handled.items()):
         if indexed.get(mid) != at:
             report("handled", mid, "handled id missing from the pruning index", "index restored")
@@ -255,7 +252,7 @@ def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datad
     for at, key in seen.publish_index:
         if (seen.publish_keys.get(key) or ("", -1))[1] != at:
             report("publish_keys_index", f"{at} {key}", "index entry of no publish key", "dropped")
-            fix(lambda b, a=at, k=key: b.delete_raw(KEYSPACES["publish_keys_index"] + a.to_bytes(8, "big") + k.encode()))
+            fix(lambda b, a=at, k=key: b.delete_record("publish_keys_index", stamped_name(a, k)))
     for key, (mid, at) in sorted(seen.publish_keys.items()):
         if by_key.get(key) != at:
             report("publish_keys", key, "publish key missing from the pruning index", "index restored")
@@ -297,7 +294,7 @@ def _check_meta(seen: _Seen, report: Callable, fix: _Fixes, datadir: Path | None
         fix(lambda b, n=name, v=value: b.put_meta(n, v))
     for name in sorted(seen.bad_meta & {"address", "sync", "journal_pending"}):
         report("meta", name, "does not decode", "dropped (written again by the bus)")
-        fix(lambda b, n=name: b.delete_raw(KEYSPACES["meta"] + n.encode()))
+        fix(lambda b, n=name: b.delete_record("meta", n))
 
 
 def _last_segment_seq(datadir: Path | None) -> int:
@@ -362,7 +359,8 @@ def _add_stored_journal(owed: Owed, store: Store) -> None:
     """Events the store still held (not yet moved to segments when the damage happened)."""
     for _seq, packed in store.journal_records(1 << 62, 1 << 62):
         try:
-            events = schema.decode("journal", b"j/" + bytes(8), packed)
+            # The name only goes into the error, which is dropped here.
+            events = schema.decode_record("journal", seq_name(0), packed)
         except CorruptRecordError:
             continue
         for name, _ts, mid, topic, kind, peer, _attempt, _error in events:

@@ -7,7 +7,7 @@ from typing import Any
 from ..model.clock import BusClock
 from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
                       SubscriptionRecord)
-from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair
+from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair, record_key
 
 __all__ = ["Batch"]
 
@@ -160,3 +160,8 @@ class Batch:
     def delete_raw(self, key: bytes) -> None:
         """Delete any key (repair of records that no longer decode)."""
         self._delete(key)
+
+    def delete_record(self, keyspace: str | None, name: bytes | str) -> None:
+        """Delete one record by keyspace and name, as ``Reads.records`` yields them (a str
+        name is its UTF-8 bytes). For repair: it drops records whatever they hold."""
+        self._delete(record_key(keyspace, name.encode() if isinstance(name, str) else name))

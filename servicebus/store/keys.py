@@ -11,7 +11,8 @@ import msgpack
 
 from ..model.packer import pack
 
-__all__ = ["FORMAT_VERSION", "SEP", "KEYSPACES"]
+__all__ = ["FORMAT_VERSION", "SEP", "KEYSPACES", "keyspace_of", "split_pair", "split_stamped", "stamped_name",
+           "split_seq", "seq_name", "record_key"]
 
 # 2: handled ids carry bus-clock time and are indexed by it (t/); journal segments (g/).
 FORMAT_VERSION = 2
@@ -40,6 +41,8 @@ _M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G, _P, _Q, _V, _U = (KEYSPACES[
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
     "handled", "deadletters", "replies", "journal", "handled_index", "segments",
     "publish_keys", "publish_keys_index", "kv", "outbox"))
+_KEYSPACE_OF = {prefix: name for name, prefix in KEYSPACES.items()}
+_PREFIX_LEN = 2  # every prefix: one letter and "/"
 
 
 _pack = pack
@@ -60,3 +63,46 @@ def _split(key: bytes, prefix_len: int) -> tuple[str, str]:
 
 def _end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+# --- records by keyspace and name --------------------------------------------------------------
+# For the tools that must see records undecoded (``servicebus check --repair``): a record's
+# *name* is its key without the keyspace prefix, so that they never handle a prefix.
+
+
+def keyspace_of(key: bytes) -> tuple[str | None, bytes]:
+    """(keyspace, name) of a raw key; a key of no known keyspace is (None, the whole key)."""
+    keyspace = _KEYSPACE_OF.get(key[:_PREFIX_LEN])
+    return (None, key) if keyspace is None else (keyspace, key[_PREFIX_LEN:])
+
+
+def record_key(keyspace: str | None, name: bytes) -> bytes:
+    """The raw key of what ``keyspace_of`` split."""
+    return name if keyspace is None else KEYSPACES[keyspace] + name
+
+
+def split_pair(name: bytes) -> tuple[str, str]:
+    """The two parts of a name in a keyspace keyed by pairs (subscriber and topic, peer and
+    stream, stream and id, ...)."""
+    return _split(name, 0)
+
+
+def split_stamped(name: bytes) -> tuple[int, str]:
+    """(time, id or key) of a name in an index keyspace (handled_index, publish_keys_index):
+    8 bytes of bus-clock ms, big-endian so that the index is in time order, then the text."""
+    return int.from_bytes(name[:8], "big"), name[8:].decode()
+
+
+def stamped_name(at: int, text: str) -> bytes:
+    """The name ``split_stamped`` splits."""
+    return at.to_bytes(8, "big") + text.encode()
+
+
+def split_seq(name: bytes) -> int:
+    """The sequence number a journal record is named by."""
+    return int.from_bytes(name, "big")
+
+
+def seq_name(seq: int) -> bytes:
+    """The name of journal record ``seq``."""
+    return seq.to_bytes(8, "big")

@@ -10,7 +10,7 @@ from . import schema
 from ..errors import CorruptRecordError
 from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
                       SubscriptionRecord)
-from .keys import KEYSPACES, SEP, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
+from .keys import KEYSPACES, SEP, keyspace_of, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -351,6 +351,14 @@ class Reads:
             yield from self._iter(b"", verify_checksums=True, fill_cache=False)
         else:
             yield from self._iter(b"")
+
+    def records(self, *, verify: bool = False) -> Iterator[tuple[str | None, bytes, bytes]]:
+        """``scan_raw`` as (keyspace, name, raw value): the name is the key without its
+        keyspace's prefix (``keys.keyspace_of``; keyspace None: a key of no known keyspace,
+        named whole). What check/repair reads, so that it never handles a prefix."""
+        for key, value in self.scan_raw(verify=verify):
+            keyspace, name = keyspace_of(key)
+            yield keyspace, name, value
 
     def compact(self) -> None:
         with self._op():

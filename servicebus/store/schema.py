@@ -7,7 +7,8 @@ keyspace's record raises ``CorruptRecordError`` naming the keyspace and the key,
 way out (``servicebus check --repair``). The same checks are what ``check`` runs over the
 whole store, so the bus and the repair tool always agree on what is damaged.
 
-Only the ``store`` package calls ``decode``; it stays free of plyvel so that it can be tested alone.
+The store package calls ``decode`` on every read, ``servicebus check`` calls ``decode_record`` on
+every record; it stays free of plyvel so that it can be tested alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any, cast
 import msgpack
 
 from ..errors import CorruptRecordError
+from .keys import record_key
 
-__all__ = ["decode", "REPAIR_HINT", "KEY_PAIR_KEYSPACES", "MESSAGE_KINDS"]
+__all__ = ["decode", "decode_record", "REPAIR_HINT", "KEY_PAIR_KEYSPACES", "MESSAGE_KINDS"]
 
 REPAIR_HINT = "run `servicebus check --repair DATADIR` (it lists and repairs what is damaged)"
 SEP = b"\x00"
@@ -243,3 +245,9 @@ def decode(keyspace: str, key: bytes, value: bytes) -> Any:
         detail = exc if isinstance(exc, _NotItsRecord) else f"does not decode ({type(exc).__name__})"
         raise CorruptRecordError(f"damaged store record in {keyspace} under {shown(key)!r}: {detail}; "
                                  f"{REPAIR_HINT}", keyspace, shown(key)) from exc
+
+
+def decode_record(keyspace: str, name: bytes, value: bytes) -> Any:
+    """``decode`` of a record named as ``Reads.records`` names it (its key without the
+    keyspace's prefix): what check/repair calls."""
+    return decode(keyspace, record_key(keyspace, name), value)

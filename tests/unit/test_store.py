@@ -249,3 +249,33 @@ def test_the_store_says_how_long_an_unsynced_write_has_waited_for_a_synced_one(s
     assert store.unsynced_for(time.monotonic() + 5) >= 5  # the engine syncs past SYNC_INTERVAL
     store.sync()
     assert store.unsynced_for(time.monotonic() + 5) == 0.0
+
+
+def test_check_and_repair_read_and_delete_records_by_keyspace_and_name(store):
+    # ops/repair.py never builds or slices a raw key: these are what it uses instead.
+    from servicebus.store import schema
+    from servicebus.store.keys import split_pair, split_seq, split_stamped, seq_name, stamped_name
+
+    b = store.batch()
+    b.put_subscription("tcp://127.0.0.1:1", "a.b", {"since": "x"})
+    b.put_handled("m1", 7)
+    b.put_journal(3, b"\x90")
+    b._put(b"zz/junk", b"x")  # a key of no known keyspace (only damage makes one)
+    store.write(b, sync=True)
+    records = {(keyspace, name): value for keyspace, name, value in store.records()}
+    assert records[("subscriptions", b"tcp://127.0.0.1:1\x00a.b")]
+    assert split_pair(b"tcp://127.0.0.1:1\x00a.b") == ("tcp://127.0.0.1:1", "a.b")
+    assert records[("handled_index", stamped_name(7, "m1"))] == b""
+    assert split_stamped(stamped_name(7, "m1")) == (7, "m1")
+    assert split_seq(seq_name(3)) == 3 and ("journal", seq_name(3)) in records
+    assert records[(None, b"zz/junk")] == b"x"
+    assert schema.decode_record("subscriptions", b"tcp://127.0.0.1:1\x00a.b",
+                                records[("subscriptions", b"tcp://127.0.0.1:1\x00a.b")]) == {"since": "x"}
+    b = store.batch()
+    b.delete_record("handled_index", stamped_name(7, "m1"))
+    b.delete_record("handled", "m1")
+    b.delete_record(None, b"zz/junk")
+    store.write(b, sync=True)
+    left = {(keyspace, name) for keyspace, name, _ in store.records()}
+    assert ("handled", b"m1") not in left and (None, b"zz/junk") not in left
+    assert ("handled_index", stamped_name(7, "m1")) not in left and ("journal", seq_name(3)) in left

@@ -1,0 +1,222 @@
+"""The ``servicebus`` commands that write: keygen, unlock, replay, purge, check [--repair],
+compact. Those that change a data directory refuse while a live process holds its lock, and
+hold the lock themselves while they work, so that no bus starts under them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import maintenance as M
+from . import repair as R
+from ..hooks.journal import flush_datadir
+from ..errors import LockedError, StoreError
+from ..store.lockfile import LOCK_NAME, probe
+from .clibase import DATADIR, EXIT_CORRUPT, EXIT_LOCKED, EXIT_NO_DATADIR, EXIT_USAGE, JSON, CliError
+from .clibase import _datadir, _holding_lock, _offline_store, app
+from .clitable import emit as _emit, err, out, progress as _progress
+from .clitable import safe as _safe
+from ..store import MARK_NAME, Store
+from ..store.mark import MarkFile
+
+__all__ = ["keygen", "unlock", "replay", "purge", "check", "compact"]
+
+
+@app.command()
+def keygen(key_dir: Path = typer.Argument(..., metavar="DIR", help="directory for the key pair"),
+           address: Optional[str] = typer.Option(None, "--address",
+                                                 help="the address this bus advertises, for the printed peers.toml entry")) -> None:
+    """Make a CURVE key pair for Bus(..., keys=DIR): DIR/bus.key (public) and
+    DIR/bus.key_secret (mode 0600). Prints the entry other buses add to their peers.toml."""
+    from .keys import keygen as make
+
+    try:
+        public, secret = make(key_dir)
+    except FileExistsError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    import zmq.auth
+
+    key = zmq.auth.load_certificate(public)[0].decode()
+    err.print(f"wrote {public} and {secret} (keep the secret one on this machine only)")
+    err.print("add this bus to the peers.toml of every bus it talks to:")
+    print(f'[[peer]]\naddress = "{address or "tcp://HOST:PORT"}"\nkeys = ["{key}"]')
+
+
+@app.command()
+def unlock(datadir: Path = DATADIR,
+           force: bool = typer.Option(False, "--force", help="remove even a live owner's lock")) -> None:
+    """Remove a stale lock left by a process that died."""
+    if not datadir.is_dir():
+        raise CliError(f"{datadir}: no such data directory", EXIT_NO_DATADIR)
+    owner, alive = probe(datadir)
+    if owner is None and not (datadir / LOCK_NAME).exists():
+        out.print(f"{datadir} is not locked")
+        return
+    if alive and not force:
+        who = f"pid {owner.pid}" if owner else "a live process"
+        raise CliError(f"{datadir} is locked by live {who}; stop it first (or --force)", EXIT_LOCKED)
+    if alive:
+        err.print("warning: removing the lock of a LIVE process; two buses on one data "
+                  "directory will corrupt delivery state")
+    (datadir / LOCK_NAME).unlink(missing_ok=True)
+    out.print(_safe(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}"))
+
+
+@app.command()
+def replay(datadir: Path = DATADIR,
+           ids: Optional[list[str]] = typer.Argument(None, help="dead letter ids"),
+           all_: bool = typer.Option(False, "--all", help="every dead letter"),
+           topic: Optional[str] = typer.Option(None, "--topic", help="dead letters of this topic"),
+           as_json: bool = JSON) -> None:
+    """Move dead letters back to incoming (or outgoing, for undeliverable ones)."""
+    if not ids and not all_ and not topic:
+        raise CliError("name dead letter ids, or pass --all or --topic", EXIT_USAGE)
+    datadir = _datadir(datadir)
+    with _offline_store(datadir, writing=True, command="replay") as store:
+        with _progress("replaying", None) as step:
+            rows = M.replay(store, ids or None, topic, step)
+        flush_datadir(store, datadir)  # its journal events, for an audit run next
+    _emit(rows, as_json, [("id", lambda r: r["id"]), ("result", lambda r: r["result"]),
+                          ("where / why", lambda r: r.get("to") or r.get("detail", ""))], "replay")
+
+
+@app.command()
+def purge(datadir: Path = DATADIR,
+          outgoing_: bool = typer.Option(False, "--outgoing", help="every outgoing message and delivery state"),
+          incoming_: bool = typer.Option(False, "--incoming", help="every unhandled incoming message"),
+          deadletters_: bool = typer.Option(False, "--deadletters", help="every dead letter"),
+          subscriber: Optional[str] = typer.Option(None, "--subscriber",
+                                                   help="forget this subscriber (what it is owed becomes dead letters)"),
+          yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
+          as_json: bool = JSON) -> None:
+    """Delete what is named, after a confirmation; print what was removed."""
+    if not (outgoing_ or incoming_ or deadletters_ or subscriber):
+        raise CliError("name what to purge: --outgoing, --incoming, --deadletters or --subscriber ADDR",
+                       EXIT_USAGE)
+    datadir = _datadir(datadir)
+    named = [n for n, on in (("outgoing", outgoing_), ("incoming", incoming_),
+                             ("deadletters", deadletters_)) if on]
+    if subscriber:
+        named.append(f"subscriber {subscriber}")
+    with _offline_store(datadir, writing=True, command="purge") as store:
+        if not yes:
+            if not sys.stdin.isatty():
+                raise CliError("purge needs confirmation: pass --yes when not on a terminal", EXIT_USAGE)
+            if not typer.confirm(f"Delete {', '.join(named)} from {datadir}?"):
+                raise CliError("nothing purged", EXIT_USAGE)
+        with _progress("purging", None) as step:
+            removed = M.purge(store, outgoing=outgoing_, incoming=incoming_,
+                              deadletters=deadletters_, subscriber=subscriber, progress=step)
+        flush_datadir(store, datadir)  # its journal events, for an audit run next
+    if as_json:
+        print(json.dumps({"removed": removed}))
+    else:
+        for what, n in removed.items():
+            out.print(f"removed {n} {what.replace('_', ' ')}")
+
+
+@app.command()
+def check(datadir: Path = DATADIR,
+          repair: bool = typer.Option(False, "--repair", help="repair damaged files and records; report what is lost"),
+          as_json: bool = JSON) -> None:
+    """Verify every record decodes and cross-references hold; exit 4 if not. --repair runs
+    LevelDB's repair on damaged files, restores or drops damaged records, and reports by id
+    the messages that could not be recovered."""
+    datadir = _datadir(datadir)
+    with _holding_lock(datadir, "check"):
+        rows = [p.__dict__ for p in _check(datadir, repair)]
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    elif rows:
+        _emit(_grouped(rows), False, [
+            ("keyspace", lambda r: r["keyspace"]), ("key", lambda r: r["key"]),
+            ("problem", lambda r: r["problem"]), ("repair", lambda r: r["action"] or "-")], "problems")
+    else:
+        out.print(f"{datadir}: every record decodes and every reference holds")
+    if rows and not repair:
+        raise typer.Exit(EXIT_CORRUPT)
+
+
+def _grouped(rows: list[dict], most: int = 5) -> list[dict]:
+    """For the table: many rows with the same problem become one, naming a few keys
+    (``--json`` lists every one)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["keyspace"], row["problem"], row["action"]), []).append(row)
+    out_rows = []
+    for (keyspace, problem, action), members in groups.items():
+        if len(members) <= most:
+            out_rows.extend(members)
+            continue
+        keys = ", ".join(r["key"] for r in members[:3])
+        out_rows.append({"keyspace": keyspace, "problem": problem, "action": action,
+                         "key": f"{len(members)} of them: {keys}, … (--json lists all)"})
+    return out_rows
+
+
+def _check(datadir: Path, repair: bool) -> list[R.Problem]:
+    path = datadir / "store"
+    store: Store | None = None
+    try:
+        if _store_missing(datadir):
+            if not repair:
+                return [R.Problem("*", "store", f"the store is missing, but {MARK_NAME} says it had "
+                                  "made writes durable", "")]
+            store = Store.open(path, create=True, check_format=False)
+            rows = [R.Problem("*", "store", "the store was missing", "a new empty store was made")]
+            with _progress("reading the journal", None) as step:
+                return rows + R.lost_writes(store, datadir, step)
+        store = Store.open(path, create=False, check_format=False)
+        with _progress("checking", None) as step:
+            rows = R.check(store, repair, step, datadir)
+        if repair and store.mark_behind() is not None:
+            with _progress("reading the journal", None) as step:
+                rows += R.lost_writes(store, datadir, step)
+        return rows
+    except LockedError as exc:  # a live process has the store open: never repair under it
+        raise CliError(f"{exc}; stop it first", EXIT_LOCKED) from None
+    except StoreError as exc:
+        if store is not None:
+            store.close()  # LevelDB's repair needs the store closed (its own lock)
+            store = None
+        if not repair:
+            raise CliError(f"the store is damaged: {exc}", EXIT_CORRUPT) from None
+        err.print(f"the store is damaged ({exc}); running LevelDB repair")
+        with _progress("reading the journal", None) as step:
+            owed = R.journal_owed(datadir, step)
+        rows = R.repair_files(path)
+        store = Store.open(path, create=False, check_format=False)
+        rows += R.check(store, True, None, datadir)
+        if owed.events == 0:
+            rows.append(R.Problem("*", "journal", "no delivery journal to compare the repaired store with",
+                                  "messages lost in the repair cannot be listed by id"))
+        rows += R.lost_in_repair(store, owed)
+        store.accept_marks()  # what it lost is reported: the repaired store is the truth
+        return rows
+    finally:
+        if store is not None and not store.closed:
+            store.close()
+
+
+def _store_missing(datadir: Path) -> bool:
+    """No store at all where the data directory's high-water mark says one had data."""
+    path = datadir / "store"
+    return not (path / "CURRENT").exists() and not any(path.glob("*.l*")) and \
+        bool(MarkFile(datadir / MARK_NAME).read())
+
+
+@app.command()
+def compact(datadir: Path = DATADIR) -> None:
+    """Compact the LevelDB store; print its size before and after."""
+    datadir = _datadir(datadir)
+    with _offline_store(datadir, writing=True, command="compact") as store:
+        before = store.size_on_disk()
+        store.compact()
+        after = store.size_on_disk()
+    out.print(f"compacted {datadir}: {before / 1024:.1f} KiB -> {after / 1024:.1f} KiB")

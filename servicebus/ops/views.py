@@ -1,0 +1,258 @@
+"""Read-only views of a data directory, for operators.
+
+The same functions serve the ``servicebus`` CLI reading a stopped bus's store directly and a
+live bus answering the CLI over its admin endpoint (admin.py; the bus runs them in
+``engine/adminserve.py``). Every view returns plain JSON-able rows, so both paths print the
+same.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from ..model.clock import wall_ms
+from ..model.delivery import is_command_stream, unpack_outgoing
+from ..model.ids import id_millis
+from ..store.cursors import ConsumerView, consumers
+from ..store.lockfile import probe
+from ..wire.protocol import KIND_NAMES
+from ..model.stored import NO_RUNS, IncomingRecord, RunState
+from ..store import Store
+
+__all__ = ["Rows", "VIEWS", "run_view", "jsonable", "payload_of", "letter_body", "incoming_row",
+           "deadletter_row"]
+
+
+def jsonable(value: Any) -> Any:
+    """A msgpack value as JSON: bytes become {"base64": ...} unless they are UTF-8 text."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, str) else k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def payload_of(body: bytes) -> Any:
+    try:
+        return jsonable(msgpack.unpackb(body, raw=False, strict_map_key=False))
+    except Exception:  # an undecodable body is shown raw rather than hiding the record
+        return {"undecodable": base64.b64encode(body).decode()}
+
+
+def _age(ms: int | None, now: int) -> float | None:
+    return None if not ms else max(0.0, (now - ms) / 1000)
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+class Rows(list):
+    """A view's rows, and ``total``: how many rows there are in all. More than ``len`` when
+    a ``limit`` cut the list; None when not known (an older bus did not say)."""
+
+    def __init__(self, rows: Iterable[dict] = (), total: int | None = -1) -> None:
+        super().__init__(rows)
+        self.total: int | None = len(self) if total == -1 else total
+
+
+def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now = wall_ms()
+    pending_by: dict[str, int] = {}
+    oldest: int | None = None
+    for c in consumers(store):
+        n = 0
+        for mid in c.pending_ids(store):
+            if n == 0:
+                first = id_millis(mid)
+                oldest = first if oldest is None else min(oldest, first)
+            n += 1
+        pending_by[c.peer] = pending_by.get(c.peer, 0) + n
+    owner, alive = probe(datadir)
+    node = store.get_meta("node")
+    return [{
+        "datadir": str(datadir),
+        "node_id": node.decode() if node else None,
+        "lock": None if owner is None else {**owner.__dict__, "alive": alive},
+        "subscriptions": store.count("subscriptions"),
+        "intents": store.count("intents"),
+        "intents_unconfirmed": sum(1 for _, _, r in store.intents() if not r.get("confirmed")),
+        "outgoing": store.count("outgoing"),
+        "pending": sum(pending_by.values()),
+        "pending_by_peer": pending_by,
+        "oldest_pending_age_s": _age(oldest, now),
+        "incoming": store.count("incoming"),
+        "deadletters": store.count("deadletters"),
+        "handled": store.count("handled"),
+        "replies_waiting": store.count("replies"),
+        "commands_waiting": store.count("outbox"),  # sent by handlers, not in a stream yet
+        "kv_keys": store.count("kv"),
+        "store_bytes": store.size_on_disk(),
+    }]
+
+
+def view_keys(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    topics: dict[str, list[str]] = {}
+    for sub, topic, _ in store.subscriptions():
+        topics.setdefault(topic, []).append(sub)
+    return [{"topic": t, "subscribers": len(s), "addresses": sorted(s)} for t, s in sorted(topics.items())]
+
+
+def view_subscribers(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    rows: dict[str, dict] = {}
+    for c in consumers(store):
+        row = rows.setdefault(c.peer, {"address": c.peer, "topics": [], "commands": False,
+                                       "pending": 0, "last_ack": None})
+        if is_command_stream(c.stream):
+            row["commands"] = True
+        else:
+            row["topics"].append(c.topic)
+        row["pending"] += sum(1 for _ in c.pending_ids(store))
+        if c.last_ack and (row["last_ack"] is None or c.last_ack > row["last_ack"]):
+            row["last_ack"] = c.last_ack
+    return list(rows.values())
+
+
+def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now, limit = wall_ms(), args.get("limit")
+    subscriber, topic = args.get("subscriber"), args.get("topic")
+    by_stream: dict[str, list[ConsumerView]] = {}
+    for c in consumers(store):
+        by_stream.setdefault(c.stream, []).append(c)
+    rows: list[dict] = []
+    total = 0  # past the limit, still counted: the CLI says "100 of 1,031"
+    for stream, cs in sorted(by_stream.items()):
+        if subscriber and subscriber not in (c.peer for c in cs):
+            continue
+        floors = [c.floor for c in cs]
+        after = None if None in floors else min(f for f in floors if f is not None)
+        while True:
+            chunk = store.iter_stream(stream, after=after, limit=1000)
+            for mid, data in chunk:
+                owed = [c for c in cs if c.owes(mid)]
+                if subscriber:
+                    owed = [c for c in owed if c.peer == subscriber]
+                if not owed:
+                    continue
+                full = limit is not None and limit > 0 and len(rows) >= limit
+                if full and not topic:
+                    total += 1  # counted without decoding it
+                    continue
+                rec = unpack_outgoing(data)
+                if topic and rec.topic != topic:
+                    continue
+                total += 1
+                if full:
+                    continue
+                rows.append({
+                    "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic,
+                    "age_s": _age(rec.sent, now),
+                    "attempts": max(c.attempts.get(mid, 1) for c in owed),
+                    "owed_by": [c.peer for c in owed],
+                    "expires": rec.expires, "correlation_id": rec.correlation_id,
+                    "headers": jsonable(rec.headers), "payload": payload_of(rec.body),
+                })
+            if len(chunk) < 1000:
+                break
+            after = chunk[-1][0]
+    return Rows(rows, total)
+
+
+def incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now: int) -> dict:
+    attempts, _done, last_error, next_ms = runstate or NO_RUNS
+    return {
+        "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic, "sender": rec.sender,
+        "reply_to": rec.reply_to, "age_s": _age(rec.sent, now), "attempts": attempts,
+        "last_error": last_error, "next_attempt_ms": next_ms or None, "expires": rec.expires,
+        "correlation_id": rec.correlation_id, "headers": jsonable(rec.headers),
+        "payload": payload_of(rec.body),
+    }
+
+
+def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
+    rows: list[dict] = []
+    total = 0
+    for mid, rec in store.incoming():
+        if topic and rec.topic != topic:
+            continue
+        if limit and len(rows) >= limit:
+            if not topic:  # the rest, counted by key without decoding it
+                return Rows(rows, store.count("incoming"))
+            total += 1
+            continue
+        total += 1
+        rows.append(incoming_row(mid, rec, store.get_runstate(mid), now))
+    return Rows(rows, total)
+
+
+def letter_body(rec: dict) -> bytes | None:
+    """A dead letter's payload bytes: its message record's, or its own ``body`` (a message
+    that was not valid, a SQL outbox row: no record could be made of them)."""
+    inner = rec.get("record") or []
+    if inner and isinstance(inner[-1], bytes):
+        return inner[-1]
+    body = rec.get("body")
+    return body if isinstance(body, bytes) else None
+
+
+def deadletter_row(mid: str, rec: dict, now: int) -> dict:
+    body = letter_body(rec)
+    return {
+        "id": mid, "origin": rec.get("origin"), "reason": rec.get("reason"), "error": rec.get("error"),
+        "kind": rec.get("kind"), "topic": rec.get("topic"), "attempts": rec.get("attempts"),
+        "peer": rec.get("peer"), "age_s": _age(rec.get("at"), now),
+        "payload": None if body is None else payload_of(body),
+        # New in 0.2: why replay leaves it alone (None: it can be replayed), and where a
+        # letter that was never a message came from (a SQL outbox row: table, row, token).
+        "not_replayable": rec.get("not_replayable"),
+        "source": jsonable(rec.get("source")),
+    }
+
+
+def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
+    rows: list[dict] = []
+    total = 0
+    for mid, rec in store.deadletters():
+        if topic and rec.get("topic") != topic:
+            continue
+        if limit and len(rows) >= limit:
+            if not topic:  # the rest, counted by key without decoding it
+                return Rows(rows, store.count("deadletters"))
+            total += 1
+            continue
+        total += 1
+        rows.append(deadletter_row(mid, rec, now))
+    return Rows(rows, total)
+
+
+VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
+    "status": view_status,
+    "keys": view_keys,
+    "subscribers": view_subscribers,
+    "outgoing": view_outgoing,
+    "incoming": view_incoming,
+    "deadletters": view_deadletters,
+}
+# Every view is read-only. ``export`` (export.py) is not one of them: see admin.EXPORT_VIEW.
+
+
+def run_view(store: Store, datadir: Path, name: str, args: dict, live: dict | None = None) -> Rows:
+    """The rows of view ``name``; ``Rows.total`` says how many there are in all (listings
+    with a ``limit``: outgoing, incoming, deadletters)."""
+    try:
+        view = VIEWS[name]
+    except KeyError:
+        raise ValueError(f"no such view: {name!r}") from None
+    rows = view(store, datadir, args, live)
+    return rows if isinstance(rows, Rows) else Rows(rows)

@@ -1,0 +1,71 @@
+"""Delivery state as stored: every (peer, stream) cursor, and what each is still owed.
+
+Read from the store alone, so at most a turn behind the engine. The operators' views
+(``ops/``), their maintenance commands and the metrics hook (``hooks/metrics.py``) all read
+it, which is why it lives in the store package rather than with any one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..model.delivery import event_stream, group_peer, stream_target
+from ..model.ids import id_millis
+from .db import Store
+
+__all__ = ["ConsumerView", "consumers", "oldest_pending"]
+
+
+@dataclass
+class ConsumerView:
+    peer: str
+    stream: str
+    floor: str | None
+    acked: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)
+    last_ack: float | None = None
+
+    @property
+    def topic(self) -> str:
+        return stream_target(self.stream)
+
+    def owes(self, message_id: str) -> bool:
+        return (self.floor is None or message_id > self.floor) and message_id not in self.acked
+
+    def pending_ids(self, store: Store, limit: int | None = None) -> Iterator[str]:
+        after, batch = self.floor, 2000
+        while True:
+            ids = store.stream_ids(self.stream, after=after, limit=batch)
+            for mid in ids:
+                if mid not in self.acked:
+                    yield mid
+            if len(ids) < batch:
+                return
+            after = ids[-1]
+
+
+def consumers(store: Store) -> list[ConsumerView]:
+    """Every (peer, stream) delivery state, including subscriptions not yet written one."""
+    views: dict[tuple[str, str], ConsumerView] = {}
+    for peer, stream, rec in store.deliveries():
+        views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
+                                             dict(rec.get("attempts") or {}), rec.get("last_ack"))
+    for sub, topic, subscription in store.subscriptions():
+        group = subscription.get("group")
+        key = (group_peer(group) if group else sub, event_stream(topic))  # a group: one cursor
+        if key not in views:
+            views[key] = ConsumerView(key[0], key[1], subscription["since"])
+    return sorted(views.values(), key=lambda c: (c.peer, c.stream))
+
+
+def oldest_pending(store: Store) -> dict[str, int]:
+    """Subscriber (or address) -> the time (ms, from its id) of the oldest message it is
+    owed. Reads the stored cursors: at most a turn behind the engine."""
+    out: dict[str, int] = {}
+    for c in consumers(store):
+        first = next(c.pending_ids(store), None)
+        if first is not None:
+            ms = id_millis(first)
+            out[c.peer] = min(out.get(c.peer, ms), ms)
+    return out
