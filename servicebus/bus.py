@@ -4,7 +4,6 @@ the plumbing its calls share, are in lifecycle.py."""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -13,7 +12,6 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime
 from typing import Any
-
 
 from .engine import loop as E
 from .lifecycle import Lifecycle
@@ -28,8 +26,6 @@ from .handling.transaction import Transaction
 from .wire.topics import validate_pattern, validate_topic
 
 __all__ = ["Bus"]
-
-log = logging.getLogger("servicebus")
 
 Handler = Callable[[Any, Message], Any]
 

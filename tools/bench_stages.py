@@ -74,7 +74,9 @@ def install(side: str) -> None:
     Published = _find("servicebus.core:Published")
     Core = _find("servicebus.core.machine:Core")
     Dispatcher = _find("servicebus.handling.dispatch:Dispatcher", "servicebus.dispatch:Dispatcher")
-    Engine = _find("servicebus.engine.loop:Engine", "servicebus.engine:Engine")
+    reader, read = _find("servicebus.engine.peerio:PeerIO", "servicebus.engine:Engine"), "read_router"
+    if not hasattr(reader, read):  # before issue 27 the engine read its router itself
+        read = "_read_router"
     Sockets = _find("servicebus.engine.sockets:Sockets", "servicebus.sockets:Sockets")
     Store = _find("servicebus.store:Store")
     publisher = _find("servicebus.engine.publisher:Publisher", "servicebus.engine:Engine")
@@ -86,7 +88,7 @@ def install(side: str) -> None:
         _wrap(Core, "command", "pub.engine", when=lambda self, cmd, now: isinstance(cmd, Published))
         _wrap(Sockets, "send_peer", "pub.send")
     else:
-        _wrap(Engine, "_read_router", "sub.recv")
+        _wrap(reader, read, "sub.recv")
         _wrap(Core, "on_router", "sub.core", "sub.core_done")
         _wrap(Core, "prepare", "sub.prepare", "sub.prepared")
         _wrap(Dispatcher, "submit", "sub.handoff")

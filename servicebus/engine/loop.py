@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import zmq
 
 from ..wire import protocol as P
-from ..wire.decoding import decode
 from .adminserve import AdminReply, AdminServer
 from ..model.clock import BusClock
+from .peerio import PeerIO
 from .publisher import Publisher
 from ..model.config import BusConfig
 from ..core import Core, Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
@@ -47,23 +46,12 @@ __all__ = ["Engine", "Drain", "Snapshot", "SendCmd", "QueueReply", "SubscribeCmd
 
 log = logging.getLogger("servicebus")
 
-READ_LIMIT = 2000  # frames read from one socket per turn, so one peer cannot starve the rest
 RECOVER_INTERVAL = 0.5  # while the store cannot be written, try to reopen it this often
 # Unsynced writes (handler completions, acked deletes, cursors, journal moves) become durable
 # with the next synced write. A bus that receives and publishes nothing more makes none, so
 # the engine fsyncs once an unsynced write has waited this long: a power cut reruns only
 # handlers that finished within about this long before it (DESIGN.md rule 12, README).
 SYNC_INTERVAL = 0.2
-KEY_SWITCH_AFTER = 2.0  # a peer down this long with several keys listed: try its next key
-
-
-def _property(frame: zmq.Frame, name: str) -> str | None:
-    """A ZeroMQ message property: "Peer-Address", or with CURVE "User-Id" (the client's
-    public key, as the ZAP handler names it)."""
-    try:
-        return str(frame.get(name))
-    except zmq.ZMQError:  # a transport or mechanism without one
-        return None
 
 
 @dataclass
@@ -105,7 +93,6 @@ class Engine(threading.Thread):
         self._next_recover = 0.0
         self._drains: list[Future] = []
         self.clock = clock
-        self._key_tried: dict[str, float] = {}  # address -> when its next CURVE key was tried
         self._admin: AdminServer | None = None
         if sockets.admin is not None:
             self._admin = AdminServer(sockets.admin, store, datadir or Path("."), self.submit,
@@ -120,6 +107,7 @@ class Engine(threading.Thread):
                              ids=self.ids, clock=clock, events=hooks,
                              now=time.monotonic(), uid=os.getuid(), trust=sockets.keys,
                              aliases=sockets.bound)
+            self.io = PeerIO(sockets, self.core, config)
             self._queue.extend(self.core.load())  # replies stored before a crash
             # The publish path, on the callers' threads: it sees the core only through the
             # routes handed to it (_swap_routes) and talks back through submit/notify.
@@ -256,15 +244,15 @@ class Engine(threading.Thread):
             if self.hooks.handing_off:
                 self.hooks.handed_off(done.handoff)
         for ident, ids in done.acks.items():
-            self._send_router(ident, P.encode_ack(ids))
+            self.io.send_router(ident, P.encode_ack(ids))
 
         # send
         if core.advance(now):
             self.requests.expire(now)
             if self.sockets.keys is not None:
-                self._switch_keys(now)
+                self.io.switch_keys(now)
         self._swap_routes()
-        self._send_frames(now)
+        self.io.send_frames(now)
         if self._drains:
             self._check_drains()
         if now >= self._next_mark:
@@ -284,29 +272,10 @@ class Engine(threading.Thread):
                 self.publisher.room_changed()
 
     def _read(self, events: dict, now: float) -> None:
-        sockets = self.sockets
         self._read_wake(events)
-        if sockets.monitor is not None and sockets.monitor in events:
-            self._count_handshakes()
-        if sockets.router in events:
-            self._read_router(now)
         if self._admin is not None and self._admin.sock in events:
             self._admin.read()
-        for sock in events:
-            address = sockets.address_of(sock)
-            if address is not None:
-                self._read_dealer(address, sock, now)
-        # NACKs a pong led to (subscribes naming an alias of this bus): at once too.
-        for ident, reply in self.core.take_router_frames():
-            self._send_router(ident, reply)
-
-    def _count_handshakes(self) -> None:
-        s = self.core.s
-        for name in self.sockets.handshake_failures():
-            total = s.tally(s.counters, name, "handshake_failed")
-            if total is not None:
-                log.warning("a peer failed the CURVE handshake (%s: a NULL client or an unknown "
-                            "key); %d so far", name, total)
+        self.io.read(events, now)
 
     def _read_wake(self, events: dict) -> None:
         if self._wake_fd in events:
@@ -314,37 +283,6 @@ class Engine(threading.Thread):
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
                 pass  # read by an earlier turn already
-
-    def _switch_keys(self, now: float) -> None:
-        """A peer that stays down although peers.toml lists several keys for it may have
-        switched to another: try the next one every KEY_SWITCH_AFTER seconds."""
-        peers = self.core.s.peers
-        for address in self.sockets.switchable:
-            peer = peers.get(address)
-            if peer is None or peer.up or now - peer.down_since < KEY_SWITCH_AFTER:
-                continue
-            if now - self._key_tried.get(address, 0.0) < KEY_SWITCH_AFTER:
-                continue
-            self._key_tried[address] = now
-            if self.sockets.try_next_key(address):
-                log.info("peer %s does not answer: trying the next key peers.toml lists for it", address)
-
-    def _send_frames(self, now: float) -> None:
-        failed: set[str] = set()
-        sent = 0
-        for address, frames, count in self.core.take_frames():
-            if address in failed:
-                continue
-            if self.sockets.send_peer(address, frames):
-                sent += count
-            else:
-                failed.add(address)
-                self.core.unreachable(address, now)
-        self.core.s.counters["sent"] += sent
-
-    def _send_router(self, ident: bytes, frames: list[bytes]) -> None:
-        if not self.sockets.send_router(ident, frames):
-            self.core.s.counters["router_send_failed"] += 1
 
     # --- a store that cannot be written ---------------------------------------------------
 
@@ -370,7 +308,7 @@ class Engine(threading.Thread):
         now = time.monotonic()
         self._read_wake(events)
         if self.sockets.monitor is not None and self.sockets.monitor in events:
-            self._count_handshakes()
+            self.io.count_handshakes()
         if self._admin is not None and self._admin.sock in events:
             self._admin.read()
         failed = StoreWriteError(f"the store cannot be written: {self._degraded}")
@@ -406,58 +344,6 @@ class Engine(threading.Thread):
             self._swap_routes()
         # ... and the handlers get whatever is stored and not in memory, off this thread.
         threading.Thread(target=self.dispatcher.refill, name="servicebus-refill", daemon=True).start()
-
-    # --- reading -----------------------------------------------------------------------
-
-    def _decode(self, frames: list[bytes]) -> P.Frame | None:
-        try:
-            return decode(frames, max_payload=self.config.max_payload)
-        except BusError as exc:
-            self.core.malformed(getattr(exc, "reason", "malformed"), str(exc))
-            return None
-
-    def _read_router(self, now: float) -> None:
-        router, core = self.sockets.router, self.core
-        assert router is not None
-        curve = self.sockets.keys is not None
-        for _ in range(READ_LIMIT):
-            try:
-                # The identity part uncopied: it carries the connection's Peer-Address.
-                # Not cached by identity: a peer may choose its identity, and the ROUTER
-                # hands an identity over to the latest connection that claims it.
-                first = router.recv(zmq.NOBLOCK, copy=False)
-                frames = [first.bytes]
-                while router.getsockopt(zmq.RCVMORE):
-                    frames.append(router.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-            if len(frames) < 2:
-                core.malformed("bad_frame_count", f"{len(frames)} frame(s)")
-                continue
-            frame = self._decode(frames[1:])
-            if frame is not None:
-                # Only frames that name an address to connect to need to know where they
-                # came from (events, the bulk, do not).
-                events = isinstance(frame, P.Batch) and frame.kind != P.Kind.COMMAND
-                if events or isinstance(frame, P.Ping):
-                    core.on_router(frames[0], frame, now)
-                else:
-                    user = _property(first, "User-Id") if curve else None
-                    core.on_router(frames[0], frame, now, _property(first, "Peer-Address"), user)
-        for ident, reply in core.take_router_frames():  # pongs and nacks, at once
-            self._send_router(ident, reply)
-
-    def _read_dealer(self, address: str, sock: zmq.Socket, now: float) -> None:
-        for _ in range(READ_LIMIT):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            frame = self._decode(frames)
-            if frame is not None:
-                self.core.on_dealer(address, frame, now)
-                if sock.closed:  # the core let the connection go (an alias of this bus)
-                    return
 
     # --- user commands -----------------------------------------------------------------
 

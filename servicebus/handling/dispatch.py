@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.stored import Incoming
-from ..model.delivery import KEY_HEADER, ORDER_HEADER, PRIORITY_HEADER
+from ..model.delivery import PRIORITY_HEADER
 from ..model.letters import damaged_letter
 from ..errors import CorruptRecordError, StoreError
 from ..wire.topics import is_pattern, matches
 from .handlers import Handler, Handlers
+from .lanes import LaneKey, Lanes, lane_of
 from ..hooks.base import Hooks
 from ..wire.protocol import Kind
 from .requests import PendingRequests
@@ -42,35 +43,6 @@ RUN = 16  # ready messages a worker takes at once, at most
 # before lower ones that arrived less than that before it, and after those that waited
 # longer (so a steady stream of high ones never holds a low one back for good).
 PRIORITY_STEP = 1.0
-
-LaneKey = tuple[str, str, "str | None"]
-
-
-def lane_of(item: Incoming) -> LaneKey | None:
-    """The lane of a message from an ordered subscription: (publisher, subscription,
-    key). A lane's messages are handled one at a time in id order (publish order)."""
-    headers = item.record.headers
-    if not headers:
-        return None
-    order = headers.get(ORDER_HEADER)
-    if type(order) is not str:
-        return None
-    key = headers.get(KEY_HEADER)
-    return (item.record.reply_to, order, key if type(key) is str else None)
-
-
-class _Lane:
-    """One lane's state: the message queued, running or waiting for a retry (``head``),
-    those after it (a heap by id), and whether some were left in the store when the queue
-    was full (``gap``: later ones wait for the refill that reads them all in order)."""
-
-    __slots__ = ("head", "waiting", "gap")
-
-    def __init__(self) -> None:
-        self.head: str | None = None
-        self.waiting: list[tuple[str, float, Incoming]] = []
-        self.gap = False
-
 
 class Dispatcher:
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
@@ -92,7 +64,7 @@ class Dispatcher:
         self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
         self._overflow_gen = 0
-        self._lanes: dict[LaneKey, _Lane] = {}  # ordered subscriptions' lanes with work
+        self._lanes = Lanes()  # ordered subscriptions' lanes with work
         self._refilling = False
         self._refill_pending = False  # a refill was asked for while one ran
         self._closing = False
@@ -206,11 +178,11 @@ class Dispatcher:
                     if type(prio) is int:
                         due -= PRIORITY_STEP * max(0, min(9, prio))
                 if len(self._known) >= self._config.dispatch_queue or (
-                        lane is not None and lane in self._lanes and self._lanes[lane].gap):
+                        lane is not None and self._lanes.has_gap(lane)):
                     self._overflow = True
                     self._overflow_gen += 1
                     if lane is not None:
-                        self._lanes.setdefault(lane, _Lane()).gap = True
+                        self._lanes.left_behind(lane)
                     continue
                 if lane is None:
                     self._push(item, due)
@@ -235,35 +207,19 @@ class Dispatcher:
 
     def _enqueue(self, item: Incoming, due: float, lane: LaneKey | None) -> None:
         """Queue a message; one of an ordered lane waits behind the lane's head. Under _cv."""
-        if lane is None:
-            self._push(item, due)
-            return
-        state = self._lanes.get(lane)
-        if state is None:
-            state = self._lanes[lane] = _Lane()
-        if state.head is None:
-            state.head = item.id
+        if lane is None or self._lanes.admit(item, due, lane):
             self._push(item, due)
         else:
             self._known.add(item.id)
-            heapq.heappush(state.waiting, (item.id, due, item))
 
     def _lane_done(self, item: Incoming) -> None:
         """``item`` is finished (handled, dead letter, parked): its lane's next one goes.
         Under _cv."""
-        lane = lane_of(item)
-        state = None if lane is None else self._lanes.get(lane)
-        if state is None or state.head != item.id:
-            return
-        if state.waiting:
-            _mid, due, nxt = heapq.heappop(state.waiting)
-            state.head = nxt.id
-            heapq.heappush(self._heap, (due, next(self._seq), nxt))
+        nxt = self._lanes.done(item)
+        if nxt is not None:
+            due, ready = nxt
+            heapq.heappush(self._heap, (due, next(self._seq), ready))
             self._cv.notify()
-        else:
-            state.head = None
-            if not state.gap:
-                del self._lanes[lane]  # type: ignore[arg-type]
 
     def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
         """Read stored incoming messages that are not in memory yet (restart, overflow, a
@@ -287,10 +243,7 @@ class Dispatcher:
                         # before where the scan had got to, so scan again once there is room.
                         self._overflow = not filled or gen != self._overflow_gen
                         if not self._overflow:  # every lane's messages are in memory, in order
-                            for key, lane in list(self._lanes.items()):
-                                lane.gap = False
-                                if lane.head is None and not lane.waiting:
-                                    del self._lanes[key]
+                            self._lanes.all_read()
                     again = (self._overflow and not self._closing
                              and len(self._known) < self._config.dispatch_queue // 2)
                     if self._refill_pending and not self._closing:

@@ -1,0 +1,93 @@
+"""Ordered lanes: the messages of an ordered subscription (per ``key``, when published with
+one) are handled one at a time, in id order, which is publish order (DESIGN.md; sender.py
+keeps one frame of them in flight at a time).
+
+A lane holds the message queued, running or waiting for a retry (its head) and the ones
+after it, by id. When the dispatch queue is full, a lane's later messages stay in the
+store (a "gap"); until a refill has read them all back in order, no newer message of that
+lane may go ahead of them. All calls are made under the dispatcher's lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ..model.delivery import KEY_HEADER, ORDER_HEADER
+from ..model.stored import Incoming
+
+__all__ = ["LaneKey", "Lanes", "lane_of"]
+
+LaneKey = tuple[str, str, "str | None"]
+
+
+def lane_of(item: Incoming) -> LaneKey | None:
+    """The lane of a message from an ordered subscription: (publisher, subscription,
+    key); None for any other message."""
+    headers = item.record.headers
+    if not headers:
+        return None
+    order = headers.get(ORDER_HEADER)
+    if type(order) is not str:
+        return None
+    key = headers.get(KEY_HEADER)
+    return (item.record.reply_to, order, key if type(key) is str else None)
+
+
+class _Lane:
+    __slots__ = ("head", "waiting", "gap")
+
+    def __init__(self) -> None:
+        self.head: str | None = None  # queued, running or waiting for a retry
+        self.waiting: list[tuple[str, float, Incoming]] = []  # after it: a heap by id
+        self.gap = False  # later ones were left in the store (the queue was full)
+
+
+class Lanes:
+    def __init__(self) -> None:
+        self._lanes: dict[LaneKey, _Lane] = {}
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def has_gap(self, lane: LaneKey) -> bool:
+        state = self._lanes.get(lane)
+        return state is not None and state.gap
+
+    def left_behind(self, lane: LaneKey) -> None:
+        """A message of ``lane`` was left in the store: later ones wait for the refill."""
+        self._lanes.setdefault(lane, _Lane()).gap = True
+
+    def all_read(self) -> None:
+        """A refill read every stored message back in order: no lane has a gap now."""
+        for key, state in list(self._lanes.items()):
+            state.gap = False
+            if state.head is None and not state.waiting:
+                del self._lanes[key]
+
+    def admit(self, item: Incoming, due: float, lane: LaneKey) -> bool:
+        """Take ``item`` into its lane: True if it heads it (ready to run now), False if
+        it waits behind the head."""
+        state = self._lanes.get(lane)
+        if state is None:
+            state = self._lanes[lane] = _Lane()
+        if state.head is None:
+            state.head = item.id
+            return True
+        heapq.heappush(state.waiting, (item.id, due, item))
+        return False
+
+    def done(self, item: Incoming) -> tuple[float, Incoming] | None:
+        """``item`` finished (handled, dead letter, parked): (due, its lane's next message)
+        to run now, or None."""
+        lane = lane_of(item)
+        state = None if lane is None else self._lanes.get(lane)
+        if state is None or state.head != item.id:
+            return None
+        if state.waiting:
+            _mid, due, nxt = heapq.heappop(state.waiting)
+            state.head = nxt.id
+            return due, nxt
+        state.head = None
+        if not state.gap:
+            del self._lanes[lane]  # type: ignore[arg-type]
+        return None
