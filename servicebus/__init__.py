@@ -28,7 +28,9 @@ from .errors import (
     TransportError,
     WaitTimeout,
 )
+from .hooks.base import Hook
 from .model.records import BusStatus, DeadLetter, Message, PeerStatus
+from .model.stored import Event
 from .handling.timeouts import HandlerTimeout
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "BusStatus",
     "PeerStatus",
     "DeadLetter",
+    "Hook",
+    "Event",
     "BusError",
     "AdminUnavailable",
     "BusClosedError",

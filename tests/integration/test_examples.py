@@ -1,5 +1,6 @@
-"""The examples of issue 16 run: the asyncio one shows one trace id from the publisher to
-the handler and a metrics scrape; the outbox one bills each committed order once."""
+"""The examples run: the asyncio one shows one trace id from the publisher to the handler
+and a metrics scrape; the outbox one bills each committed order once; the hooks one counts
+failures and alerts on a dead letter."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def test_the_outbox_example_announces_committed_orders_once_and_bills_each_once(
     assert re.findall(r"ledger:  invoice for order (\d)", ran.stdout) == ["1", "2", "3"]
     assert "billing: total 92 " in ran.stdout
     assert "orders:  3 outbox rows relayed" in ran.stdout
+
+
+def test_the_hooks_example_counts_failures_and_alerts_on_the_dead_letter():
+    ran = subprocess.run([sys.executable, str(ROOT / "examples" / "hooks" / "main.py")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert re.findall(r"ALERT: order.placed \w+ is a dead letter: Reject: order 6 has no customer",
+                      ran.stdout), ran.stdout
+    assert "billed orders [1, 2, 3, 4, 5, 7, 8, 9]" in ran.stdout
+    # nine first runs; 3 and 9 fail once and run again, 6 is rejected: 3 failures, 11 runs
+    assert "handler failures by topic: {'order.placed': 3}" in ran.stdout
+    assert "handler runs: 11," in ran.stdout
