@@ -1,8 +1,11 @@
 """Testing helpers: ``StubBus`` for users' handler tests, loopback helpers, and in-memory
-fakes (store, clock, network) that drive delivery cores without sockets or disks."""
+fakes (store, clock, network) that drive delivery cores without sockets or disks, and the
+handler side's ``Runner`` (handling.py)."""
 
 from .fakes import CoreNode, FakeBatch, FakeClock, FakeStore, Network, free_address, free_port, wait_until
+from .handling import EventLog, FakePublisher, HandlingBatch, HandlingStore, RunnerRig
 from .stub import Sent, StubBus
 
 __all__ = ["StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
-           "FakeBatch", "Network", "CoreNode"]
+           "FakeBatch", "Network", "CoreNode", "HandlingStore", "HandlingBatch", "FakePublisher",
+           "EventLog", "RunnerRig"]
