@@ -220,7 +220,7 @@ class Runner:
                 # Remember which handlers finished, so a crash reruns only the others.
                 state = RunState(attempts, list(done), last_error, 0)
                 try:
-                    staging.commit(lambda b: b.put_runstate(mid, state), None, None, tx, name)
+                    staging.commit(lambda b: b.put_runstate(mid, state), mid, False, None, tx, name)
                 except UpdateFailed as exc:
                     done.pop()
                     error = f"kv update: {exc}"
@@ -253,7 +253,7 @@ class Runner:
     def _handled(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         try:
             premarked = self.staging.commit(self._completion(item.id, self._event("handled", item, o.attempts)),
-                                            item.id, nxt, o.tx, o.part)
+                                            item.id, True, nxt, o.tx, o.part)
         except UpdateFailed as exc:
             error = f"kv update: {exc}"
             log.warning("handler %s failed on %s %s (attempt %d/%d): %s", o.part, item.record.topic,
@@ -316,7 +316,7 @@ class Runner:
                                        "message": f"reply of {len(body)} bytes exceeds max_payload"}), None
         replied, reply_record = replied_with(body)
         try:
-            premarked = self.staging.commit(replied, mid, nxt, tx, "request")
+            premarked = self.staging.commit(replied, mid, True, nxt, tx, "request")
         except UpdateFailed as exc:
             events.append(self._event("handler_failed", item, message.attempt, f"kv update: {exc}"))
             replied, reply_record = replied_with(encode_payload(

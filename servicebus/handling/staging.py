@@ -89,25 +89,27 @@ class Staging:
 
     # --- the run's write ----------------------------------------------------------------------
 
-    def commit(self, build: Callable[[Any], None], finished: str | None, nxt: Incoming | None,
-               tx: Transaction | None, part: str) -> bool:
-        """``RunWriter.record`` a run's outcome with what its handler staged (``part``
-        names the handler, keeping outbox keys of several handlers apart). Raises
-        ``UpdateFailed`` if a kv update function raised: nothing was written."""
+    def commit(self, build: Callable[[Any], None], message_id: str, finished: bool,
+               nxt: Incoming | None, tx: Transaction | None, part: str) -> bool:
+        """``RunWriter.record`` a run's outcome with what its handler staged. Outbox keys
+        are the message's id and ``part`` (the handler's name): apart for every message
+        and every handler of it. ``finished``: this write takes the message out of the
+        incoming store. Raises ``UpdateFailed`` if a kv update function raised: nothing
+        was written."""
+        done = message_id if finished else None
         if tx is None or tx.empty():
-            return self._writer.record(build, finished, nxt)
+            return self._writer.record(build, done, nxt)
         if tx.updates:
             with self.kv_lock:  # held until written: the next update reads this one's value
                 try:
                     tx.resolve_updates()
                 except Exception as exc:
                     raise UpdateFailed(f"{type(exc).__name__}: {exc}") from exc
-                return self._commit_staged(build, finished, nxt, tx, part)
-        return self._commit_staged(build, finished, nxt, tx, part)
+                return self._commit_staged(build, message_id, done, nxt, tx, part)
+        return self._commit_staged(build, message_id, done, nxt, tx, part)
 
-    def _commit_staged(self, build: Callable[[Any], None], finished: str | None,
+    def _commit_staged(self, build: Callable[[Any], None], mid: str, finished: str | None,
                        nxt: Incoming | None, tx: Transaction, part: str) -> bool:
-        mid = finished or part
         sends: list[tuple[str, OutboxSend]] = []
 
         def full(batch: Any) -> None:

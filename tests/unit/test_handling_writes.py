@@ -247,11 +247,6 @@ def test_an_ordered_lane_lets_one_message_go_at_a_time_in_id_order():
     assert len(lanes) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug, left unfixed: a handler that is not the last of its topic's to finish commits its "
-    "staging with finished=None (runner._handle), and Staging._commit_staged keys its outbox "
-    "entries by `finished or part`, i.e. by the handler's name alone: every message's command "
-    "from it is stored under the same key, the next one's write overwrites the last"))
 def test_commands_sent_by_one_of_several_handlers_are_stored_apart_for_each_message():
     rig = RunnerRig()
 
