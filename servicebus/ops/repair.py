@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..store import schema
-from ..model.delivery import command_stream, event_stream, group_peer, is_command_stream, unpack_outgoing
+from ..model.delivery import (base_stream, command_stream, event_stream, group_peer, is_command_stream,
+                               is_group_peer, stream_target, unpack_outgoing)
 from ..errors import CorruptRecordError
 from ..hooks.journal import FLUSH_CHUNK, ROLES
 from ..model.letters import outgoing_letter
+from ..model.stored import DeliveryRecord
 from ..store import FORMAT_VERSION, MARK_NAME, Store
 from ..store.keys import seq_name, split_pair, split_seq, split_stamped, stamped_name
 from ..model.clock import wall_ms
@@ -204,30 +206,44 @@ def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datad
         report("runstate", mid, "run state of a message that is not stored", "dropped")
         fix(lambda b, m=mid: b.delete_record("runstate", m))
 
-    # Subscriptions and their delivery states determine each other.
+    # Subscriptions and their delivery states determine each other. A subscription to a
+    # topic has a state per level of its stream ("e:<topic>", "e:<topic> 3": delivery.py),
+    # kept under the subscriber, or under its group ("group:<name>") for all its members.
     for sub, topic in seen.bad_subscriptions:
         state = seen.deliveries.get((sub, event_stream(topic))) or {}
         record = {"since": state.get("floor") or "", "created": wall_ms(), "node": ""}
         fix(lambda b, s=sub, t=topic, r=record: b.put_subscription(s, t, r))
         seen.subscriptions[(sub, topic)] = record
-    for (peer, stream), state in sorted(seen.deliveries.items()):
-        if is_command_stream(stream) or (peer, stream[2:]) in seen.subscriptions:
+    owners = {(group_peer(r["group"]) if r.get("group") else s, t) for (s, t), r in seen.subscriptions.items()}
+    for peer, stream in sorted(seen.deliveries):
+        topic = stream_target(stream)
+        if is_command_stream(stream) or (peer, topic) in owners:
+            continue
+        if is_group_peer(peer):  # no member left: a subscription cannot be made without one
+            report("deliveries", f"{peer} {stream}", "delivery state of a group none of whose members "
+                   "is subscribed", "dropped (what only it was owed becomes dead letters)")
+            fix(lambda b, p=peer, s=stream: b.delete_delivery(p, s))
+            del seen.deliveries[(peer, stream)]
             continue
         report("deliveries", f"{peer} {stream}", "delivery state without its subscription",
                "subscription restored from it")
-        record = {"since": state.get("floor") or "", "created": wall_ms(), "node": ""}
-        fix(lambda b, p=peer, t=stream[2:], r=record: b.put_subscription(p, t, r))
-        seen.subscriptions[(peer, stream[2:])] = record
+        # Read from where the level-0 cursor is: a priority level's says nothing about it.
+        level0 = seen.deliveries.get((peer, event_stream(topic))) or {}
+        record = {"since": level0.get("floor") or "", "created": wall_ms(), "node": ""}
+        fix(lambda b, p=peer, t=topic, r=record: b.put_subscription(p, t, r))
+        seen.subscriptions[(peer, topic)] = record
+        owners.add((peer, topic))
     for peer, stream in seen.bad_deliveries:
-        since = "" if is_command_stream(stream) else \
-            (seen.subscriptions.get((peer, stream[2:])) or {}).get("since", "")
+        since = "" if is_command_stream(stream) else _since(seen, peer, stream_target(stream))
         fix(lambda b, p=peer, s=stream, f=since: b.put_delivery(p, s, {"floor": f, "acked": [], "attempts": {}}))
         seen.deliveries[(peer, stream)] = {"floor": since}
 
+    # A priority level is consumed by its level-0 stream's subscribers, cursor or not yet
+    # (the bus makes them at start: a crash can come between a publish and their writing).
     consumed = {event_stream(t) for _, t in seen.subscriptions} | {s for _, s in seen.deliveries}
-    for stream in sorted(seen.streams - consumed):
+    for stream in sorted(s for s in seen.streams - consumed if base_stream(s) not in consumed):
         if is_command_stream(stream):
-            peer = stream[2:]
+            peer = stream_target(stream)
             report("outgoing", stream, "commands with no delivery state", "delivery state restored")
             fix(lambda b, p=peer: b.put_delivery(p, command_stream(p), {"floor": "", "acked": [], "attempts": {}}))
         else:
@@ -259,6 +275,15 @@ def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datad
             fix(lambda b, k=key, m=mid, a=at: b.put_publish_key(k, m, a))
 
     _check_meta(seen, report, fix, datadir)
+
+
+def _since(seen: _Seen, peer: str, topic: str) -> str:
+    """Where a cursor of ``peer`` on ``topic`` starts from when it has none: its
+    subscription's "since"; a group's, its earliest member's (as core/streams.py does)."""
+    if not is_group_peer(peer):
+        return str((seen.subscriptions.get((peer, topic)) or {}).get("since", ""))
+    return min((str(r.get("since", "")) for (_, t), r in seen.subscriptions.items()
+                if t == topic and r.get("group") and group_peer(r["group"]) == peer), default="")
 
 
 def _orphans_to_deadletters(store: Store, stream: str, fix: _Fixes) -> None:
@@ -385,23 +410,31 @@ def repair_files(store_path: Path) -> list[Problem]:
 def lost_in_repair(store: Store, owed: Owed) -> list[Problem]:
     """Messages the journal says were owed and the repaired store no longer holds."""
     _add_stored_journal(owed, store)
-    floors = {(p, s): rec for p, s, rec in store.deliveries()}
-    # A group member's messages are acknowledged on the group's shared cursor.
+    # The journal names an event's topic, not its priority level: every level's stream
+    # and cursor is looked at. A group member's are the group's shared ones.
+    levels: dict[str, list[str]] = {}
+    for name in store.stream_names():
+        levels.setdefault(base_stream(name), []).append(name)
+    cursors: dict[tuple[str, str], list[DeliveryRecord]] = {}
+    for p, s, rec in store.deliveries():
+        cursors.setdefault((p, base_stream(s)), []).append(rec)
     groups = {(sub, event_stream(topic)): group_peer(rec["group"])
               for sub, topic, rec in store.subscriptions() if rec.get("group")}
     rows = []
     for (mid, peer), stream in sorted(owed.sent.items()):
-        if store.get_outgoing(stream, mid) is not None or store.has_deadletter(mid):
+        if any(store.get_outgoing(s, mid) is not None for s in levels.get(stream, ())) or store.has_deadletter(mid):
             continue
-        state = floors.get((groups.get((peer, stream), peer), stream))
-        if state is None:
+        states = cursors.get((groups.get((peer, stream), peer), stream))
+        if not states:
             rows.append(Problem("outgoing", mid, f"lost in repair, or dropped by an unsubscribe: owed to {peer} "
                                 "per the journal, not stored, and it has no subscription now", "reported"))
             continue
-        if (state.get("floor") or "") >= mid or mid in (state.get("acked") or ()):
-            continue  # acknowledged (its "acked" event was lost with the damage)
-        rows.append(Problem("outgoing", mid, f"lost in repair: owed to {peer} on {stream}, no longer stored",
-                            "reported"))
+        passed = [(st.get("floor") or "") >= mid for st in states]
+        if all(passed) or any(mid in (st.get("acked") or ()) for st in states):
+            continue  # acknowledged, on whichever level (its "acked" event was lost with the damage)
+        rows.append(Problem("outgoing", mid, f"lost in repair: owed to {peer} on {stream}, no longer stored"
+                            + ("; or acknowledged, if it was on a priority level whose cursor has passed it "
+                               "(the journal does not say which)" if any(passed) else ""), "reported"))
     for mid in sorted(owed.received):
         if not store.seen(mid):
             rows.append(Problem("incoming", mid, "lost in repair: received, not handled, no longer stored",

@@ -114,7 +114,7 @@ def view_subscribers(store: Store, datadir: Path, args: dict, live: dict | None)
                                        "pending": 0, "last_ack": None})
         if is_command_stream(c.stream):
             row["commands"] = True
-        else:
+        elif c.topic not in row["topics"]:  # once, however many priority levels it has
             row["topics"].append(c.topic)
         row["pending"] += sum(1 for _ in c.pending_ids(store))
         if c.last_ack and (row["last_ack"] is None or c.last_ack > row["last_ack"]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..model.delivery import event_stream, group_peer, stream_target
+from ..model.delivery import base_stream, event_stream, group_peer, is_priority_stream, stream_target
 from ..model.ids import id_millis
 from .db import Store
 
@@ -46,16 +46,26 @@ class ConsumerView:
 
 
 def consumers(store: Store) -> list[ConsumerView]:
-    """Every (peer, stream) delivery state, including subscriptions not yet written one."""
+    """Every (peer, stream) delivery state, including those not written yet: of a
+    subscription, and of a priority level ("e:<topic> 3") written before its cursors were
+    (the bus makes them at start, as core/streams.py ``mirror`` does)."""
     views: dict[tuple[str, str], ConsumerView] = {}
     for peer, stream, rec in store.deliveries():
         views[(peer, stream)] = ConsumerView(peer, stream, rec.get("floor"), set(rec.get("acked") or ()),
                                              dict(rec.get("attempts") or {}), rec.get("last_ack"))
+    starts: dict[str, dict[str, str]] = {}  # level-0 stream -> subscriber or group -> since
     for sub, topic, subscription in store.subscriptions():
         group = subscription.get("group")
         key = (group_peer(group) if group else sub, event_stream(topic))  # a group: one cursor
         if key not in views:
             views[key] = ConsumerView(key[0], key[1], subscription["since"])
+        since, peers = subscription["since"], starts.setdefault(key[1], {})
+        peers[key[0]] = min(peers.get(key[0], since), since)  # a group: its earliest member's
+    for stream in store.stream_names():
+        if is_priority_stream(stream):
+            for peer, since in starts.get(base_stream(stream), {}).items():
+                if (peer, stream) not in views:
+                    views[(peer, stream)] = ConsumerView(peer, stream, since)
     return sorted(views.values(), key=lambda c: (c.peer, c.stream))
 
 

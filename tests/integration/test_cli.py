@@ -15,7 +15,7 @@ import pytest
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
 
-from ..conftest import BusProcess
+from ..conftest import BusProcess, subscriber_gone
 
 TOPIC = "user.signup"
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -251,6 +251,97 @@ def test_check_repairs_a_store_whose_files_are_damaged(make_bus, tmp_path):
     left = cli_json("status", tmp_path / "server")[0]["incoming"]
     assert 0 < left < 300  # the damaged block is gone, the rest recovered
     assert cli("check", tmp_path / "server").returncode == 0
+
+
+def _records(datadir: Path) -> dict[bytes, bytes]:
+    db = plyvel.DB(str(datadir / "store"))
+    try:
+        return dict(db.iterator())
+    finally:
+        db.close()
+
+
+def _publisher_owing_priority_events(make_bus, group=None):
+    """A publisher whose subscriber (or group of one) handled an event of priority 3 and one
+    of priority 0, stopped, and is owed 7 more: 3 of priority 3, 2 of 0 and 2 of 9. Each
+    priority level is a stream of its own ("e:<topic> 3"), with a delivery cursor of its
+    own. Returns the publisher, still open, and the ids owed."""
+    pub, sub = make_bus("pub"), make_bus("sub")
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append(p["n"]))
+    sub.subscribe(pub.address, TOPIC, group=group, wait=10)
+    pub.publish(TOPIC, {"n": 0}, priority=3)
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: len(got) == 2 and pub.status().pending == 0, 10)
+    sub.close()
+    owed = (pub.publish_many(TOPIC, [{"n": n} for n in (2, 3, 4)], priority=3)
+            + pub.publish_many(TOPIC, [{"n": n} for n in (5, 6)])
+            + pub.publish_many(TOPIC, [{"n": n} for n in (7, 8)], priority=9))
+    wait_until(lambda: pub.status().pending == 7, 10)
+    return pub, owed
+
+
+@pytest.mark.parametrize("group", [None, "billing"])
+def test_a_healthy_store_with_priority_streams_checks_clean_and_repair_changes_nothing(make_bus, group):
+    pub, owed = _publisher_owing_priority_events(make_bus, group)
+    pub.close()
+    before = _records(pub.datadir)
+    assert any(k.startswith(b"d/") and k.endswith((b" 3", b" 9")) for k in before)
+    checked = cli("check", pub.datadir, "--json")
+    assert (checked.returncode, checked.stdout) == (0, ""), checked.stdout + checked.stderr
+    repaired = cli("check", pub.datadir, "--repair", "--json")
+    assert (repaired.returncode, repaired.stdout) == (0, ""), repaired.stdout + repaired.stderr
+    after = _records(pub.datadir)
+    # No subscription to a topic with a space in it ("user.signup 3"), none for "group:...".
+    assert sorted(k for k in after if k.startswith(b"s/")) == sorted(k for k in before if k.startswith(b"s/"))
+    # Every synced write moves the store's high-water mark (store/mark.py): nothing else.
+    assert {k: v for k, v in after.items() if k != b"m/hwm"} == {k: v for k, v in before.items() if k != b"m/hwm"}
+
+
+def test_listings_of_priority_streams_name_the_topic_once_and_count_every_level(make_bus):
+    pub, owed = _publisher_owing_priority_events(make_bus)
+
+    def listed():
+        (sub,) = cli_json("subscribers", pub.datadir)
+        return {"topics": sub["topics"], "pending": sub["pending"],
+                "outgoing": sorted(r["id"] for r in cli_json("outgoing", pub.datadir, "--limit", "0")),
+                "status": cli_json("status", pub.datadir)[0]["pending"]}
+
+    expected = {"topics": [TOPIC], "pending": 7, "outgoing": sorted(owed), "status": 7}
+    assert listed() == expected  # served by the live bus
+    pub.close()
+    assert listed() == expected  # read from the stopped bus's store
+
+
+def test_a_priority_stream_whose_cursors_were_not_written_yet_is_owed_not_orphaned(make_bus):
+    """A crash between a publish and the engine's next turn leaves a priority stream with no
+    delivery state of its own: the bus gives it its subscribers' cursors at start
+    (core/machine.py), so check finds nothing wrong, repair dead-letters nothing, the
+    listings count it, and it is delivered."""
+    pub = make_bus("pub")
+    address, subdir = subscriber_gone(make_bus, pub, TOPIC)
+    owed = (pub.publish_many(TOPIC, [{"n": n} for n in range(3)], priority=3)
+            + pub.publish_many(TOPIC, [{"n": n} for n in range(3, 5)]))
+    pub.close()
+    db = plyvel.DB(str(pub.datadir / "store"))
+    levels = [k for k in db.iterator(prefix=b"d/", include_value=False) if k.endswith(b" 3")]
+    assert levels, "the publisher wrote no cursor for priority 3"
+    for key in levels:
+        db.delete(key)
+    db.close()
+    checked = cli("check", pub.datadir, "--json")
+    assert (checked.returncode, checked.stdout) == (0, ""), checked.stdout + checked.stderr
+    assert cli_json("status", pub.datadir)[0]["pending"] == 5
+    rows = cli_json("outgoing", pub.datadir, "--limit", "0")
+    assert sorted(r["id"] for r in rows) == sorted(owed) and all(r["owed_by"] == [address] for r in rows)
+    repaired = cli("check", pub.datadir, "--repair", "--json")
+    assert (repaired.returncode, repaired.stdout) == (0, ""), repaired.stdout + repaired.stderr
+    assert cli_json("deadletters", pub.datadir) == []
+    got = set()
+    sub = make_bus("sub-again", address=address, datadir=subdir)
+    sub.every(TOPIC, lambda p, m: got.add(m.id))
+    make_bus("pub-again", address=pub.address, datadir=pub.datadir)
+    wait_until(lambda: got == set(owed), 20, message=lambda: f"{len(got)} of {len(owed)}")
 
 
 def test_exit_codes_and_one_line_errors(tmp_path):

@@ -297,6 +297,32 @@ def test_a_store_whose_log_was_lost_or_cut_is_refused_and_repair_reports_every_l
         assert pub.status().outgoing == len(kept)
 
 
+def test_repair_after_a_lost_log_reports_exactly_what_it_lost_of_a_topic_with_priority_streams(tmp_path):
+    # Events of priority 3 are in a stream of their own ("e:<topic> 3") that the journal
+    # does not name: the ones the store kept must not be reported lost with the others.
+    pub = Bus(free_address(), tmp_path / "pub")
+    sub = Bus(free_address(), tmp_path / "sub")
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.close()
+    address = pub.address
+    kept = pub.publish_many(TOPIC, [{"n": n} for n in range(50)], priority=3)
+    pub.close()
+    with Bus(address, tmp_path / "pub") as pub:  # opening turns the last log into a table
+        lost = pub.publish_many(TOPIC, [{"n": n} for n in range(50, 100)])
+    _damage_log(tmp_path / "pub" / "store", "deleted")
+    repaired = cli("check", tmp_path / "pub", "--repair", "--json")
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    rows = [json.loads(line) for line in repaired.stdout.splitlines()]
+    reported = {row["key"] for row in rows if row["problem"].startswith("lost")}
+    assert reported == set(lost), f"{len(reported & set(kept))} kept ones reported lost"
+    store = Store.open(tmp_path / "pub" / "store", create=False)
+    try:
+        assert store.stream_ids(f"e:{TOPIC} 3") == kept
+    finally:
+        store.close()
+    assert cli("check", tmp_path / "pub").returncode == 0
+
+
 def test_a_data_directory_whose_store_was_deleted_is_refused_not_started_empty(tmp_path):
     pub_address, _sub_address, _ids = publisher_with_backlog(tmp_path, n=10)
     import shutil
