@@ -42,13 +42,13 @@ def check(owner: int | None, what: str) -> None:
 def checked_class(cls: type) -> type:
     """A subclass of ``cls`` (the core) whose public calls and ``s`` check the thread."""
     def owned(name: str) -> Any:
-        method = getattr(cls, name)
-
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             check(self.owner, name)
-            return method(self, *args, **kwargs)
+            # Looked up at each call, not once: a test that patches the core's method
+            # must reach this one too.
+            return getattr(cls, name)(self, *args, **kwargs)
         call.__name__ = name
-        call.__doc__ = method.__doc__
+        call.__doc__ = getattr(cls, name).__doc__
         return call
 
     def state(self: Any) -> Any:

@@ -159,13 +159,13 @@ def test_an_undecodable_record_makes_bus_raise_store_error_naming_its_keyspace_a
 # --- every step of opening can fail, and unwinds exactly what it opened ------------------------
 
 OPEN_STEPS = [
-    ("servicebus.bus.DataDirLock.acquire", "taking the lock"),
-    ("servicebus.bus.Store.open", "opening the store"),
+    ("servicebus.lifecycle.DataDirLock.acquire", "taking the lock"),
+    ("servicebus.lifecycle.Store.open", "opening the store"),
     ("servicebus.store.Store.bus_clock", "reading the bus clock"),
     ("servicebus.engine.sockets.Sockets.bind_router", "binding the router"),
     ("servicebus.engine.sockets.Sockets.bind_admin", "binding the admin endpoint"),
-    ("servicebus.bus.Journal.__init__", "making the journal"),
-    ("servicebus.bus.Dispatcher.__init__", "making the dispatcher"),
+    ("servicebus.lifecycle.Journal.__init__", "making the journal"),
+    ("servicebus.lifecycle.Dispatcher.__init__", "making the dispatcher"),
     ("servicebus.core.machine.Core.load", "loading delivery state"),
     ("servicebus.handling.dispatch.Dispatcher.start", "starting the workers"),
     ("servicebus.engine.loop.Engine.start", "starting the engine"),
