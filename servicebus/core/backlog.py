@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from ..model.delivery import Consumer, is_command_stream
-from ..model.letters import outgoing_letter
+from ..model.delivery import Consumer, is_command_stream, unpack_outgoing
 from .expiry import Expiry
 from .state import State
 
@@ -28,6 +27,14 @@ __all__ = ["Backlog", "DROP_BUDGET"]
 log = logging.getLogger("servicebus")
 
 DROP_BUDGET = 5000  # messages dropped per turn at most (one batch)
+
+
+def _count(data: bytes) -> int:
+    """Messages in a stored segment (a damaged one counts as one: expiry.py deals with it)."""
+    try:
+        return len(unpack_outgoing(data).ids)
+    except Exception:  # noqa: BLE001
+        return 1
 
 
 class Backlog:
@@ -43,16 +50,15 @@ class Backlog:
         s = self.s
         for consumer in s.consumers.values():
             if not is_command_stream(consumer.stream):
-                owed = s.store.stream_ids(consumer.stream, after=consumer.floor)
-                consumer.backlog = len(owed) - len(consumer.skip)
+                consumer.backlog = sum(
+                    _count(data) for key, data in s.store.iter_stream(consumer.stream, after=consumer.floor)
+                    if key not in consumer.skip)
         self.update()
 
-    def published(self, consumer: Consumer, items: list[tuple[str, bytes]]) -> None:
+    def published(self, consumer: Consumer, items: list[tuple[str, bytes, int]]) -> None:
         floor = consumer.floor or ""
-        if items and items[0][0] > floor:
-            consumer.backlog += len(items)
-        else:  # written before this consumer started: not owed to it
-            consumer.backlog += sum(1 for mid, _ in items if mid > floor)
+        # Segments written before this consumer started are not owed to it.
+        consumer.backlog += sum(count for key, _record, count in items if key > floor)
 
     def update(self) -> None:
         """Publish which streams have a consumer at its limit; drop the excess of those
@@ -76,51 +82,58 @@ class Backlog:
             s.full_changed = True
 
     def _drop(self, consumer: Consumer, count: int) -> int:
-        """Move the ``count`` oldest messages owed to ``consumer`` to the dead letters. In
-        flight ones only while its subscriber is down (up, it may be storing them now);
-        then the unsent ones, in stream order."""
+        """Move at least ``count`` of the oldest messages owed to ``consumer`` to the dead
+        letters, whole segments (a publish) at a time. In flight ones only while its
+        subscriber is down (up, it may be storing them now); then the unsent ones, in
+        stream order. Returns how many messages went."""
         s = self.s
         dropped = 0
         if not s.up(consumer):
-            for mid in sorted(consumer.inflight)[:count]:
-                dropped += self._letter(consumer, mid)
+            for key in sorted(consumer.inflight):
+                if dropped >= count:
+                    return dropped
+                dropped += self._letter(consumer, key)
         if dropped >= count:
             return dropped
-        # Nothing in flight: the cursor moves past them (a skipped id would be kept in the
+        # Nothing in flight: the cursor moves past them (a skipped key would be kept in the
         # durable record until the cursor got there: a subscriber down for long would grow
         # it without bound). Else each is marked done where it is, as an expiry is.
         jump = not consumer.order
-        ids = [mid for mid in s.store.stream_ids(consumer.stream, after=consumer.pos,
-                                                 limit=count - dropped) if mid not in consumer.skip]
-        for mid in ids:
+        keys = [key for key in s.store.stream_ids(consumer.stream, after=consumer.pos,
+                                                  limit=count - dropped) if key not in consumer.skip]
+        last = None
+        for key in keys:
+            if dropped >= count:
+                break
             if jump:
-                self._record(consumer, mid)
-                consumer.floor = consumer.pos = mid
-                consumer.backlog -= 1
+                n = self._record(consumer, key)
+                consumer.floor = consumer.pos = last = key
+                consumer.backlog -= n
+                dropped += n
             else:
-                dropped += self._letter(consumer, mid)
-        if jump and ids:
-            dropped += len(ids)
-            consumer.skip = {m for m in consumer.skip if m > ids[-1]}
+                dropped += self._letter(consumer, key)
+        if last is not None:
+            consumer.skip = {m for m in consumer.skip if m > last}
             consumer.dirty = True
         return dropped
 
-    def _letter(self, consumer: Consumer, mid: str) -> int:
-        self._record(consumer, mid)
-        consumer.settle(mid)
-        return 1
+    def _letter(self, consumer: Consumer, key: str) -> int:
+        n = self._record(consumer, key)
+        consumer.settle(key, n)
+        return n
 
-    def _record(self, consumer: Consumer, mid: str) -> None:
+    def _record(self, consumer: Consumer, key: str) -> int:
+        """Dead letters for a segment's messages; how many it had."""
         s = self.s
-        data = s.store.get_outgoing(consumer.stream, mid)
-        record = None if data is None else self.expiry.record(consumer, mid, data)
+        data = s.store.get_outgoing(consumer.stream, key)
+        record = None if data is None else self.expiry.record(consumer, key, data)
         if record is None:
-            return
-        s.out.batch.put_deadletter(mid, outgoing_letter(
-            "backlog_full", f"more than max_backlog ({s.config.max_backlog}) messages owed to "
-            f"{consumer.peer}", record, consumer.peer, consumer.stream))
-        s.counters["backlog_dropped"] += 1
-        peer = consumer.journal_peer(mid)
+            return 1
+        self.expiry.letters(consumer, record, "backlog_full", f"more than max_backlog "
+                            f"({s.config.max_backlog}) messages owed to {consumer.peer}")
+        s.counters["backlog_dropped"] += len(record.ids)
+        peer = consumer.journal_peer(key)
         if s.events_on and peer is not None:
-            s.event("deadlettered_at_sender", s.wall(), mid, record.topic, "event", peer, 0,
-                      "backlog_full")
+            s.event("deadlettered_at_sender", s.wall(), key, record.topic, "event", peer, 0,
+                    "backlog_full", record.ids)
+        return len(record.ids)

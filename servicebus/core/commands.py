@@ -17,10 +17,10 @@ __all__ = ["Published", "SendCmd", "QueueReply", "QueueSend", "SubscribeCmd", "S
 
 @dataclass
 class Published:
-    """Messages a user thread has just made durable in ``stream`` (in id order)."""
+    """Segments a user thread has just made durable in ``stream`` (in key order)."""
 
     stream: str
-    items: list[tuple[str, bytes]]  # (id, packed outgoing record)
+    items: list[tuple[str, bytes, int]]  # (key, packed outgoing record, messages in it)
     future: Any = None  # nobody waits: the publish returned already
     ttl: bool = False  # they carry a TTL: the stream is checked for expiry while a peer is down
 

@@ -1,13 +1,17 @@
-"""Sender-side dead letters: messages that expired, that their receiver cannot take, or
-whose stored record is damaged. Each is settled in its consumer's window (so the cursor
-moves past it and garbage collection can delete it) and kept as a dead letter here."""
+"""Sender-side dead letters: segments that expired, messages their receiver cannot take,
+records that are damaged. A segment given up is settled in its consumer's window (so the
+cursor moves past it and garbage collection can delete it) and each of its messages kept
+as a dead letter of its own here (a segment of one: ``servicebus replay`` puts it back)."""
 
 from __future__ import annotations
 
 import logging
 
+from collections.abc import Iterable
+
 from ..model.delivery import Consumer, OutgoingRecord, is_command_stream, unpack_outgoing
 from ..model.letters import damaged_letter, outgoing_letter
+from ..model.segments import bodies_of, make_blob
 from ..wire.protocol import KIND_NAMES, Kind
 from .state import Peer, State
 
@@ -23,7 +27,7 @@ class Expiry:
         self.s = state
 
     def record(self, consumer: Consumer, mid: str, data: bytes) -> OutgoingRecord | None:
-        """The stored message, or None if its record is damaged: then it becomes a dead
+        """The stored segment, or None if its record is damaged: then it becomes a dead
         letter (reason ``damaged``, the raw bytes kept) instead of stopping the engine."""
         try:
             return unpack_outgoing(data)
@@ -42,51 +46,78 @@ class Expiry:
             return False
         return record.expires < (self.s.wall() if now_ms is None else now_ms)
 
+    def letters(self, consumer: Consumer, record: OutgoingRecord, reason: str, error: str | None,
+                which: Iterable[int] | None = None) -> None:
+        """Each of a segment's messages (or those at indices ``which``) as a dead letter of
+        its own for ``consumer``'s peer."""
+        bodies = bodies_of(record.blob) if which is not None or len(record.ids) > 1 else None
+        batch = self.s.out.batch
+        for i in range(len(record.ids)) if which is None else which:
+            one = record if bodies is None else record._replace(
+                ids=[record.ids[i]], blob=make_blob([bodies[i]]))
+            batch.put_deadletter(record.ids[i], outgoing_letter(reason, error, one, consumer.peer,
+                                                                consumer.stream))
+
     def expire(self, consumer: Consumer, mid: str, record: OutgoingRecord, attempt: int) -> None:
-        """A message whose TTL passed before its receiver acked it: a dead letter here; a
-        request is dropped instead (its caller got ``RequestTimeout``: nothing to replay)."""
+        """A segment whose TTL passed before its receiver acked it: its messages are dead
+        letters here; a request is dropped instead (its caller got ``RequestTimeout``:
+        nothing to replay)."""
         s = self.s
         peer = consumer.journal_peer(mid)  # before settling: that forgets a group's member
-        consumer.settle(mid)
+        consumer.settle(mid, len(record.ids))
         if record.kind == Kind.COMMAND and record.correlation_id is not None:
             s.counters["requests_expired"] += 1
             if s.events_on and peer is not None:
                 s.event("dropped_at_sender", s.wall(), mid, record.topic, "command", peer,
-                          attempt, "request_expired")
+                        attempt, "request_expired")
             log.info("request %s to %s expired before it was acknowledged: dropped (its caller "
                      "was told RequestTimeout)", mid, consumer.peer)
             return
-        s.out.batch.put_deadletter(mid, outgoing_letter("expired", None, record, consumer.peer,
-                                                        consumer.stream))
-        s.counters["expired"] += 1
+        self.letters(consumer, record, "expired", None)
+        s.counters["expired"] += len(record.ids)
         if s.events_on and peer is not None:
             s.event("expired_at_sender", s.wall(), mid, record.topic, KIND_NAMES[record.kind],
-                      peer, attempt, "expired")
-        log.warning("%s %s to %s expired before it was acknowledged: dead letter",
-                    Kind(record.kind).name.lower(), mid, consumer.peer)
+                    peer, attempt, "expired", record.ids)
+        log.warning("%s %s to %s expired before it was acknowledged: dead letter%s",
+                    Kind(record.kind).name.lower(), mid, consumer.peer,
+                    f" (and {len(record.ids) - 1} more of its segment)" if len(record.ids) > 1 else "")
 
     def refuse(self, consumer: Consumer, mid: str, record: OutgoingRecord, reason: str,
-               error: str) -> None:
-        """A message its receiver cannot take: a dead letter at the sender (replayable with
-        ``servicebus replay`` once the receiver's ``max_payload`` allows it)."""
+               error: str, which: list[int] | None = None) -> None:
+        """Messages their receiver cannot take (the segment's, or those at ``which``): dead
+        letters at the sender (replayable with ``servicebus replay`` once the receiver
+        allows them). A whole segment is settled; a part of one is left out of what is sent."""
         s = self.s
         peer = consumer.journal_peer(mid)
-        consumer.settle(mid)
+        if which is None:
+            consumer.settle(mid, len(record.ids))
         kind = Kind(record.kind).name.lower()
-        s.out.batch.put_deadletter(mid, outgoing_letter(reason, error, record, consumer.peer,
-                                                        consumer.stream))
-        s.counters["refused"] += 1
+        self.letters(consumer, record, reason, error, which)
+        ids = record.ids if which is None else [record.ids[i] for i in which]
+        s.counters["refused"] += len(ids)
         if s.events_on and peer is not None:
-            s.event("deadlettered_at_sender", s.wall(), mid, record.topic, kind, peer, 0, reason)
-        log.error("%s %s to %s: %s; dead letter", kind, mid, consumer.peer, error)
+            s.event("deadlettered_at_sender", s.wall(), ids[0], record.topic, kind, peer, 0, reason, ids)
+        log.error("%s %s to %s: %s; dead letter", kind, ", ".join(ids[:3]) + (" ..." if len(ids) > 3 else ""),
+                  consumer.peer, error)
 
-    def too_large(self, consumer: Consumer, mid: str, record: OutgoingRecord, peer: Peer) -> bool:
+    def fit(self, consumer: Consumer, mid: str, record: OutgoingRecord, peer: Peer) -> OutgoingRecord | None:
+        """The part of a segment ``peer`` takes: its messages whose payload is within the
+        peer's ``max_payload`` (the others are dead letters here); None if none is."""
         limit = peer.max_payload
-        if limit is None or len(record.body) <= limit:
-            return False
-        self.refuse(consumer, mid, record, "too_large",
-                    f"payload of {len(record.body)} bytes; the receiver's max_payload is {limit}")
-        return True
+        if limit is None or len(record.blob) <= limit:
+            return record  # the whole blob is within: each payload is
+        bodies = bodies_of(record.blob)
+        big = [i for i, body in enumerate(bodies) if len(body) > limit]
+        if not big:
+            return record
+        sizes = ", ".join(str(len(bodies[i])) for i in big[:3])
+        error = f"payload of {sizes} bytes; the receiver's max_payload is {limit}"
+        if len(big) == len(bodies):
+            self.refuse(consumer, mid, record, "too_large", error)
+            return None
+        self.refuse(consumer, mid, record, "too_large", error, big)
+        keep = [i for i in range(len(bodies)) if i not in set(big)]
+        return record._replace(ids=[record.ids[i] for i in keep], blob=make_blob([bodies[i] for i in keep]))
 
     def expire_waiting(self, now: float) -> None:
         """TTLs pass while a receiver is down too: commands and replies waiting for a peer
@@ -117,7 +148,7 @@ class Expiry:
             for mid, data in items:
                 if mid in consumer.skip:
                     if leading and consumer.room(window) > 0:
-                        consumer.admit(mid, now, ack_timeout)
+                        consumer.admit(mid, now, ack_timeout)  # skipped: settled at once
                     continue
                 try:
                     record = unpack_outgoing(data)
@@ -127,7 +158,7 @@ class Expiry:
                     leading = False
                     continue
                 if leading and consumer.room(window) > 0:
-                    consumer.admit(mid, now, ack_timeout)
+                    consumer.admit(mid, now, ack_timeout, 1 if record is None else len(record.ids))
                 if record is None:
                     self.record(consumer, mid, data)
                 else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..wire import protocol as P
-from ..model.delivery import Consumer, base_stream, event_stream, stream_target
+from ..model.delivery import Consumer, base_stream, event_stream, stream_target, unpack_outgoing
 from ..errors import SubscribeRefused
 from ..model.stored import IntentRecord, SubscriptionRecord, subscription_options
 from .commands import SubscribeCmd
@@ -342,7 +342,9 @@ class Handshake:
             if s.events_on:
                 ts = s.wall()
                 for mid, member in consumer.assigned.items():
-                    s.event("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed")
+                    flight = consumer.inflight.get(mid)
+                    s.event("dropped_at_sender", ts, mid, topic, "event", member, 0, "unsubscribed",
+                            None if flight is None else flight.ids)
             s.out.batch.delete_delivery(consumer.peer, consumer.stream)
             s.gc_floor.pop(consumer.stream, None)
             s.orphans_due = True
@@ -356,13 +358,18 @@ class Handshake:
         take them for lost): those in flight and those stored after its cursor."""
         s = self.s
         ts, peer = s.wall(), consumer.peer
-        owed = list(consumer.inflight)
+        owed: list[tuple[str, tuple[str, ...] | list[str]]] = [(key, f.ids) for key, f in consumer.inflight.items()]
         after = consumer.pos
         while True:
-            ids = s.store.stream_ids(consumer.stream, after=after, limit=10_000)
-            owed += [mid for mid in ids if mid not in consumer.skip]
-            if len(ids) < 10_000:
+            items = s.store.iter_stream(consumer.stream, after=after, limit=1000)
+            for key, data in items:
+                if key not in consumer.skip:
+                    try:
+                        owed.append((key, unpack_outgoing(data).ids))
+                    except Exception:  # noqa: BLE001 - damaged: its key is all there is to name
+                        owed.append((key, ()))
+            if len(items) < 1000:
                 break
-            after = ids[-1]
-        for mid in owed:
-            s.event("dropped_at_sender", ts, mid, topic, "event", peer, 0, why)
+            after = items[-1][0]
+        for key, ids in owed:
+            s.event("dropped_at_sender", ts, key, topic, "event", peer, 0, why, ids or None)

@@ -1,11 +1,14 @@
-"""The receiver's side: dedupe, store, ack after the fsync, hand to the handlers.
+"""The receiver's side: dedupe, store, ack after the fsync, hand to the handlers, by
+segment (model/segments.py).
 
-A message is acked only once it is durable here: stored as incoming in this turn's batch
+A segment is acked only once it is durable here: stored as incoming in this turn's batch
 (which is then fsynced) or already stored, handled or dead-lettered (a resend: acked
-again, not handled again). One whose payload does not decode or whose own fields are not
-valid (from an older or hostile publisher) is stored as a dead letter instead, with its raw
-bytes, and acked the same way: it alone, not its frame, is refused (DESIGN rule 11). Handled ids are remembered for
-``dedupe_window``, counted on the bus clock (clock.py), then pruned.
+again, not handled again). One whose own fields are not valid (from an older or hostile
+publisher) is stored as a dead letter instead, with its raw bytes, and acked the same
+way: it alone, not its frame, is refused (DESIGN rule 11); a payload that does not decode
+is a dead letter of its own when a handler would get it (handling/runner.py). Handled
+segments are remembered for ``dedupe_window``, counted on the bus clock (clock.py), then
+pruned.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from ..wire import protocol as P
-from ..model.letters import incoming_letter, invalid_letter
+from ..model.letters import invalid_letter
 from ..model.stored import event
 from ..wire.protocol import KIND_NAMES
 from ..wire.validation import MAX_MS
@@ -42,8 +45,7 @@ class Receiver:
             reason = s.address_refused(frame.reply_to, source, user) if frame.reply_to else None
             if reason is not None:
                 s.count_refused(reason, frame.reply_to, source)
-                ids = [env.id for env in frame.messages] + list(frame.oversize) + [
-                    env.id for env, _ in frame.undecodable] + [m.id for m in frame.invalid]
+                ids = [env.id for env in frame.messages] + list(frame.oversize) + [m.id for m in frame.invalid]
                 s.out.to_router.append((ident, P.encode_nack(ids, (
                     f"reply address {frame.reply_to[:200]!r} refused: {reason}"))))
                 return
@@ -51,7 +53,6 @@ class Receiver:
             if entry is not None:
                 allowed = entry.may_send
                 denied = [env.id for env in frame.messages if not allowed(env.topic)]
-                denied += [env.id for env, _ in frame.undecodable if not allowed(env.topic)]
                 # One whose name is not even a str cannot be judged: refused.
                 denied += [m.id for m in frame.invalid if m.topic is None or not allowed(m.topic)]
                 if denied:
@@ -59,7 +60,6 @@ class Receiver:
                     s.out.to_router.append((ident, P.encode_nack(denied, "command not allowed for this key")))
                     frame = frame._replace(
                         messages=tuple(e for e in frame.messages if allowed(e.topic)),
-                        undecodable=tuple(u for u in frame.undecodable if allowed(u[0].topic)),
                         invalid=tuple(m for m in frame.invalid if m.topic is not None and allowed(m.topic)))
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
@@ -69,71 +69,69 @@ class Receiver:
                 f"payload larger than this bus's max_payload ({s.config.max_payload} bytes)"))))
             s.counters["refused_oversize"] += len(frame.oversize)
         jon, ts, kname = s.events_on, s.wall(), KIND_NAMES[kind]
-        jev = s.out.events  # appended to inline: this loop runs per received message
+        jev = s.out.events  # appended to inline: this loop runs per received segment
         known = s.store.seen_many([env.id for env in frame.messages])
         # TTLs arrive in the sender's clock. What is left of them counts on ours from now
         # on: skew between the two machines does not shorten or stretch them.
         skew = 0 if frame.sent_at is None else ts - frame.sent_at
         handoff = s.out.handoff
+        received = 0
         for env, was_seen in zip(frame.messages, known):
             if skew and env.expires is not None:
                 # Within what a datetime shows (Message.expires), as it was sent (validation.MAX_MS).
                 env = env._replace(expires=min(MAX_MS - 1, max(0, env.expires + skew)))
-            mid = env.id
-            acks.append(mid)
-            if was_seen or mid in seen:
+            key = env.id
+            acks.append(key)
+            count = len(env.ids) or 1
+            received += count
+            if was_seen or key in seen:
                 # Stored (and fsynced) or handled already: ack again, do not handle again.
-                s.counters["duplicates"] += 1
+                s.counters["duplicates"] += count
                 continue
-            seen.add(mid)
+            seen.add(key)
             record = incoming_record(kind, frame.sender, frame.reply_to, env)
-            batch.put_incoming(mid, record)
-            handoff.append(_tuple(Incoming, (mid, record, None)))
+            batch.put_incoming(key, record)
+            handoff.append(_tuple(Incoming, (key, record, None, None)))
             stored = True
             if jon:
-                jev.append(event("received", ts, mid, env.topic, kname, frame.reply_to, env.attempt))
-        if frame.undecodable or frame.invalid:
+                jev.append(event("received", ts, key, env.topic, kname, frame.reply_to, env.attempt,
+                                 None, env.ids or None))
+        if frame.invalid:
             stored = self._set_apart(frame, acks) or stored
-        s.counters["received"] += len(frame.messages) + len(frame.undecodable) + len(frame.invalid)
+            received += sum(len(m.message_ids()) for m in frame.invalid)
+        s.counters["received"] += received
         if stored:
             batch.sync = True  # the acks leave only after the fsync
 
     def _set_apart(self, frame: P.Batch, acks: list[str]) -> bool:
-        """Messages of ``frame`` that no handler can be given: a payload that does not
-        decode (``undecodable``: the message's record kept, raw payload and all, and
-        msgpack's error) or fields that are not valid (``invalid``: its header and payload
-        bytes as they came, and which field is wrong). Each is a dead letter, journaled as
+        """Segments of ``frame`` that no handler can be given: their own fields are not
+        valid (an older or hostile sender: its header and blob bytes as they came, and
+        which field is wrong). Each is one dead letter naming its messages, journaled as
         received and dead-lettered, and acked once that is fsynced, so that its sender stops
         resending it and an ordered subscription goes on past it. True if any was stored."""
         s = self.s
         kind = int(frame.kind)
-        apart: list[tuple[str, str | None, int, str, str, P.Envelope | P.Invalid]] = [
-            (env.id, env.topic, env.attempt, "undecodable", error, env) for env, error in frame.undecodable]
-        apart += [(m.id, m.topic, 0, "invalid", m.error, m) for m in frame.invalid]
-        known = s.store.seen_many([mid for mid, *_ in apart])
+        known = s.store.seen_many([m.id for m in frame.invalid])
         stored = False
-        for (mid, topic, attempt, reason, error, message), was_seen in zip(apart, known):
-            acks.append(mid)
-            if was_seen or mid in s.turn_ids:
+        for message, was_seen in zip(frame.invalid, known):
+            key = message.id
+            acks.append(key)
+            if was_seen or key in s.turn_ids:
                 s.counters["duplicates"] += 1
                 continue
-            s.turn_ids.add(mid)
-            if isinstance(message, P.Invalid):
-                letter = invalid_letter(kind, frame.sender, frame.reply_to, message)
-            else:
-                letter = incoming_letter(reason, error, 0, incoming_record(
-                    kind, frame.sender, frame.reply_to, message))
-            s.out.batch.put_deadletter(mid, letter)
+            s.turn_ids.add(key)
+            s.out.batch.put_deadletter(key, invalid_letter(kind, frame.sender, frame.reply_to, message))
             stored = True
+            ids = message.message_ids()
             if s.events_on:
                 ts, kname = s.wall(), KIND_NAMES[kind]
                 peer = frame.reply_to
-                s.event("received", ts, mid, topic, kname, peer, attempt)
-                s.event("deadlettered", ts, mid, topic, kname, peer, 0, f"{reason}: {error}")
-            total = s.tally(s.counters, reason, reason)
+                s.event("received", ts, key, message.topic, kname, peer, 0, None, ids)
+                s.event("deadlettered", ts, key, message.topic, kname, peer, 0, f"invalid: {message.error}", ids)
+            total = s.tally(s.counters, "invalid", "invalid")
             if total is not None:
-                log.error("dead letter: %s %s from %s: %s (%s); %d so far", topic, mid, frame.reply_to,
-                          _WHY[reason], error, total)
+                log.error("dead letter: %s %s from %s: %s (%s); %d so far", message.topic, key,
+                          frame.reply_to, _WHY["invalid"], message.error, total)
         return stored
 
     def prune_publish_keys(self) -> bool:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 
 from ..wire import protocol as P
-from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record,
+from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record, unpack_outgoing,
                         is_command_stream, is_delayed, stream_target)
 from ..model.ids import id_millis
+from ..model.segments import bodies_of, make_blob
 from ..model.stored import event
 from ..wire.payload import header_bytes
 from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind
@@ -32,6 +33,14 @@ def _stream_topic(stream: str) -> tuple[str | None, str]:
     return (None, "command") if is_command_stream(stream) else (stream_target(stream), "event")
 
 
+def _part(record: OutgoingRecord, ids: list[str]) -> OutgoingRecord:
+    """The messages ``ids`` of a segment, in a record of their own (same key)."""
+    keep = set(ids)
+    bodies = bodies_of(record.blob)
+    return record._replace(ids=[i for i in record.ids if i in keep],
+                           blob=make_blob([b for i, b in zip(record.ids, bodies) if i in keep]))
+
+
 class Sender:
     def __init__(self, state: State, expiry: Expiry) -> None:
         self.s = state
@@ -44,27 +53,38 @@ class Sender:
         jon, jev, consumers = s.events_on, s.out.events, peer.consumers
         for mid in ids:
             for consumer in consumers:
-                if consumer.ack(mid):
+                flight = consumer.inflight.get(mid)
+                if flight is not None and consumer.ack(mid):
                     consumer.last_ack = wall_ms / 1000
                     if jon:
                         topic, kname = _stream_topic(consumer.stream)
-                        jev.append(event("acked", wall_ms, mid, topic, kname, peer.address))
+                        jev.append(event("acked", wall_ms, mid, topic, kname, peer.address, 0, None,
+                                         flight.ids or None))
                     break
 
     def on_nack(self, peer: Peer, nack: P.Nack) -> None:
-        """The peer refused these messages for good (too large for it): each becomes a dead
-        letter here, with the peer's reason, and its place in the window is freed."""
-        log.warning("peer %s refused %d message(s): %s", peer.address, len(nack.ids), nack.reason)
+        """The peer refused these for good: segments (by key; their place in the window is
+        freed) or single messages of a segment (too large for it: the rest of the segment
+        is acked as usual). Each message becomes a dead letter here, with the peer's reason."""
+        log.warning("peer %s refused %d message(s) or segment(s): %s", peer.address, len(nack.ids),
+                    nack.reason)
         for mid in nack.ids:
             for consumer in peer.consumers:
-                if mid in consumer.inflight:
-                    data = self.s.store.get_outgoing(consumer.stream, mid)
-                    record = None if data is None else self.expiry.record(consumer, mid, data)
-                    if record is not None:
-                        self.expiry.refuse(consumer, mid, record, "refused", nack.reason)
-                    else:
-                        consumer.settle(mid)
-                    break
+                key, which = mid, None
+                if mid not in consumer.inflight:
+                    key = next((k for k, f in consumer.inflight.items() if mid in f.ids), "")
+                    if not key:
+                        continue
+                data = self.s.store.get_outgoing(consumer.stream, key)
+                record = None if data is None else self.expiry.record(consumer, key, data)
+                if record is None:
+                    consumer.settle(key)
+                elif key == mid:
+                    self.expiry.refuse(consumer, key, record, "refused", nack.reason)
+                elif mid in record.ids:
+                    which = [record.ids.index(mid)]
+                    self.expiry.refuse(consumer, key, record, "refused", nack.reason, which)
+                break
 
     def peer_up(self, peer: Peer) -> None:
         """A peer (re)appeared: what it had in flight may be lost, so send it again now
@@ -90,8 +110,14 @@ class Sender:
         else:
             room = window - len(consumer.order)
         if consumer.left is not None:
-            room = min(room, consumer.left - len(consumer.inflight))
+            room = min(room, self._left(consumer))
         return room
+
+    @staticmethod
+    def _left(consumer: Consumer) -> int:
+        """Messages a subscription with a limit may still be given, past those in flight."""
+        assert consumer.left is not None
+        return consumer.left - sum(len(f.ids) or 1 for f in consumer.inflight.values())
 
     def _member(self, consumer: Consumer, avoid: str | None = None) -> Peer | None:
         """The up member of a group with the fewest messages in flight (not ``avoid``,
@@ -116,15 +142,27 @@ class Sender:
     # --- into the windows --------------------------------------------------------------
 
     def _admit(self, consumer: Consumer, mid: str, data: bytes, now: float, peer: Peer) -> int:
-        """Take ``mid`` into the window and queue it for ``peer`` (in a group: the member
-        picked for it). Returns the payload bytes queued."""
+        """Take segment ``mid`` into the window and queue it for ``peer`` (in a group: the
+        member picked for it). Returns the payload bytes queued."""
         s = self.s
-        flight = consumer.admit(mid, now, s.config.ack_timeout)
-        if flight is None:
-            return 0  # acknowledged before a restart
-        record = self.expiry.record(consumer, mid, data)
-        if record is None:
+        if mid in consumer.skip:
+            consumer.admit(mid, now, s.config.ack_timeout)  # acknowledged before a restart
             return 0
+        try:
+            record: OutgoingRecord | None = unpack_outgoing(data)
+        except Exception:  # noqa: BLE001 - damaged: expiry.record dead-letters it below
+            record = None
+        if record is not None and consumer.left is not None and len(record.ids) > self._left(consumer):
+            # A subscription's last messages: the first part of the segment, the rest never
+            # (resends send the same part: flight.ids).
+            record = _part(record, record.ids[:max(1, self._left(consumer))])
+        flight = consumer.admit(mid, now, s.config.ack_timeout, 1 if record is None else len(record.ids))
+        if flight is None:
+            return 0
+        if record is None:
+            self.expiry.record(consumer, mid, data)
+            return 0
+        flight.ids = record.ids
         if self.expiry.expired(record):
             self.expiry.expire(consumer, mid, record, flight.attempt)
             return 0
@@ -140,10 +178,11 @@ class Sender:
                 self._assign(consumer, mid, record, member, None)
                 assigned = True
             peer = member
-        if self.expiry.too_large(consumer, mid, record, peer):
+        fits = self.expiry.fit(consumer, mid, record, peer)
+        if fits is None:
             return 0
-        self._queue(consumer, peer, record, mid, flight.attempt, park=assigned)
-        return len(record.body) + header_bytes(record.headers)
+        self._queue(consumer, peer, fits, mid, flight.attempt, park=assigned)
+        return len(fits.blob) + header_bytes(record.headers)
 
     def _queue(self, consumer: Consumer, peer: Peer, record: OutgoingRecord, mid: str,
                attempt: int, park: bool = False) -> None:
@@ -161,7 +200,8 @@ class Sender:
         else:
             into.setdefault(peer, []).append((record.kind, env))
         if s.events_on:
-            s.event("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind], peer.address, attempt)
+            s.event("sent", s.wall(), mid, record.topic, KIND_NAMES[record.kind], peer.address, attempt,
+                    None, record.ids)
 
     def _assign(self, consumer: Consumer, mid: str, record: OutgoingRecord, member: Peer,
                 old: str | None) -> None:
@@ -177,8 +217,10 @@ class Sender:
         if s.events_on:
             ts = s.wall()
             if old is not None:
-                s.event("dropped_at_sender", ts, mid, record.topic, "event", old, 0, "reassigned")
-            s.event("published", record.sent, mid, record.topic, "event", member.address)
+                s.event("dropped_at_sender", ts, mid, record.topic, "event", old, 0, "reassigned",
+                        record.ids)
+            s.event("published", record.sent, mid, record.topic, "event", member.address, 0, None,
+                    record.ids)
 
     def deliver_new(self, now: float) -> None:
         """Messages written this turn go straight into windows that had caught up."""
@@ -198,7 +240,7 @@ class Sender:
                 pos = consumer.pos or ""
                 room = self._room(consumer, window)
                 size = 0
-                for mid, record in items:
+                for mid, record, count in items:
                     if mid <= pos:
                         continue  # read from the store before this notice arrived
                     if len(mid) == 25 and self._delayed(consumer, mid):
@@ -207,7 +249,7 @@ class Sender:
                         consumer.exhausted = False  # the rest is read from the store later
                         break
                     n = self._admit(consumer, mid, record, now, peer)  # type: ignore[arg-type]
-                    room -= 1
+                    room -= count
                     if consumer.ordered:
                         size += n
 
@@ -233,6 +275,7 @@ class Sender:
             room = self._room(consumer, window)
             if room <= 0:
                 continue
+            # At most ``room`` segments: each holds one message or more.
             items = s.store.iter_stream(consumer.stream, after=consumer.pos, limit=room)
             if len(items) < room:
                 consumer.exhausted = True
@@ -241,10 +284,12 @@ class Sender:
                 if len(mid) == 25 and self._delayed(consumer, mid):
                     consumer.exhausted = True  # until the timer wakes it
                     break
-                if consumer.ordered and size >= FRAME_BYTES:
+                if room <= 0 or (consumer.ordered and size >= FRAME_BYTES):
                     consumer.exhausted = False
                     break
+                used = consumer.used
                 size += self._admit(consumer, mid, data, now, peer)  # type: ignore[arg-type]
+                room -= max(1, consumer.used - used)
 
     def _unheard_member(self, consumer: Consumer) -> bool:
         """Whether a member that the stored record says has messages of this group has not
@@ -297,8 +342,12 @@ class Sender:
                     if peer.address != old:
                         self._assign(consumer, mid, record, peer, old)
                         moved = True
-                if self.expiry.too_large(consumer, mid, record, peer):  # type: ignore[arg-type]
+                if flight.ids and len(flight.ids) != len(record.ids):
+                    record = _part(record, list(flight.ids))  # as first sent (a limit's last part)
+                fits = self.expiry.fit(consumer, mid, record, peer)  # type: ignore[arg-type]
+                if fits is None:
                     continue
+                record = fits
                 flight.attempt += 1
                 flight.deadline = deadline or now + backoff(flight.attempt - 1, cfg.ack_timeout,
                                                             cfg.resend_max)
@@ -339,23 +388,26 @@ class Sender:
                 kind = Kind(key if type(key) is int else key[0])  # type: ignore[index]
                 for chunk in self._frames(envs):
                     frames = P.encode_batch(kind, s.node_id, s.address, chunk, s.wall(), compress)
-                    s.out.to_peers.append((peer.address, frames, len(chunk)))
+                    s.out.to_peers.append((peer.address, frames, sum(len(e.ids) or 1 for e in chunk)))
 
     def _frames(self, envs: list[P.Envelope]) -> list[list[P.Envelope]]:
-        """Split into frames of at most ``max_batch`` messages and FRAME_BYTES of payload
-        and headers (one message alone may be bigger): a frame above the receiver's ZeroMQ
-        message size limit would make libzmq drop the connection, and only resends recover."""
+        """Split segments into frames of at most ``max_batch`` messages (and MAX_SEGMENTS
+        segments) and FRAME_BYTES of payload and headers (one segment alone may be bigger:
+        one message up to max_payload): a frame above the receiver's ZeroMQ message size
+        limit would make libzmq drop the connection, and only resends recover."""
         count = self.s.config.max_batch
         chunks: list[list[P.Envelope]] = []
         chunk: list[P.Envelope] = []
-        size = 0
+        size = messages = 0
         for env in envs:
-            n = len(env.body) + (header_bytes(env.headers) if env.headers else 0)
-            if chunk and (len(chunk) >= count or size + n > FRAME_BYTES):
+            n = len(env.body) + (header_bytes(env.headers) if env.headers else 0) + 25 * len(env.ids)
+            m = len(env.ids) or 1
+            if chunk and (messages + m > count or size + n > FRAME_BYTES or len(chunk) >= P.MAX_SEGMENTS):
                 chunks.append(chunk)
-                chunk, size = [], 0
+                chunk, size, messages = [], 0, 0
             chunk.append(env)
             size += n
+            messages += m
         if chunk:
             chunks.append(chunk)
         return chunks

@@ -74,8 +74,10 @@ _tuple = tuple.__new__  # a NamedTuple without its keyword-parsing __new__: runs
 
 
 def incoming_record(kind: int, sender: str, reply_to: str, env: Envelope) -> IncomingRecord:
+    """The ``n/<key>`` record of a segment as received."""
     return _tuple(IncomingRecord, (kind, env.topic, sender, reply_to, env.sent, env.attempt,
-                                   env.expires, env.correlation_id, env.headers, env.body))
+                                   env.expires, env.correlation_id, env.headers,
+                                   list(env.ids) or [env.id], env.body))
 
 
 @dataclass(eq=False)
@@ -121,7 +123,8 @@ class State:
     # Who a publish goes to (event streams with consumers, those at max_backlog): replaced,
     # never mutated; the engine hands each new one to the publishing threads (routes.py).
     routes: Routes = NO_ROUTES
-    new: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # written this turn
+    # Segments written this turn, per stream: (key, packed record, messages in it).
+    new: dict[str, list[tuple[str, bytes, int]]] = field(default_factory=dict)
     # peer -> (kind, or (kind, stream) for an ordered consumer's frame, envelope)
     outbox: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
     # Frames of group messages just given to a member: sent only once the batch recording
@@ -203,5 +206,6 @@ class State:
                         address[:200], source or "?", reason, total)
 
     def event(self, name: str, ts: int, mid: str, topic: str | None, kind: str,
-                peer: str | None, attempt: int = 0, error: str | None = None) -> None:
-        self.out.events.append(event(name, ts, mid, topic, kind, peer, attempt, error))
+              peer: str | None, attempt: int = 0, error: str | None = None,
+              ids: tuple[str, ...] | list[str] | None = None) -> None:
+        self.out.events.append(event(name, ts, mid, topic, kind, peer, attempt, error, ids))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from ..model.delivery import (Consumer, base_stream, command_stream, is_priority_stream, pack_outgoing, stream_target)
+from ..model.segments import make_blob
 from ..model.stored import DeliveryRecord
 from ..wire.protocol import Kind
 from .commands import Published, QueueReply, QueueSend, SendCmd, Supersede
@@ -128,10 +129,10 @@ class Streams:
         s = self.s
         stream = self._command_consumer(cmd.address)
         mid = s.ids.delayed(1, cmd.due)[0] if cmd.due is not None else s.ids.next()
-        record = pack_outgoing(Kind.COMMAND, cmd.command, s.wall(), cmd.body, cmd.expires,
-                               cmd.correlation_id, cmd.headers)
+        record = pack_outgoing(Kind.COMMAND, cmd.command, s.wall(), [mid], make_blob([cmd.body]),
+                               cmd.expires, cmd.correlation_id, cmd.headers)
         s.out.batch.put_outgoing(stream, mid, record)
-        s.new.setdefault(stream, []).append((mid, record))
+        s.new.setdefault(stream, []).append((mid, record, 1))
         s.out.batch.sync = True
         s.counters["commands_sent"] += 1
         if s.events_on:
@@ -149,14 +150,14 @@ class Streams:
             return
         mid = s.ids.next()
         sent = s.wall()
-        record = pack_outgoing(Kind.REPLY, command, sent, body,
+        record = pack_outgoing(Kind.REPLY, command, sent, [mid], make_blob([body]),
                                sent + int(s.config.reply_ttl * 1000), corr, None)
         # The reply moves from "pending" to the outgoing stream in one write. No fsync of
         # its own: the request's completion was not fsynced either, and the log keeps
         # their order, so a crash loses both (the request runs again) or neither.
         s.out.batch.put_outgoing(stream, mid, record)
         s.out.batch.delete_reply(cmd.command_id)
-        s.new.setdefault(stream, []).append((mid, record))
+        s.new.setdefault(stream, []).append((mid, record, 1))
         s.counters["replies_sent"] += 1
         if s.events_on:
             s.event("published", s.wall(), mid, command, "reply", reply_to)
@@ -177,12 +178,12 @@ class Streams:
             return
         s.outbox_moving.add(key)
         mid = s.ids.delayed(1, send.due)[0] if send.due is not None else s.ids.next()
-        record = pack_outgoing(Kind.COMMAND, send.command, s.wall(), send.body, send.expires, None,
-                               send.headers)
+        record = pack_outgoing(Kind.COMMAND, send.command, s.wall(), [mid], make_blob([send.body]),
+                               send.expires, None, send.headers)
         s.out.batch.put_outgoing(stream, mid, record)
         s.out.batch.delete_outbox(key)
         s.out.batch.sync = True
-        s.new.setdefault(stream, []).append((mid, record))
+        s.new.setdefault(stream, []).append((mid, record, 1))
         s.counters["commands_sent"] += 1
         if s.events_on:
             s.event("published", s.wall(), mid, send.command, "command", send.address)

@@ -132,7 +132,8 @@ class Publisher:
                priority: int) -> tuple[list[str], list[Staged], list[Any]]:
         # Under the group commit's lock: ids are made in the order batches commit.
         return stage_publish(batch, self.routes, self.ids, self.wall(), topic, bodies, expires,
-                             headers, due, priority, journal=self.hooks.wanted)
+                             headers, due, priority, journal=self.hooks.wanted,
+                             max_count=self.config.max_batch)
 
     def _on_commit(self, results: list[_Result]) -> None:
         # Under the commit lock, in commit order: the engine sees new ids in stream order.

@@ -54,7 +54,7 @@ class Dispatcher:
         self._handlers = Handlers()
         self._runner = Runner(store, config, self._handlers, requests=requests,
                               on_reply=on_reply, hooks=hooks, clock=clock,
-                              park=self._park, closing=lambda: self._closing)
+                              park=self._park, closing=lambda: self._closing, spawn=self._spawn)
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Incoming]] = []
         self._seq = itertools.count()
@@ -201,6 +201,14 @@ class Dispatcher:
             self._parked_expiry = due
             self._cv.notify()
 
+    def _spawn(self, item: Incoming, due: float) -> None:
+        """A message split off a segment (runner.py): queued to run by itself at ``due``."""
+        with self._cv:
+            if item.id in self._known or self._closing:
+                return
+            self._enqueue(item, due, lane_of(item))
+            self._cv.notify()
+
     def _push(self, item: Incoming, due: float) -> None:
         self._known.add(item.id)
         heapq.heappush(self._heap, (due, next(self._seq), item))
@@ -324,8 +332,11 @@ class Dispatcher:
                 if redo is not None:
                     redos.append((message_id, redo))
                     continue
+                progress = None
                 try:
                     runstate = self._store.get_runstate(message_id)
+                    if len(record.ids) > 1:
+                        progress = self._store.progress(message_id)
                 except CorruptRecordError:
                     if strict:
                         raise
@@ -336,7 +347,7 @@ class Dispatcher:
                     # A retry time is wall-clock ms from an earlier run. If the clock was
                     # set back since, it is too far off: no retry waits past retry_max.
                     due = now + min((runstate.next_ms - now_ms) / 1000, self._config.retry_max)
-                item = Incoming(message_id, record, runstate)
+                item = Incoming(message_id, record, runstate, progress)
                 self._enqueue(item, due, lane_of(item))
                 self._cv.notify()
         return True
@@ -406,10 +417,13 @@ class Dispatcher:
             if retry_at is not None and not self._closing:
                 try:
                     runstate = self._store.get_runstate(item.id) if not self._store.closed else None
+                    progress = self._store.progress(item.id) if len(item.record.ids) > 1 and \
+                        not self._store.closed else None
                 except StoreError as exc:  # damaged, or closing: retried from its attempt 0
                     log.error("reading the run state of %s: %s", item.id, exc)
-                    runstate = None
-                heapq.heappush(self._heap, (retry_at, next(self._seq), item._replace(runstate=runstate)))
+                    runstate, progress = None, None
+                heapq.heappush(self._heap, (retry_at, next(self._seq),
+                                            item._replace(runstate=runstate, progress=progress)))
                 self._cv.notify()
             else:
                 self._known.discard(item.id)

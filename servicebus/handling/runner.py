@@ -35,7 +35,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Reject, Retry, StoreError
@@ -46,12 +45,15 @@ from ..model.delivery import backoff
 from ..model.letters import incoming_letter
 from ..wire.payload import decode_payload, encode_payload
 from ..model.records import Message
-from ..model.stored import NO_RUNS, Event, Incoming, ReplyRecord, RunState, event
+from ..model.segments import bodies_of
+from ..model.stored import NO_RUNS, Event, Incoming, IncomingRecord, ReplyRecord, RunState, event
 from ..wire.protocol import KIND_NAMES, Kind
 from .handlers import Handler, Handlers
 from .requests import PendingRequests
 from .staging import Staging, UpdateFailed
 from .transaction import Transaction
+from .outcomes import Outcome
+from .segmentrun import run_segment
 from .writes import RunStore, RunWriter
 
 __all__ = ["Runner", "Outcome", "STORE_RETRY"]
@@ -60,23 +62,6 @@ log = logging.getLogger("servicebus")
 
 _tuple = tuple.__new__  # NamedTuples built per message skip their keyword-parsing __new__
 STORE_RETRY = 0.5  # seconds before a message whose start could not be written is tried again
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What one run of a message came to (the rows of the table above)."""
-
-    kind: str
-    attempts: int = 0
-    reason: str | None = None  # dead: why (expired, rejected, handler_failed, ...)
-    error: str | None = None  # the exception's type and text
-    events: tuple[Event, ...] = ()  # written with the outcome
-    done: tuple[str, ...] = ()  # failed: the handlers that finished (not rerun)
-    retry_after: float | None = None  # failed: asked for by ``Retry(after=)``
-    tx: Transaction | None = None  # handled, replied: what the last handler staged
-    part: str = ""  # handled: that handler's name (keeps its outbox keys apart)
-    reply: dict[str, Any] | None = None  # replied: the reply to send back
-    message: Message | None = None
 
 
 def _failed_text(exc: BaseException) -> str:
@@ -92,7 +77,8 @@ class Runner:
     def __init__(self, store: RunStore, config: BusConfig, handlers: Handlers, *,
                  requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
                  hooks: Hooks, clock: BusClock, park: Callable[[tuple[int, str], int | None], None],
-                 closing: Callable[[], bool], wall: Callable[[], int] = wall_ms) -> None:
+                 closing: Callable[[], bool], wall: Callable[[], int] = wall_ms,
+                 spawn: Callable[[Incoming, float], None] | None = None) -> None:
         self._config = config
         self._handlers = handlers
         self._requests = requests
@@ -102,6 +88,9 @@ class Runner:
         self._park = park  # no handler yet: the message waits in the store (dispatch.py)
         self._closing = closing
         self._wall = wall
+        # A message split off a segment (its handler failed): queued to run on its own at
+        # a monotonic time (dispatch.py).
+        self._spawn: Callable[[Incoming, float], None] = spawn or (lambda item, due: None)
         self.writer = RunWriter(store, max_attempts=config.max_attempts, closing=closing, wall=wall,
                                 handles=lambda kind, topic: (kind, topic) in handlers)
         self.staging = Staging(store, self.writer, config.max_payload)
@@ -120,24 +109,44 @@ class Runner:
 
     def run(self, item: Incoming, marked: bool = False,
             nxt: Incoming | None = None) -> tuple[float | None, bool]:
-        """Run one message and record the outcome. Returns (when to retry, monotonic, or None
-        if finished; whether ``nxt``'s start marker went into the write)."""
+        """Run one received segment and record the outcome. Returns (when to retry,
+        monotonic, or None if finished; whether ``nxt``'s start marker went into the write)."""
+        if len(item.record.ids) > 1:
+            return run_segment(self, item, marked, nxt)
         outcome = self._outcome(item, marked)
         return _FINISH[outcome.kind](self, item, outcome, nxt)
 
-    def _outcome(self, item: Incoming, marked: bool) -> Outcome:
+    def _several(self, record: IncomingRecord) -> bool:
+        """Whether a message of this kind and topic has several handlers."""
+        return len(self._handlers.get((record.kind, record.topic)) or ()) > 1
+
+    def _outcome_before(self, item: Incoming) -> Outcome | None:
+        """What comes of a segment before any handler runs: it expired, or it waits for a
+        handler (parked), or a reply; None if its handlers are to run."""
         record = item.record
-        kind, topic = record.kind, record.topic
+        kind = record.kind
         if kind == Kind.REPLY:
             return Outcome("reply", 1)
-        attempts, done, last_error, _next = item.runstate or NO_RUNS
+        attempts, _done, last_error, _next = item.runstate or NO_RUNS
         if record.expires is not None and self._wall() > record.expires:
             if kind == Kind.COMMAND and record.correlation_id is not None:
                 return Outcome("dropped", attempts)
             return Outcome("dead", attempts, "expired", last_error)
-        handlers = self._handlers.get((kind, topic))
-        if not handlers:
+        if not self._handlers.get((kind, record.topic)):
             return Outcome("parked")
+        return None
+
+    def _outcome(self, item: Incoming, marked: bool, body: bytes | None = None) -> Outcome:
+        """What comes of one message: ``item`` a segment of one, or a message of a segment
+        of several given with its payload ``body``."""
+        record = item.record
+        kind, topic = record.kind, record.topic
+        before = self._outcome_before(item)
+        if before is not None:
+            return before
+        attempts, done, last_error, _next = item.runstate or NO_RUNS
+        handlers = self._handlers.get((kind, topic))
+        assert handlers
         attempts += 1
         if attempts > self._config.max_attempts:
             # Every run so far started and none ended, not even by raising: the handler
@@ -158,8 +167,8 @@ class Runner:
             item.id, topic, record.sender, record.reply_to, record.sent, attempts, record.headers,
             KIND_NAMES.get(kind, "event"), record.correlation_id, record.expires, self.staging))
         try:
-            payload = decode_payload(record.body)
-        except Exception as exc:  # validated on receipt; only a corrupted store gets here
+            payload = decode_payload(bodies_of(record.blob)[0] if body is None else body)
+        except Exception as exc:  # an older or hostile publisher's: a dead letter of its own
             return Outcome("dead", attempts, "undecodable", f"{type(exc).__name__}: {exc}")
         if kind == Kind.COMMAND and record.correlation_id is not None:
             return self._request(item, handlers[0][1], payload, message)
@@ -341,7 +350,7 @@ class Runner:
         record = item.record
         corr = record.correlation_id
         try:
-            reply = decode_payload(record.body)
+            reply = decode_payload(bodies_of(record.blob)[0])
             if not isinstance(reply, dict):
                 raise ValueError("a reply must be a map")
         except Exception as exc:

@@ -90,13 +90,14 @@ class Staging:
     # --- the run's write ----------------------------------------------------------------------
 
     def commit(self, build: Callable[[Any], None], message_id: str, finished: bool,
-               nxt: Incoming | None, tx: Transaction | None, part: str) -> bool:
+               nxt: Incoming | None, tx: Transaction | None, part: str, taken: str | None = None) -> bool:
         """``RunWriter.record`` a run's outcome with what its handler staged. Outbox keys
         are the message's id and ``part`` (the handler's name): apart for every message
         and every handler of it. ``finished``: this write takes the message out of the
         incoming store. Raises ``UpdateFailed`` if a kv update function raised: nothing
-        was written."""
-        done = message_id if finished else None
+        was written. ``taken``: the key of a segment of several this write takes out (not
+        the message's own id)."""
+        done = message_id if finished else taken
         if tx is None or tx.empty():
             return self._writer.record(build, done, nxt)
         if tx.updates:

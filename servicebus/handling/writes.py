@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ..errors import StoreError
 from ..model.clock import wall_ms
-from ..model.stored import NO_RUNS, Incoming, RunState
+from ..model.stored import NO_RUNS, Incoming, Progress, RunState
 from ..wire.protocol import Kind
 
 __all__ = ["RunWriter", "RunStore", "RECENT"]
@@ -77,6 +77,16 @@ class RunWriter:
         else:
             batch.clear()
         return batch
+
+    @property
+    def store(self) -> RunStore:
+        return self._store
+
+    def start_progress(self, key: str, start: int, progress: Progress) -> None:
+        """Write that a run of segment ``key`` begins (``StoreError`` if it cannot be)."""
+        batch = self.scratch()
+        batch.put_progress(key, start, progress)
+        self._store.write(batch, sync=False)  # a crash from here on counts as an attempt
 
     def start(self, message_id: str, state: RunState) -> None:
         """Write that a run begins (``StoreError`` if it cannot be written: then it does not)."""
@@ -170,9 +180,24 @@ class RunWriter:
         return _tuple(RunState, (attempts + 1, list(done), last_error, 0))
 
     def mark(self, batch: Any, nxt: Incoming | None) -> bool:
-        """Put the next message's start marker in ``batch``; whether it did."""
+        """Put the next message's (or segment's) start marker in ``batch``; whether it did."""
+        if nxt is not None and len(nxt.record.ids) > 1:
+            return self._mark_segment(batch, nxt)
         marker = self.marker(nxt)
         if marker is None or nxt is None:
             return False
         batch.put_runstate(nxt.id, marker)
+        return True
+
+    def _mark_segment(self, batch: Any, nxt: Incoming) -> bool:
+        """A segment of several: its run's progress, one more run of its next message begun."""
+        record = nxt.record
+        if not self._handles(record.kind, record.topic):
+            return False
+        if record.expires is not None and self._wall() > record.expires:
+            return False
+        p = (nxt.progress or {}).get(0) or Progress(0, 0, [])
+        if p.next >= len(record.ids):
+            return False
+        batch.put_progress(nxt.id, 0, Progress(p.next, p.started + 1, list(p.skipped)))
         return True

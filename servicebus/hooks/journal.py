@@ -247,12 +247,15 @@ class Journal(Hook):
         return tmp, lines, seqs
 
     def _lines(self, events: list) -> list[str]:
-        """JSON lines of one record's events. Everything but ts, id, attempt and error
+        """JSON lines of one record's events. Everything but ts, id(s), attempt and error
         repeats from line to line: it is formatted once per (event, topic, kind, peer)
-        (this thread shares the GIL with the handlers)."""
+        (this thread shares the GIL with the handlers). An event about a segment of several
+        messages is one line naming them all in ``ids`` (``id`` is the first)."""
         q, roles, prefixes = _json_str, ROLES, self._prefixes
         out = []
-        for event, ts, mid, topic, kind, peer, attempt, error in events:
+        for ev in events:
+            event, ts, mid, topic, kind, peer, attempt, error = ev[:8]
+            ids = ev[8] if len(ev) > 8 else None
             key = (event, topic, kind, peer)
             prefix = prefixes.get(key)
             if prefix is None:
@@ -261,10 +264,11 @@ class Journal(Hook):
                           f'"peer":{q(peer)},"role":"{role}"')
                 if len(prefixes) < 10_000:
                     prefixes[key] = prefix
+            more = f',"ids":{json.dumps(ids)}' if ids else ""
             if error is None:
-                out.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt}}}\n')
+                out.append(f'{prefix},"ts":{ts},"id":"{mid}"{more},"attempt":{attempt}}}\n')
             else:
-                out.append(f'{prefix},"ts":{ts},"id":"{mid}","attempt":{attempt},'
+                out.append(f'{prefix},"ts":{ts},"id":"{mid}"{more},"attempt":{attempt},'
                            f'"error":{json.dumps(error, ensure_ascii=False)}}}\n')
         return out
 

@@ -16,6 +16,7 @@ from ..model.stored import Incoming
 from ..wire.payload import decode_payload
 from ..wire.protocol import KIND_NAMES, Kind
 from ..model.records import Message
+from ..model.segments import bodies_of
 from ..wire.topics import matches
 from .base import Hook
 
@@ -66,13 +67,18 @@ class Watches(Hook):
             record = item.record
             if record.kind != Kind.EVENT:
                 continue
-            for watch in watches:
-                if watch.done.is_set():
-                    continue
-                message = Message(item.id, record.topic, record.sender, record.reply_to, record.sent,
-                                  0, record.headers, KIND_NAMES[Kind.EVENT], None, record.expires)
-                try:
-                    payload = decode_payload(record.body)
-                except Exception:  # noqa: BLE001 - validated on receipt; a handler will say
-                    continue
-                watch.offer(record.topic, (payload, message))
+            try:
+                bodies = bodies_of(record.blob)
+            except Exception:  # noqa: BLE001 - checked on receipt; a handler will say
+                continue
+            for mid, body in zip(record.ids, bodies):  # each message of the segment, in order
+                for watch in watches:
+                    if watch.done.is_set():
+                        continue
+                    message = Message(mid, record.topic, record.sender, record.reply_to, record.sent,
+                                      0, record.headers, KIND_NAMES[Kind.EVENT], None, record.expires)
+                    try:
+                        payload = decode_payload(body)
+                    except Exception:  # noqa: BLE001 - a dead letter when a handler gets it
+                        continue
+                    watch.offer(record.topic, (payload, message))

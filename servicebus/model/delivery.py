@@ -114,18 +114,22 @@ def backoff(attempt: int, initial: float, cap: float, jitter: float = 0.2) -> fl
 
 
 class OutgoingRecord(NamedTuple):
+    """``o/<stream>\0<key>``: a stored segment (segments.py)."""
+
     kind: int
     topic: str
     sent: int
     expires: int | None
     correlation_id: str | None
     headers: dict[str, Any] | None
-    body: bytes
+    ids: list[str]  # its messages; the key is the first
+    blob: bytes  # their payloads (segments.py)
 
 
-def pack_outgoing(kind: Kind, topic: str, sent: int, body: bytes, expires: int | None = None,
-                  correlation_id: str | None = None, headers: dict[str, Any] | None = None) -> bytes:
-    return pack([int(kind), topic, sent, expires, correlation_id, headers, body])
+def pack_outgoing(kind: Kind, topic: str, sent: int, ids: list[str], blob: bytes,
+                  expires: int | None = None, correlation_id: str | None = None,
+                  headers: dict[str, Any] | None = None) -> bytes:
+    return pack([int(kind), topic, sent, expires, correlation_id, headers, ids, blob])
 
 
 _tuple = tuple.__new__  # NamedTuples built per message skip their keyword-parsing __new__
@@ -135,33 +139,38 @@ def unpack_outgoing(data: bytes) -> OutgoingRecord:
     """Decode a stored outgoing record; ``ValueError`` (or msgpack's errors) if damaged.
     Checked lightly, as this runs per message sent: the full check is schema.py's."""
     fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    if type(fields) is not list or len(fields) != 7:
+    if type(fields) is not list or len(fields) != 8:
         raise ValueError("not an outgoing record")
     record: OutgoingRecord = _tuple(OutgoingRecord, fields)
-    if record.kind not in (1, 2, 3) or type(record.body) is not bytes or type(record.topic) is not str:
+    if record.kind not in (1, 2, 3) or type(record.blob) is not bytes or type(record.topic) is not str \
+            or type(record.ids) is not list or not record.ids:
         raise ValueError("not an outgoing record")
     return record
 
 
-def envelope_from_record(message_id: str, record: OutgoingRecord, attempt: int) -> Envelope:
-    return _tuple(Envelope, (message_id, record.topic, record.sent, record.body, attempt,
-                             record.expires, record.correlation_id, record.headers))
+def envelope_from_record(key: str, record: OutgoingRecord, attempt: int) -> Envelope:
+    """The segment ``key`` as it goes on the wire (protocol.Envelope)."""
+    return _tuple(Envelope, (key, record.topic, record.sent, record.blob, attempt,
+                             record.expires, record.correlation_id, record.headers,
+                             tuple(record.ids)))
 
 
 class InFlight:
-    __slots__ = ("attempt", "deadline")
+    __slots__ = ("attempt", "deadline", "ids")
 
     def __init__(self, attempt: int, deadline: float) -> None:
         self.attempt = attempt
         self.deadline = deadline
+        self.ids: tuple[str, ...] | list[str] = ()  # the segment's messages, once read
 
 
 class Consumer:
-    """Delivery state of one peer on one stream. Owned by the engine thread."""
+    """Delivery state of one peer on one stream, by segment key (segments.py): its window
+    counts messages. Owned by the engine thread."""
 
     __slots__ = ("peer", "stream", "floor", "pos", "order", "inflight", "skip", "attempts",
                  "exhausted", "dirty", "last_ack", "scan", "members", "assigned", "ordered",
-                 "backlog", "left", "load")
+                 "backlog", "left", "load", "sizes", "used")
 
     def __init__(self, peer: str, stream: str, floor: str | None,
                  acked: list[str] | None = None, attempts: dict[str, int] | None = None) -> None:
@@ -185,16 +194,22 @@ class Consumer:
         self.ordered = False  # one frame in flight at a time, handled in order (sender.py)
         self.backlog = 0  # messages owed (after floor, not acked); kept with max_backlog only
         self.left: int | None = None  # subscribe(limit=N): messages still to give; None: no end
+        self.sizes: dict[str, int] = {}  # messages of each segment in ``order``
+        self.used = 0  # messages in ``order``: what the window holds
 
     # --- window ------------------------------------------------------------------------
 
     def room(self, window: int) -> int:
-        return window - len(self.order)
+        """Messages the window takes still (a segment is taken whole while any room is left)."""
+        return window - self.used
 
-    def admit(self, message_id: str, now: float, ack_timeout: float) -> InFlight | None:
-        """Take the next stream id into the window; None if it was acked before a restart."""
+    def admit(self, message_id: str, now: float, ack_timeout: float, count: int = 1) -> InFlight | None:
+        """Take the next stream key (a segment of ``count`` messages) into the window; None
+        if it was acked before a restart."""
         self.pos = message_id
         self.order.append(message_id)
+        self.sizes[message_id] = count
+        self.used += count
         if message_id in self.skip:
             self.skip.discard(message_id)
             self._advance()
@@ -209,24 +224,27 @@ class Consumer:
             return False
         if self.members is not None:
             self.unassign(message_id)
-        self.backlog -= 1
+        count = self.sizes.get(message_id, 1)
+        self.backlog -= count
         if self.left is not None:
-            self.left -= 1
+            self.left -= count
         self._advance()
         return True
 
-    def settle(self, message_id: str) -> None:
-        """Count a message as done without it being sent (expired while its receiver was
-        down): in flight, it is acked; not read into the window yet, it is skipped when read."""
+    def settle(self, message_id: str, count: int = 1) -> None:
+        """Count a segment (of ``count`` messages) as done without it being sent (expired
+        while its receiver was down): in flight, it is acked; not read into the window
+        yet, it is skipped when read."""
         if not self.ack(message_id) and (self.pos is None or message_id > self.pos):
             self.skip.add(message_id)
-            self.backlog -= 1
+            self.backlog -= count
             self.dirty = True
 
     def _advance(self) -> None:
-        order, inflight = self.order, self.inflight
+        order, inflight, sizes = self.order, self.inflight, self.sizes
         while order and order[0] not in inflight:
-            self.floor = order.popleft()
+            self.floor = key = order.popleft()
+            self.used -= sizes.pop(key, 1)
         # Even without moving the floor, an out-of-order ack changes the durable record.
         self.dirty = True
 

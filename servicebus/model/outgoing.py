@@ -15,6 +15,7 @@ from ..wire.protocol import MAX_HEADERS, Kind
 from ..wire.validation import MAX_MS, validate_address
 from .ids import IdGenerator
 from .routes import Routes
+from .segments import cut, make_blob
 from .stored import Event as EventRecord, OutboxSend, event
 from ..wire.topics import validate_topic
 
@@ -138,38 +139,45 @@ class _Outgoing(Protocol):
     def put_outgoing(self, stream: str, message_id: str, record: bytes) -> None: ...
 
 
-# (stream, [(id, packed outgoing record)]): what a publish wrote into one stream, which the
-# engine is told once it is durable (core.Published).
-Staged = tuple[str, list[tuple[str, bytes]]]
+# (stream, [(key, packed outgoing record, messages in it)]): what a publish wrote into one
+# stream, one entry per segment, which the engine is told once it is durable (core.Published).
+Staged = tuple[str, list[tuple[str, bytes, int]]]
 
 
 def stage_publish(batch: _Outgoing, routes: Routes, ids: IdGenerator, sent: int, topic: str,
                   bodies: list[bytes], expires: int | None = None,
                   headers: dict[str, Any] | None = None, due: int | None = None,
-                  priority: int = 0, journal: bool = False,
+                  priority: int = 0, journal: bool = False, max_count: int = 200,
                   ) -> tuple[list[str], list[Staged], list[EventRecord]]:
     """Write ``bodies`` into ``batch`` for every subscriber of ``topic`` as ``routes`` has
-    them: each stream it goes into gets the same ids (made here: the caller holds the
-    group commit's lock, so ids are made in the order batches commit). ``due``: wall-clock
-    ms to deliver them at; ``sent``: wall-clock ms now. Returns the ids, what went into
-    each stream and, with ``journal``, one "published" event per (message, receiver)."""
+    them, as segments of at most ``max_count`` messages (segments.py): one record per
+    segment per stream it goes into, each stream with the same ids (made here: the caller
+    holds the group commit's lock, so ids are made in the order batches commit). ``due``:
+    wall-clock ms to deliver them at; ``sent``: wall-clock ms now. Returns the ids, what
+    went into each stream and, with ``journal``, one "published" event per (segment,
+    receiver) naming its messages."""
     made = ids.many(len(bodies)) if due is None else ids.delayed(len(bodies), due)
     streams = routes.targets(topic)
     out: list[Staged] = []
     events: list[EventRecord] = []
     if streams:
-        records = [pack_outgoing(Kind.EVENT, topic, sent, body, expires, None, headers) for body in bodies]
+        segments = []
+        for start, end in cut(bodies, max_count):
+            part = made[start:end]
+            segments.append((part, pack_outgoing(Kind.EVENT, topic, sent, part, make_blob(bodies[start:end]),
+                                                 expires, None, headers)))
         put = batch.put_outgoing
         for stream in streams:
-            items = list(zip(made, records))
             target = priority_stream(stream, priority)
-            for mid, record in items:
-                put(target, mid, record)
+            items = []
+            for part, record in segments:
+                put(target, part[0], record)
+                items.append((part[0], record, len(part)))
             out.append((target, items))
-        if journal:  # one event per (message, receiver): what the audit reconciles
+        if journal:  # one event per (segment, receiver): what the audit reconciles
             # A group's messages are journaled per member when one is picked (core/sender.py).
             peers = dict.fromkeys(p for stream in streams for p in routes.stream_peers.get(stream, ())
                                   if not is_group_peer(p))
-            events = [event("published", sent, mid, topic, "event", peer)
-                      for peer in peers for mid in made]
+            events = [event("published", sent, part[0], topic, "event", peer, ids=part)
+                      for peer in peers for part, _record in segments]
     return made, out, events

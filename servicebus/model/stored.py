@@ -11,11 +11,11 @@ from typing import Any, NamedTuple, TypedDict
 
 __all__ = ["subscription_options", "IncomingRecord", "RunState", "SubscriptionRecord", "IntentRecord",
            "DeliveryRecord", "ReplyRecord", "OutboxSend", "JournalEvent", "NO_RUNS", "Incoming",
-           "Event", "event"]
+           "Event", "event", "Progress"]
 
 
 class IncomingRecord(NamedTuple):
-    """``n/<id>``: a received message, not handled yet."""
+    """``n/<key>``: a received segment (segments.py), not all handled yet."""
 
     kind: int  # protocol.Kind
     topic: str  # an event's topic, a command's name
@@ -26,7 +26,19 @@ class IncomingRecord(NamedTuple):
     expires: int | None  # wall-clock ms on our clock (skew-corrected on receipt)
     correlation_id: str | None  # a request's or a reply's
     headers: dict[str, Any] | None
-    body: bytes  # the msgpack payload, as sent
+    ids: list[str]  # its messages, in order
+    blob: bytes  # their msgpack payloads as a msgpack array, as sent
+
+
+class Progress(NamedTuple):
+    """``c/<key>\0<start>``: how far a run of a segment's messages from index ``start`` on
+    got (handling/writes.py). Written, unsynced, each time one of them finishes: that write
+    also says the next one has started, so a crash while it runs counts as one attempt."""
+
+    next: int  # the messages [start, next) are finished (but those in ``skipped``)
+    started: int  # runs of message ``next`` begun (a crash in one counts as an attempt)
+    skipped: list[int]  # indices in [start, next) finished elsewhere: split off to be
+    #                     retried on their own (n/<id>) or dead letters (x/<id>)
 
 
 class RunState(NamedTuple):
@@ -42,12 +54,15 @@ NO_RUNS = RunState(0, [], None, 0)
 
 
 class Incoming(NamedTuple):
-    """A received message, stored, handed from the core to the handlers (``record``: as
-    ``n/<id>`` holds it; ``runstate``: None if it never ran, or its run state is damaged)."""
+    """A received segment, stored, handed from the core to the handlers (``record``: as
+    ``n/<key>`` holds it; ``runstate``: a one-message segment's run state, None if it never
+    ran or its run state is damaged; ``progress``: what runs of a segment of several got
+    through, by start index, {} if none)."""
 
-    id: str
+    id: str  # the segment's key
     record: IncomingRecord
     runstate: RunState | None
+    progress: dict[int, Progress] | None = None
 
 
 class ReplyRecord(NamedTuple):
@@ -117,15 +132,20 @@ class Event(NamedTuple):
     peer: str | None  # the receiver (on the sender's side) or the sender (the receiver's)
     attempt: int
     error: str | None  # why, for failures, dead letters and drops
+    ids: tuple[str, ...] | None = None  # a segment's messages, when it names several: ``id``
+    #                                     is then the first; None: ``id`` alone
 
 
 _tuple = tuple.__new__  # millions are made per run: skip the keyword-parsing __new__
 
 
 def event(name: str, ts: int, mid: str, topic: str | None, kind: str | None, peer: str | None,
-          attempt: int = 0, error: str | None = None) -> Event:
-    """An ``Event``: the one place they are made."""
-    return _tuple(Event, (name, ts, mid, topic, kind, peer, attempt, error))
+          attempt: int = 0, error: str | None = None, ids: tuple[str, ...] | list[str] | None = None) -> Event:
+    """An ``Event``: the one place they are made. ``ids``: several messages (a segment's);
+    ``mid`` is then their first."""
+    if ids is not None:
+        ids = tuple(ids) if len(ids) > 1 else None
+    return _tuple(Event, (name, ts, mid, topic, kind, peer, attempt, error, ids))
 
 
 JournalEvent = Event  # the name journal.py and the audit's docs use

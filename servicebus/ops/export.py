@@ -15,10 +15,11 @@ from pathlib import Path
 
 from ..model.clock import wall_ms
 from ..model.delivery import unpack_outgoing
+from ..model.segments import bodies_of
 from ..store.cursors import consumers
 from ..wire.protocol import KIND_NAMES
 from ..store import Store
-from .views import deadletter_row, incoming_row, jsonable, letter_body, payload_of
+from .views import deadletter_row, incoming_messages, incoming_row, jsonable, letter_body, payload_of
 
 __all__ = ["export_rows", "export", "write_rows"]
 
@@ -40,19 +41,21 @@ def export_rows(store: Store) -> Iterator[dict]:
         after = None
         while True:
             chunk = store.iter_stream(stream, after=after, limit=1000)
-            for mid, data in chunk:
+            for key, data in chunk:
                 out = unpack_outgoing(data)
-                yield {"type": "outgoing", "stream": stream, "id": mid, "kind": KIND_NAMES.get(out.kind),
-                       "topic": out.topic, "sent": out.sent, "expires": out.expires,
-                       "correlation_id": out.correlation_id, "headers": jsonable(out.headers),
-                       "payload": payload_of(out.body), "body": b64(out.body)}
+                for mid, body in zip(out.ids, bodies_of(out.blob)):  # a segment: one row per message
+                    yield {"type": "outgoing", "stream": stream, "id": mid, "segment": key,
+                           "kind": KIND_NAMES.get(out.kind), "topic": out.topic, "sent": out.sent,
+                           "expires": out.expires, "correlation_id": out.correlation_id,
+                           "headers": jsonable(out.headers), "payload": payload_of(body), "body": b64(body)}
             if len(chunk) < 1000:
                 break
             after = chunk[-1][0]
     now = wall_ms()
-    for mid, inc in store.incoming():
-        row = incoming_row(mid, inc, store.get_runstate(mid), now)
-        yield {"type": "incoming", **row, "sent": inc.sent, "body": b64(inc.body)}
+    for key, inc in store.incoming():
+        for mid, body, runstate in incoming_messages(store, key, inc):
+            row = incoming_row(mid, inc, runstate, now, body)
+            yield {"type": "incoming", **row, "segment": key, "sent": inc.sent, "body": b64(body)}
     for mid, reply in store.replies():
         yield {"type": "reply", "request_id": mid, "reply_to": reply.reply_to, "command": reply.command,
                "correlation_id": reply.correlation_id, "payload": payload_of(reply.body),

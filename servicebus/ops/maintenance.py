@@ -107,9 +107,9 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
                 row.update(result="skipped", detail=f"subscriber {peer} {reason}")
                 report.append(row)
                 continue
-            kind, topic_, _sent, _expires, corr, headers, body = rec["record"]
-            new_id = gen.next()
-            batch.put_outgoing(stream, new_id, pack_outgoing(Kind(kind), topic_, wall_ms(), body,
+            kind, topic_, _sent, _expires, corr, headers, _ids, blob = rec["record"]
+            new_id = gen.next()  # a segment of one, as the letter kept it
+            batch.put_outgoing(stream, new_id, pack_outgoing(Kind(kind), topic_, wall_ms(), [new_id], blob,
                                                              None, corr, headers))
             batch.delete_deadletter(mid)
             journal.record(batch, [

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from ..model.clock import wall_ms
+from ..model.segments import bodies_of
 from ..model.delivery import is_command_stream, unpack_outgoing
 from ..model.ids import id_millis
 from ..store.cursors import ConsumerView, consumers
@@ -137,61 +138,69 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
         after = None if None in floors else min(f for f in floors if f is not None)
         while True:
             chunk = store.iter_stream(stream, after=after, limit=1000)
-            for mid, data in chunk:
-                owed = [c for c in cs if c.owes(mid)]
+            for key, data in chunk:
+                owed = [c for c in cs if c.owes(key)]
                 if subscriber:
                     owed = [c for c in owed if c.peer == subscriber]
                 if not owed:
                     continue
-                full = limit is not None and limit > 0 and len(rows) >= limit
-                if full and not topic:
-                    total += 1  # counted without decoding it
-                    continue
-                rec = unpack_outgoing(data)
+                rec = unpack_outgoing(data)  # a segment: one row per message
                 if topic and rec.topic != topic:
                     continue
-                total += 1
-                if full:
-                    continue
-                rows.append({
-                    "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic,
-                    "age_s": _age(rec.sent, now),
-                    "attempts": max(c.attempts.get(mid, 1) for c in owed),
-                    "owed_by": [c.peer for c in owed],
-                    "expires": rec.expires, "correlation_id": rec.correlation_id,
-                    "headers": jsonable(rec.headers), "payload": payload_of(rec.body),
-                })
+                bodies = bodies_of(rec.blob)
+                for mid, body in zip(rec.ids, bodies):
+                    total += 1
+                    if limit is not None and limit > 0 and len(rows) >= limit:
+                        continue
+                    rows.append({
+                        "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic,
+                        "age_s": _age(rec.sent, now),
+                        "attempts": max(c.attempts.get(key, 1) for c in owed),
+                        "owed_by": [c.peer for c in owed],
+                        "expires": rec.expires, "correlation_id": rec.correlation_id,
+                        "headers": jsonable(rec.headers), "payload": payload_of(body),
+                    })
             if len(chunk) < 1000:
                 break
             after = chunk[-1][0]
     return Rows(rows, total)
 
 
-def incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now: int) -> dict:
+def incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now: int,
+                 body: bytes) -> dict:
     attempts, _done, last_error, next_ms = runstate or NO_RUNS
     return {
         "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic, "sender": rec.sender,
         "reply_to": rec.reply_to, "age_s": _age(rec.sent, now), "attempts": attempts,
         "last_error": last_error, "next_attempt_ms": next_ms or None, "expires": rec.expires,
         "correlation_id": rec.correlation_id, "headers": jsonable(rec.headers),
-        "payload": payload_of(rec.body),
+        "payload": payload_of(body),
     }
+
+
+def incoming_messages(store: Store, key: str, rec: IncomingRecord) -> list[tuple[str, bytes, RunState | None]]:
+    """The messages of received segment ``key`` not handled yet: (id, payload, run state)."""
+    bodies = bodies_of(rec.blob)
+    if len(rec.ids) == 1:
+        return [(rec.ids[0], bodies[0], store.get_runstate(key))]
+    progress = store.progress(key).get(0)
+    start, skipped = (0, set()) if progress is None else (progress.next, set(progress.skipped))
+    return [(mid, body, store.get_runstate(mid)) for j, (mid, body) in enumerate(zip(rec.ids, bodies))
+            if j >= start and j not in skipped]
 
 
 def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
     now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
     rows: list[dict] = []
     total = 0
-    for mid, rec in store.incoming():
+    for key, rec in store.incoming():
         if topic and rec.topic != topic:
             continue
-        if limit and len(rows) >= limit:
-            if not topic:  # the rest, counted by key without decoding it
-                return Rows(rows, store.count("incoming"))
+        for mid, body, runstate in incoming_messages(store, key, rec):
             total += 1
-            continue
-        total += 1
-        rows.append(incoming_row(mid, rec, store.get_runstate(mid), now))
+            if limit and len(rows) >= limit:
+                continue
+            rows.append(incoming_row(mid, rec, runstate, now, body))
     return Rows(rows, total)
 
 
@@ -199,8 +208,11 @@ def letter_body(rec: dict) -> bytes | None:
     """A dead letter's payload bytes: its message record's, or its own ``body`` (a message
     that was not valid, a SQL outbox row: no record could be made of them)."""
     inner = rec.get("record") or []
-    if inner and isinstance(inner[-1], bytes):
-        return inner[-1]
+    if inner and isinstance(inner[-1], bytes):  # a segment of one: its blob
+        try:
+            return bodies_of(inner[-1])[0]
+        except Exception:  # noqa: BLE001 - shown as it is
+            return inner[-1]
     body = rec.get("body")
     return body if isinstance(body, bytes) else None
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ..model.clock import BusClock
-from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
+from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, Progress, ReplyRecord, RunState,
                       SubscriptionRecord)
-from .keys import _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair, record_key
+from .keys import (SEP, _C, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _pack, _pair,
+                   _start, record_key)
 
 __all__ = ["Batch"]
 
@@ -75,12 +77,31 @@ class Batch:
     def put_runstate(self, message_id: str, record: RunState) -> None:
         self._put(_R + message_id.encode(), _pack(record))
 
-    def complete_incoming(self, message_id: str, handled_at: int) -> None:
-        """``handled_at``: bus-clock ms (clock.py), which the dedupe window counts from."""
+    def complete_incoming(self, message_id: str, handled_at: int, starts: Iterable[int] = ()) -> None:
+        """A received segment is done (its messages handled, dead letters or split off):
+        it goes, with its run state and the progress of its runs from ``starts``, and its
+        key is remembered as handled. ``handled_at``: bus-clock ms (clock.py), which the
+        dedupe window counts from."""
         key = message_id.encode()
         self._delete(_N + key)
         self._delete(_R + key)
+        for start in starts:
+            self._delete(_C + key + SEP + _start(start).encode())
         self.put_handled(message_id, handled_at)
+
+    def put_progress(self, key: str, start: int, progress: Progress) -> None:
+        """How far the run of segment ``key`` from message ``start`` on got."""
+        self._put(_C + key.encode() + SEP + _start(start).encode(), _pack(progress))
+
+    def split_off(self, message_id: str, record: IncomingRecord, state: RunState | None) -> None:
+        """One message of a received segment goes on by itself, as a segment of one (its
+        handler failed and is retried, or it waits for one), with its run state."""
+        self._put(_N + message_id.encode(), _pack(record))
+        if state is not None:
+            self._put(_R + message_id.encode(), _pack(state))
+
+    def delete_runstate(self, message_id: str) -> None:
+        self._delete(_R + message_id.encode())
 
     def put_handled(self, message_id: str, handled_at: int) -> None:
         key, at = message_id.encode(), handled_at.to_bytes(8, "big")
@@ -156,6 +177,10 @@ class Batch:
 
     def delete_segment(self, name: str) -> None:
         self._delete(_G + name.encode())
+
+    def put_raw(self, key: bytes, value: bytes) -> None:
+        """Write any key (a migration rewriting a record in a new layout)."""
+        self._put(key, value)
 
     def delete_raw(self, key: bytes) -> None:
         """Delete any key (repair of records that no longer decode)."""

@@ -18,8 +18,9 @@ from ..forks import forked_error, keep_forever, watch
 from .batch import Batch
 from .handle import _Guard, _has_leveldb_files, _open_db, _room_to_reopen, _WriteFailed
 from .schema import REPAIR_HINT
-from .keys import FORMAT_VERSION, _H, _M
+from .keys import FORMAT_VERSION, _M
 from .mark import MARK_NAME, MarkFile
+from .migrate import upgrade
 from .reads import Reads
 
 __all__ = ["Store"]
@@ -76,7 +77,7 @@ class Store(Reads):
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, create: bool = True, compression: bool = True,
-             check_format: bool = True) -> "Store":
+             check_format: bool = True, upgrade_old: bool = True) -> "Store":
         """Open the store, or create it (``create``) where there is none at all.
 
         A directory holding LevelDB files but no ``CURRENT`` is refused: LevelDB would start
@@ -115,11 +116,15 @@ class Store(Reads):
                 batch = store.batch()
                 batch.put_meta("format", str(FORMAT_VERSION).encode())
                 store.write(batch, sync=True)
-            elif version == 1:
-                store._upgrade_from_1()
+            elif version in (1, 2):
+                if not upgrade_old:
+                    raise StoreError(f"store {path} has format {version}; this version reads "
+                                     f"{FORMAT_VERSION}: `servicebus migrate {path.parent}` upgrades it "
+                                     "(a bus does so when it opens)")
+                upgrade(store, version, FORMAT_VERSION)
             elif version != FORMAT_VERSION:
                 raise StoreError(f"store {path} has format {version}; this version reads "
-                                 f"{FORMAT_VERSION} (and upgrades 1)")
+                                 f"{FORMAT_VERSION} (and upgrades 1 and 2)")
         except BaseException:
             store.close()
             raise
@@ -177,21 +182,6 @@ class Store(Reads):
         """After a repair reported what was lost: the store as it is now is the truth."""
         self._mark_value = None
         self.mark(force=True)
-
-    def _upgrade_from_1(self) -> None:
-        """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
-        every handled id as handled now, on the bus clock (so each is remembered for one
-        whole dedupe window more, never less)."""
-        now = int(self.get_meta("clock") or b"0")
-        batch, n = self.batch(), 0
-        for key, _value in self._iter(_H):
-            batch.put_handled(key[2:].decode(), now)
-            n += 1
-            if n % 10_000 == 0:
-                self.write(batch, sync=False)
-                batch = self.batch()
-        batch.put_meta("format", str(FORMAT_VERSION).encode())
-        self.write(batch, sync=True)
 
     @staticmethod
     def repair(path: str | os.PathLike[str]) -> None:

@@ -15,7 +15,9 @@ __all__ = ["FORMAT_VERSION", "SEP", "KEYSPACES", "keyspace_of", "split_pair", "s
            "split_seq", "seq_name", "record_key"]
 
 # 2: handled ids carry bus-clock time and are indexed by it (t/); journal segments (g/).
-FORMAT_VERSION = 2
+# 3: messages are stored, sent, acknowledged and deduplicated by segment (model/segments.py):
+#    o/ and n/ hold one record per segment; c/ how far runs of a segment got.
+FORMAT_VERSION = 3
 SEP = b"\x00"
 
 KEYSPACES = {
@@ -36,11 +38,12 @@ KEYSPACES = {
     "publish_keys_index": b"q/",  # the same by time, for pruning: time + key -> b""
     "kv": b"v/",  # bus.kv / message.kv: the service's own state, key -> msgpack value
     "outbox": b"u/",  # commands a handler sent, committed with it: handled id, seq -> OutboxSend
+    "progress": b"c/",  # runs of a received segment: key, start index -> Progress
 }
-_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G, _P, _Q, _V, _U = (KEYSPACES[k] for k in (
+_M, _S, _I, _O, _D, _N, _R, _H, _X, _Y, _J, _T, _G, _P, _Q, _V, _U, _C = (KEYSPACES[k] for k in (
     "meta", "subscriptions", "intents", "outgoing", "deliveries", "incoming", "runstate",
     "handled", "deadletters", "replies", "journal", "handled_index", "segments",
-    "publish_keys", "publish_keys_index", "kv", "outbox"))
+    "publish_keys", "publish_keys_index", "kv", "outbox", "progress"))
 _KEYSPACE_OF = {prefix: name for name, prefix in KEYSPACES.items()}
 _PREFIX_LEN = 2  # every prefix: one letter and "/"
 
@@ -59,6 +62,11 @@ def _pair(prefix: bytes, a: str, b: str) -> bytes:
 def _split(key: bytes, prefix_len: int) -> tuple[str, str]:
     a, _, b = key[prefix_len:].partition(SEP)
     return a.decode(), b.decode()
+
+
+def _start(index: int) -> str:
+    """A run's start index as it is kept in a progress key (fixed width: keys sort by it)."""
+    return f"{index:05d}"
 
 
 def _end(prefix: bytes) -> bytes:

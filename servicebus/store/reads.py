@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 from ..model.clock import BusClock
 from . import schema
 from ..errors import CorruptRecordError
-from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, RunState,
+from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, Progress, ReplyRecord, RunState,
                       SubscriptionRecord)
-from .keys import KEYSPACES, SEP, keyspace_of, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
+from .keys import KEYSPACES, SEP, keyspace_of, _C, _D, _G, _H, _I, _J, _M, _N, _O, _P, _Q, _R, _S, _T, _U, _V, _X, _Y, _end, _pair, _split
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -227,6 +227,15 @@ class Reads:
         with self._op():
             value = self._db.get(key)
         return None if value is None else RunState._make(schema.decode("runstate", key, value))
+
+    def progress(self, key: str) -> dict[int, Progress]:
+        """How far runs of received segment ``key`` got, by start index (a damaged record
+        raises ``CorruptRecordError``)."""
+        prefix = _C + key.encode() + SEP
+        out: dict[int, Progress] = {}
+        for raw, record in self._decoded("progress", prefix):
+            out[int(raw[len(prefix):])] = Progress._make(record)
+        return out
 
     def incoming(self, damaged: list[tuple[bytes, bytes]] | None = None
                  ) -> Iterator[tuple[str, IncomingRecord]]:

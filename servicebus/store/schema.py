@@ -27,7 +27,7 @@ __all__ = ["decode", "decode_record", "REPAIR_HINT", "KEY_PAIR_KEYSPACES", "MESS
 REPAIR_HINT = "run `servicebus check --repair DATADIR` (it lists and repairs what is damaged)"
 SEP = b"\x00"
 MESSAGE_KINDS = (1, 2, 3)  # event, command, reply (protocol.Kind)
-KEY_PAIR_KEYSPACES = ("subscriptions", "intents", "outgoing", "deliveries", "outbox")
+KEY_PAIR_KEYSPACES = ("subscriptions", "intents", "outgoing", "deliveries", "outbox", "progress")
 
 
 def _unpack(value: bytes) -> Any:
@@ -86,23 +86,46 @@ def _delivery(value: bytes) -> dict[str, Any]:
     return cast("dict[str, Any]", rec)
 
 
+def _ids(v: Any) -> bool:
+    return type(v) is list and bool(v) and all(type(i) is str and i for i in v)
+
+
+def _blob(blob: Any, count: int) -> bool:
+    """A segment's payloads: a msgpack array of ``count`` bins (model/segments.py)."""
+    if type(blob) is not bytes:
+        return False
+    try:
+        bodies = msgpack.unpackb(blob, raw=False, max_map_len=0, max_str_len=0, max_ext_len=0)
+    except Exception:  # noqa: BLE001 - msgpack raises many types on junk
+        return False
+    return type(bodies) is list and len(bodies) == count and all(type(b) is bytes for b in bodies)
+
+
 def _outgoing(value: bytes) -> list[Any]:
     rec = _unpack(value)
-    _require(type(rec) is list and len(rec) == 7, "not an outgoing record")
-    kind, topic, sent, expires, corr, headers, body = rec
+    _require(type(rec) is list and len(rec) == 8, "not an outgoing record")
+    kind, topic, sent, expires, corr, headers, ids, blob = rec
     _require(kind in MESSAGE_KINDS and _is_str(topic) and _is_int(sent) and _is_opt_int(expires)
-             and _is_opt_str(corr) and _is_opt_dict(headers) and type(body) is bytes,
+             and _is_opt_str(corr) and _is_opt_dict(headers) and _ids(ids) and _blob(blob, len(ids)),
              "not an outgoing record")
+    return cast("list[Any]", rec)
+
+
+def _progress(value: bytes) -> list[Any]:
+    rec = _unpack(value)
+    _require(type(rec) is list and len(rec) == 3 and _is_int(rec[0]) and rec[0] >= 0
+             and _is_int(rec[1]) and rec[1] >= 0 and type(rec[2]) is list and all(map(_is_int, rec[2])),
+             "not a run's progress")
     return cast("list[Any]", rec)
 
 
 def _incoming(value: bytes) -> list[Any]:
     rec = _unpack(value)
-    _require(type(rec) is list and len(rec) == 10, "not an incoming record")
-    kind, topic, sender, reply_to, sent, attempt, expires, corr, headers, body = rec
+    _require(type(rec) is list and len(rec) == 11, "not an incoming record")
+    kind, topic, sender, reply_to, sent, attempt, expires, corr, headers, ids, blob = rec
     _require(kind in MESSAGE_KINDS and _is_str(topic) and _is_str(sender) and _is_str(reply_to)
              and _is_int(sent) and _is_int(attempt) and _is_opt_int(expires) and _is_opt_str(corr)
-             and _is_opt_dict(headers) and type(body) is bytes, "not an incoming record")
+             and _is_opt_dict(headers) and _ids(ids) and _blob(blob, len(ids)), "not an incoming record")
     return cast("list[Any]", rec)
 
 
@@ -157,7 +180,7 @@ def _empty(value: bytes) -> bytes:
 
 def _journal(value: bytes) -> list[Any]:
     rec = _unpack(value)
-    _require(type(rec) is list and all(type(e) is list and len(e) == 8 for e in rec),
+    _require(type(rec) is list and all(type(e) is list and len(e) in (8, 9) for e in rec),
              "not a journal record")
     return cast("list[Any]", rec)
 
@@ -211,6 +234,7 @@ VALUES: dict[str, Callable[[bytes], Any]] = {
     "segments": _stamp,
     "kv": _unpack,  # any value msgpack encodes
     "outbox": _outbox,
+    "progress": _progress,
 }
 
 

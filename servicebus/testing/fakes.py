@@ -16,6 +16,7 @@ from ..model.config import BusConfig
 from ..core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from ..model.ids import IdGenerator
 from ..model.outgoing import stage_publish
+from ..model.segments import bodies_of
 from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.decoding import decode
@@ -327,7 +328,7 @@ class CoreNode:
 
     def payloads(self) -> list[Any]:
         """What the handlers were handed, in order."""
-        return [decode_payload(item.record.body) for item in self.handled]
+        return [decode_payload(body) for item in self.handled for body in bodies_of(item.record.blob)]
 
     def turn(self) -> None:
         core, now = self.core, self.net.clock.monotonic()

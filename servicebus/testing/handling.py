@@ -25,6 +25,7 @@ from ..handling.transaction import StagedEvent
 from ..hooks.base import Hook, Hooks
 from ..model.config import BusConfig
 from ..model.stored import Event, Incoming, IncomingRecord, OutboxSend, ReplyRecord, RunState
+from ..model.segments import make_blob
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.protocol import Kind
 from .fakes import FakeBatch, FakeClock, FakeStore
@@ -268,7 +269,7 @@ class RunnerRig:
         expires = None if ttl is None else self.clock.wall_ms() + int(ttl * 1000)
         self.store.incoming[mid] = IncomingRecord(
             int(kind), topic, "peer-node", "ipc://peer", self.clock.wall_ms(), 1, expires,
-            correlation_id, None, encode_payload(payload) if body is None else body)
+            correlation_id, None, [mid], make_blob([encode_payload(payload) if body is None else body]))
         return mid
 
     def request(self, command: str, payload: Any = None, *, ttl: float | None = None) -> str:

@@ -1,11 +1,12 @@
 """Frames -> typed records, sans I/O: ``decode`` and every check it runs on a frame.
 
 Anything malformed raises ``ProtocolError`` with a short ``reason`` (used as a counter
-name by the engine), but for what is wrong with one message of a batch alone: its payload
-too large (``Batch.oversize``), not decodable (``Batch.undecodable``) or its own fields
-not valid (``Batch.invalid``). Those are set apart by their id and the rest of the frame
-goes on (DESIGN rule 11); a message whose id cannot be used refuses its frame
-(``bad_id``), as nothing could ack it. The records, the frame layout and the encoders are
+name by the engine), but for what is wrong with one segment of a batch alone: a message's
+payload too large (``Batch.oversize``, by message id) or the segment's own fields not
+valid (``Batch.invalid``). Those are set apart and the rest of the frame goes on (DESIGN
+rule 11); a segment whose key cannot be used refuses its frame (``bad_id``), as nothing
+could ack it. Payloads are not decoded here: one that does not decode is a dead letter when
+a handler would get it (handling/runner.py), for that message alone. The records, the frame layout and the encoders are
 ``protocol``'s; the checks of single fields, ``validation``'s; the bounded decompression,
 ``compression``'s.
 """
@@ -20,14 +21,14 @@ from ..errors import ProtocolError
 from ..model.packer import pack
 from .compression import _decompress
 from .payload import _show
-from .protocol import (MAGIC, MAX_BATCH, MESSAGE_KINDS, Ack, Batch, Envelope, Frame, Invalid, Kind, Nack,
-                       Ping, Pong, Subscribe, Unsubscribe, frame_body_limit)
+from .protocol import (MAGIC, MAX_BATCH, MAX_SEGMENTS, MESSAGE_KINDS, OLD_MAGIC, Ack, Batch, Envelope,
+                       Frame, Invalid, Kind, Nack, Ping, Pong, Subscribe, Unsubscribe, frame_body_limit)
 from .validation import (MAX_ATTEMPT, MAX_ID_LEN, MAX_MS, MAX_NAME_LEN, MAX_REASON_LEN, _address, _attempt,
                          _headers, _id, _int, _ms, _pattern, _str, _topic, validate_group)
 
 __all__ = ["decode"]
 
-_FIELDS = ("id", "topic", "sent", "attempt", "expires", "correlation_id", "headers")
+_FIELDS = ("key", "topic", "sent", "attempt", "expires", "correlation_id", "headers", "ids")
 _TOPIC_SHOWN = 300  # characters of an invalid message's topic kept on its dead letter
 
 _pack = pack
@@ -56,10 +57,13 @@ def _ids(value: Any) -> tuple[str, ...]:
 
 def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     """Turn the frames of one ZeroMQ message into a typed record, or raise ProtocolError."""
-    if len(frames) != 4:
+    if len(frames) < 4:
         raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
-    magic, kind_b, header_b, body_b = frames
+    magic, kind_b, header_b = frames[0], frames[1], frames[2]
     if magic != MAGIC:
+        if magic == OLD_MAGIC:
+            raise ProtocolError("old_protocol", "a frame of protocol SB1 (servicebus 0.2): that "
+                                "bus must be upgraded; what it holds for this one stays with it")
         raise ProtocolError("bad_magic")
     if len(kind_b) != 1 or kind_b[0] not in Kind._value2member_map_:
         raise ProtocolError("unknown_kind")
@@ -68,7 +72,10 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
         header, parts = _batch_header(header_b)
         if not isinstance(header, dict):
             raise ProtocolError("bad_header", "header must be a map")
-        return _decode_batch(kind, header, body_b, max_payload, parts)
+        return _decode_batch(kind, header, frames[3:], max_payload, parts)
+    if len(frames) != 4:
+        raise ProtocolError("bad_frame_count", f"{len(frames)} frames")
+    body_b = frames[3]
     header = _unpack(header_b, "header")
     if not isinstance(header, dict):
         raise ProtocolError("bad_header", "header must be a map")
@@ -168,12 +175,12 @@ def _read_apart(data: bytes) -> tuple[dict[Any, Any], list[bytes]]:
         key = reader.unpack()
         if type(key) is not str and type(key) is not bytes:
             raise ValueError(f"{type(key).__name__} is not allowed for map key")
-        if key != "msgs":
+        if key != "segs":
             header[key] = reader.unpack()
             continue
         count = reader.read_array_header()
-        if count > MAX_BATCH:
-            raise ProtocolError("oversize", f"{count} messages in one frame")
+        if count > MAX_SEGMENTS:
+            raise ProtocolError("oversize", f"{count} segments in one frame")
         metas: list[Any] = []
         parts = []
         for _ in range(count):
@@ -207,103 +214,117 @@ def _fields_apart(part: bytes) -> Any:
 
 
 def _invalid(meta: Any, body: Any, error: str, part: bytes | None) -> Invalid:
-    """A message that is not valid (``error`` says why), set apart by its id; or, if its id
-    cannot be used, ``ProtocolError`` for the frame: a message nobody can name cannot be
-    acked (its sender resends it, and the rest of an ordered lane waits behind it, anyway),
-    deduplicated or kept as a dead letter, and the rest of its frame handled without it
-    would be a gap nobody sees; refused, it is counted and logged as malformed."""
+    """A segment that is not valid (``error`` says why), set apart by its key; or, if its
+    key cannot be used, ``ProtocolError`` for the frame: a segment nobody can name cannot
+    be acked (its sender resends it, and the rest of an ordered lane waits behind it,
+    anyway), deduplicated or kept as a dead letter, and the rest of its frame handled
+    without it would be a gap nobody sees; refused, it is counted and logged as malformed."""
     if type(meta) is not list or not meta:
         what = meta.error if isinstance(meta, _Unread) else f"{type(meta).__name__} {_show(meta)}"
-        raise ProtocolError("bad_id", f"a message's header is not an array that starts with its "
-                            f"id ({what}): it cannot be acked or kept")
-    mid = meta[0]
-    if type(mid) is not str or not mid or len(mid) > MAX_ID_LEN:
-        what = f"cannot be read ({mid.error})" if isinstance(mid, _Unread) else (
-            f"must be a non-empty str of at most {MAX_ID_LEN}, not {type(mid).__name__} {_show(mid)}")
-        raise ProtocolError("bad_id", f"a message's id {what}: it cannot be acked or kept")
+        raise ProtocolError("bad_id", f"a segment's header is not an array that starts with its "
+                            f"key ({what}): it cannot be acked or kept")
+    key = meta[0]
+    if type(key) is not str or not key or len(key) > MAX_ID_LEN:
+        what = f"cannot be read ({key.error})" if isinstance(key, _Unread) else (
+            f"must be a non-empty str of at most {MAX_ID_LEN}, not {type(key).__name__} {_show(key)}")
+        raise ProtocolError("bad_id", f"a segment's key {what}: it cannot be acked or kept")
     for name, value in zip(_FIELDS, meta):
         if isinstance(value, _Unread):
             error = f"{name}: a receiver cannot read it ({value.error})"
             break
     topic = meta[1] if len(meta) > 1 and type(meta[1]) is str else None
+    ids: tuple[str, ...] = ()
+    if len(meta) > 7 and type(meta[7]) is list and meta[7] and len(meta[7]) <= MAX_BATCH and all(
+            type(i) is str and 0 < len(i) <= MAX_ID_LEN for i in meta[7]):
+        ids = tuple(meta[7])  # its messages can be named: each is a dead letter of its own
     if part is None:
         try:
             part = _pack(meta)
         except Exception:  # noqa: BLE001 - what msgpack read, it writes; should it not, nothing is lost but a copy
             part = b""
-    return _tuple(Invalid, (mid, error[:MAX_REASON_LEN], topic and topic[:_TOPIC_SHOWN], part,
-                            body if type(body) is bytes else _pack(body)))
+    return _tuple(Invalid, (key, error[:MAX_REASON_LEN], topic and topic[:_TOPIC_SHOWN], part,
+                            body if type(body) is bytes else _pack(body), ids))
 
 
-
-def _decode_batch(kind: Kind, header: dict[str, Any], body_b: bytes, max_payload: int,
+def _decode_batch(kind: Kind, header: dict[str, Any], blobs: list[bytes], max_payload: int,
                   parts: list[bytes] | None = None) -> Batch:
-    _require(header, "sender", "reply_to", "msgs")
+    _require(header, "sender", "reply_to", "segs")
     sender = _str(header["sender"], "sender", MAX_NAME_LEN)
     reply_to = _address(header["reply_to"], "reply_to")
-    metas = header["msgs"]
+    metas = header["segs"]
     if not isinstance(metas, list) or not metas:
-        raise ProtocolError("bad_field", "msgs must be a non-empty list")
-    if len(metas) > MAX_BATCH:
-        raise ProtocolError("oversize", f"{len(metas)} messages in one frame")
+        raise ProtocolError("bad_field", "segs must be a non-empty list")
+    if len(metas) > MAX_SEGMENTS:
+        raise ProtocolError("oversize", f"{len(metas)} segments in one frame")
+    if len(blobs) != len(metas):
+        raise ProtocolError("bad_frame_count", f"{len(metas)} segments, {len(blobs)} blobs")
     sent_at = header.get("now")
     if sent_at is not None:
         sent_at = _ms(sent_at, "now")
-    if "z" in header:
-        body_b = _decompress(header["z"], body_b, frame_body_limit(len(metas), max_payload))
-    try:
-        # An array of len(metas) bins and nothing else, checked as msgpack reads the
-        # lengths: a body of a million tiny payloads is refused before it is 50 MB of objects.
-        bodies = _unpackb(body_b, raw=False, max_array_len=len(metas), max_map_len=0,
-                          max_str_len=0, max_ext_len=0)
-    except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
-        raise ProtocolError("bad_body", f"body must be an array of {len(metas)} payloads: "
-                            f"{type(exc).__name__}") from exc
-    if not isinstance(bodies, list) or len(bodies) != len(metas):
-        raise ProtocolError("bad_body", "body must be a list with one payload per message")
+    codec = header.get("z")
     out = []
-    oversize = []
-    undecodable = []
+    oversize: list[str] = []
     invalid = []
+    total = 0
     max_ms, max_id = MAX_MS, MAX_ID_LEN
-    for meta, body in zip(metas, bodies):
-        # One message's fields that are not valid set that message apart, not its frame: a
+    for meta, blob in zip(metas, blobs):
+        # One segment's fields that are not valid set that segment apart, not its frame: a
         # frame refused is resent for ever and an ordered lane waits behind it (rule 11).
-        if type(meta) is not list or len(meta) != 7 or type(body) is not bytes:
-            invalid.append(_invalid(meta, body, _shape(meta, body), _part(meta, metas, parts)))
+        if type(meta) is not list or len(meta) != 8:
+            invalid.append(_invalid(meta, blob, _shape(meta), _part(meta, metas, parts)))
             continue
-        mid, topic, sent, attempt, expires, corr, headers = meta
-        if len(body) > max_payload:
-            oversize.append(_id(mid))  # refused by id, the rest accepted
-            continue
+        key, topic, sent, attempt, expires, corr, headers, ids = meta
         try:
-            # Per message, 20-40k times a second: each check inline, its function called
-            # only to raise, and the NamedTuple made without its keyword parsing.
+            # Per segment: each check inline, its function called only to raise, and the
+            # NamedTuple made without its keyword parsing.
+            if type(ids) is not list or not ids or len(ids) > MAX_BATCH or not all(
+                    type(i) is str and 0 < len(i) <= max_id for i in ids):
+                raise ProtocolError("bad_field", "ids must be a non-empty list of message ids")
+            if kind is not Kind.EVENT and len(ids) != 1:
+                raise ProtocolError("bad_field", "a command or a reply travels alone (ids must hold one id)")
             env = _tuple(Envelope, (
-                mid if type(mid) is str and 0 < len(mid) <= max_id else _id(mid),
+                key if type(key) is str and 0 < len(key) <= max_id else _id(key),
                 _topic(topic),
                 sent if type(sent) is int and 0 <= sent < max_ms else _ms(sent, "sent"),
-                body,
+                blob,
                 attempt if type(attempt) is int and 1 <= attempt <= MAX_ATTEMPT else _attempt(attempt),
                 None if expires is None else (
                     expires if type(expires) is int and 0 <= expires < max_ms else _ms(expires, "expires")),
                 None if corr is None else _str(corr, "correlation_id", max_id),
                 (headers or None) if type(headers) is dict else _headers(headers),
+                tuple(ids),
             ))
         except ProtocolError as exc:
-            invalid.append(_invalid(meta, body, exc.detail, _part(meta, metas, parts)))
+            invalid.append(_invalid(meta, blob, exc.detail, _part(meta, metas, parts)))
             continue
+        total += len(ids)
+        if total > MAX_BATCH:
+            raise ProtocolError("oversize", f"more than {MAX_BATCH} messages in one frame")
+        if codec is not None:
+            blob = _decompress(codec, blob, frame_body_limit(len(ids), max_payload))
         try:
-            # Payloads are checked here so that junk never reaches a handler; decode_payload.
-            _unpackb(body, raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises many types on junk
-            # Set apart, not the frame refused: a frame dropped is resent for ever, and an
-            # ordered subscription waits behind it.
-            undecodable.append((env, f"{type(exc).__name__}: {exc}"[:MAX_REASON_LEN]))
+            # An array of len(ids) bins and nothing else, checked as msgpack reads the
+            # lengths: a blob of a million tiny payloads is refused before it is 50 MB of objects.
+            bodies = _unpackb(blob, raw=False, max_array_len=len(ids), max_map_len=0,
+                              max_str_len=0, max_ext_len=0)
+            if type(bodies) is not list or len(bodies) != len(ids):
+                raise ValueError("not one payload per message")
+        except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
+            invalid.append(_invalid(meta, blob, f"the blob must be an array of {len(ids)} payloads "
+                                    f"({type(exc).__name__})", _part(meta, metas, parts)))
             continue
+        too_big = [i for i, body in enumerate(bodies) if len(body) > max_payload]
+        if too_big:
+            # Refused by id, the rest of the segment kept (rarely: a sender knows the limit).
+            oversize += [ids[i] for i in too_big]
+            keep = [i for i in range(len(ids)) if i not in set(too_big)]
+            if not keep:
+                continue
+            env = env._replace(ids=tuple(ids[i] for i in keep), body=_pack([bodies[i] for i in keep]))
+        elif codec is not None:
+            env = env._replace(body=blob)
         out.append(env)
-    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize), tuple(undecodable),
-                 tuple(invalid))
+    return Batch(kind, sender, reply_to, tuple(out), sent_at, tuple(oversize), (), tuple(invalid))
 
 
 def _part(meta: Any, metas: list[Any], parts: list[bytes] | None) -> bytes | None:
@@ -315,10 +336,8 @@ def _part(meta: Any, metas: list[Any], parts: list[bytes] | None) -> bytes | Non
     return None
 
 
-def _shape(meta: Any, body: Any) -> str:
-    """What is wrong with a message's header array or payload as a whole."""
+def _shape(meta: Any) -> str:
+    """What is wrong with a segment's header array as a whole."""
     if type(meta) is not list:
-        return f"a message's header must be an array, not {type(meta).__name__}"
-    if len(meta) != 7:
-        return f"the message's header has {len(meta)} fields; expected 7 ({', '.join(_FIELDS)})"
-    return f"payload must be msgpack bin, not {type(body).__name__}"
+        return f"a segment's header must be an array, not {type(meta).__name__}"
+    return f"the segment's header has {len(meta)} fields; expected 8 ({', '.join(_FIELDS)})"

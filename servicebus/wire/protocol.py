@@ -1,14 +1,24 @@
 """The wire protocol's frame layer, sans I/O: kinds, typed records, frame limits, encoders.
 
-Every ZeroMQ message is four frames (after the ROUTER identity, which the engine strips)::
+Every ZeroMQ message is a multipart message (after the ROUTER identity, which the engine
+strips)::
 
-    [b"SB1", kind (1 byte), header (msgpack), body (msgpack or empty)]
+    [b"SB2", kind (1 byte), header (msgpack), blob, blob, ...]   message kinds
+    [b"SB2", kind (1 byte), header (msgpack), b""]                control kinds
 
-Message kinds (EVENT, COMMAND, REPLY) are batched: the header is a map holding the
-sender's node id, its reply address and a list of per-message arrays
-``[id, topic, sent_ms, attempt, expires_ms|None, correlation_id|None, headers]``; the body
-is a msgpack array of the payloads, each already msgpack-encoded by the publisher (so they
-are forwarded as bytes and never re-encoded). Control kinds carry a map and an empty body.
+Message kinds (EVENT, COMMAND, REPLY) carry segments: the messages of one publish (or of
+one part of a large ``publish_many``), which share their topic, times and headers and are
+stored, sent, acknowledged, resent and deduplicated together (DESIGN.md section 9: one
+record per batch, not one key per message). The header is a map holding the sender's node
+id, its reply address and one array per segment
+``[key, topic, sent_ms, attempt, expires_ms|None, correlation_id|None, headers, ids]``;
+each segment's payloads follow as one part of their own, its *blob*: a msgpack array of
+the payloads, each already msgpack-encoded by the publisher, exactly as the publisher
+stored it, so a payload is never decoded or re-encoded on its way. ``key`` names the
+segment (its first message's id when it was stored): what an ack names and a receiver
+deduplicates by; ``ids`` are the messages it carries (all of the segment's but those a
+sender leaves out for this receiver). Control kinds carry a map and an empty part.
+Version 2 of the protocol (``SB2``): buses of 0.2 spoke ``SB1``, one array per message.
 
 The rest of the wire package: ``decoding`` turns frames back into these records (and
 refuses what is malformed), ``validation`` says what a field may be, ``payload`` what a
@@ -27,6 +37,8 @@ from .compression import COMPRESS_MIN, _compressor
 
 __all__ = [
     "MAGIC",
+    "OLD_MAGIC",
+    "MAX_SEGMENTS",
     "Kind",
     "Envelope",
     "Invalid",
@@ -53,8 +65,10 @@ __all__ = [
     "frame_body_limit",
 ]
 
-MAGIC = b"SB1"
+MAGIC = b"SB2"
+OLD_MAGIC = b"SB1"  # what buses of 0.2 send: refused, counted apart (old_protocol)
 MAX_BATCH = 10_000  # messages per frame; far above what the engine sends
+MAX_SEGMENTS = 1_000  # segments per frame
 # Payload bytes a sender puts in one batch frame, at most; one message alone may be bigger
 # (up to max_payload). The sender cuts frames by it (core/sender.py) and a receiver bounds
 # what a compressed frame may decompress to by it (frame_body_limit).
@@ -83,48 +97,58 @@ _KIND_BYTES = {kind: bytes([kind]) for kind in Kind}
 
 
 class Envelope(NamedTuple):
-    """One message inside a batch. A tuple, not an object: thousands go by per second."""
+    """One segment of a batch frame: messages that travel together. A tuple, not an
+    object: thousands go by per second."""
 
-    id: str
+    id: str  # the segment's key: what is acked and deduplicated
     topic: str
     sent: int  # ms since the epoch, sender's clock
-    body: bytes  # msgpack-encoded payload
+    body: bytes  # the blob: a msgpack array of the payloads, as stored
     attempt: int = 1
     expires: int | None = None  # ms since the epoch, or None for no TTL
     correlation_id: str | None = None
     headers: dict[str, Any] | None = None
+    ids: tuple[str, ...] = ()  # the messages, in order; () reads as (id,)
+
+    def message_ids(self) -> tuple[str, ...]:
+        return self.ids or (self.id,)
 
 
 class Batch(NamedTuple):
     kind: Kind
     sender: str
     reply_to: str
-    messages: tuple[Envelope, ...]
+    messages: tuple[Envelope, ...]  # segments
     # The sender's wall clock when it sent the frame (header "now", optional): lets the
     # receiver turn ``expires`` into its own clock's terms, whatever the skew between them.
     sent_at: int | None = None
-    # Ids of messages whose payload exceeds the receiver's max_payload: not in
-    # ``messages``; the receiver NACKs them (the rest of the frame is fine).
+    # Ids of messages whose payload exceeds the receiver's max_payload: left out of their
+    # segment in ``messages``; the receiver NACKs them (the rest of the frame is fine).
     oversize: tuple[str, ...] = ()
-    # Messages whose payload no receiver can decode (from an older or hostile publisher),
-    # with msgpack's error: not in ``messages``; the receiver acks each and keeps it as a
-    # dead letter, raw bytes and all (the rest of the frame is fine; DESIGN rule 11).
+    # Kept for the receiver's interface: payloads are no longer decoded on receipt (one
+    # that does not decode is a dead letter when a handler would get it; handling/runner.py).
     undecodable: tuple[tuple[Envelope, str], ...] = ()
-    # Messages whose own fields are not valid (an older or hostile sender), their id aside:
-    # not in ``messages``; the receiver acks each and keeps it as a dead letter (rule 11).
+    # Segments whose own fields are not valid (an older or hostile sender), their key
+    # aside: not in ``messages``; the receiver acks each and keeps each of its messages
+    # as a dead letter (rule 11).
     invalid: tuple["Invalid", ...] = ()
 
 
 class Invalid(NamedTuple):
-    """A message of a batch whose id can be used but whose other fields are not valid: a
+    """A segment of a batch whose key can be used but whose other fields are not valid: a
     bad topic, times or attempt out of range, headers that are not a map or that a
-    receiver cannot read, a header array of the wrong length, a payload that is not bin."""
+    receiver cannot read, a header array of the wrong length, ids that are not ids, a blob
+    that is not an array of one bin per message."""
 
-    id: str
+    id: str  # the segment's key
     error: str  # the field and what is wrong with it
     topic: str | None  # as sent, if a str (perhaps not a valid topic; cut to 300 chars)
     header: bytes  # its header array, msgpack: as it came, or re-encoded from what was read
-    body: bytes  # its payload as it came (a payload that was not bin: re-encoded)
+    body: bytes  # its blob as it came
+    ids: tuple[str, ...] = ()  # its messages' ids as far as they can be read; () reads as (id,)
+
+    def message_ids(self) -> tuple[str, ...]:
+        return self.ids or (self.id,)
 
 
 class Ack(NamedTuple):
@@ -173,8 +197,8 @@ Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
 
 
 def frame_body_limit(count: int, max_payload: int) -> int:
-    """The most bytes the body of a batch frame of ``count`` messages may hold once
-    decompressed: what a sender puts in one frame (FRAME_BYTES of payload, or one message
+    """The most bytes one blob (a segment of ``count`` messages) may hold once
+    decompressed: what a sender puts in one segment (FRAME_BYTES of payload, or one message
     of up to ``max_payload``) plus msgpack's framing. Not ``count`` payloads' worth: a frame
     may declare 10,000 messages in a few KB of header."""
     return max(FRAME_BYTES, max_payload) + _BIN_HEADER * (count + 1)
@@ -185,23 +209,27 @@ _pack = pack
 
 # --- encoding ------------------------------------------------------------------------------
 
-def encode_batch(kind: Kind, sender: str, reply_to: str, messages: list[Envelope],
+def encode_batch(kind: Kind, sender: str, reply_to: str, segments: list[Envelope],
                  sent_at: int | None = None, compress: str | None = None) -> list[bytes]:
+    """A batch frame of ``segments``: their blobs go as they are (compressed with
+    ``compress`` when worth it), each a part of its own."""
     header: dict[str, Any] = {
         "sender": sender,
         "reply_to": reply_to,
-        "msgs": [
-            [m.id, m.topic, m.sent, m.attempt, m.expires, m.correlation_id, m.headers or {}]
-            for m in messages
+        "segs": [
+            [m.id, m.topic, m.sent, m.attempt, m.expires, m.correlation_id, m.headers or {},
+             list(m.ids) or [m.id]]
+            for m in segments
         ],
     }
     if sent_at is not None:
         header["now"] = sent_at
-    body = _pack([m.body for m in messages])
-    if compress == "zstd" and len(body) >= COMPRESS_MIN:
+    blobs = [m.body for m in segments]
+    if compress == "zstd" and sum(len(b) for b in blobs) >= COMPRESS_MIN:
         header["z"] = "zstd"
-        body = _compressor().compress(body)  # the content size goes in the frame
-    return [MAGIC, _KIND_BYTES[kind], _pack(header), body]
+        comp = _compressor()
+        blobs = [comp.compress(b) for b in blobs]  # each with its content size in it
+    return [MAGIC, _KIND_BYTES[kind], _pack(header), *blobs]
 
 
 def _control(kind: Kind, header: dict[str, Any]) -> list[bytes]:

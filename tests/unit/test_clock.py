@@ -109,7 +109,7 @@ def test_a_format_1_store_is_upgraded_and_keeps_every_handled_id_for_a_whole_win
     store.write(batch, sync=True)
     store.close()
     store = Store.open(tmp_path / "store")
-    assert store.get_meta("format") == b"2"
+    assert store.get_meta("format") == str(FORMAT_VERSION).encode()  # upgraded to this version
     assert store.handled_before(50_000, 10) == []
     assert sorted(store.handled_before(50_001, 10)) == sorted((m, 50_000) for m in mids)
     store.close()
