@@ -419,7 +419,10 @@ class Core:
                 for c in p.consumers), None if p.last_pong is None else now - p.last_pong)
             for p in s.peers.values()
         )
-        consumers = [(c.peer, c.stream, c.floor, len(c.order) - len(c.inflight) + len(c.skip))
+        # (peer, stream, floor, keys past the floor that are done: acked in the window or
+        # settled ahead of it) for status(), which counts the messages owed from the store.
+        consumers = [(c.peer, c.stream, c.floor,
+                      frozenset(k for k in c.order if k not in c.inflight) | frozenset(c.skip))
                      for c in s.consumers.values()]
         return {
             "peers": peers,

@@ -31,6 +31,7 @@ from ..hooks.base import Hooks
 from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
+from .segmentrun import PAUSE
 from ..store import Store
 from ..model.stored import ReplyRecord
 
@@ -354,7 +355,7 @@ class Dispatcher:
 
     # --- workers -----------------------------------------------------------------------
 
-    def _next_run(self) -> list[Incoming] | None:
+    def _next_run(self) -> list[tuple[float, int, Incoming]] | None:
         """The next ready messages for one worker: a fair share of what is ready (so slow,
         I/O-bound handlers still spread over all workers), at most RUN. An empty list when
         a parked message's TTL passed: the worker scans the store for it."""
@@ -374,9 +375,9 @@ class Dispatcher:
                     if due <= now:
                         ready = sum(1 for d, _, _ in self._heap[:RUN * 8] if d <= now)
                         take = max(1, min(RUN, ready // self._config.workers))
-                        run = [heapq.heappop(self._heap)[2]]
+                        run = [heapq.heappop(self._heap)]
                         while len(run) < take and self._heap and self._heap[0][0] <= now:
-                            run.append(heapq.heappop(self._heap)[2])
+                            run.append(heapq.heappop(self._heap))
                         return run
                     self._cv.wait(due - now)
                 elif parked is not None:
@@ -393,8 +394,12 @@ class Dispatcher:
                 self._refill()  # a parked message expired: the scan queues it to dead-letter
                 continue
             marked = False  # whether run[i]'s "started" marker was written with run[i-1]
-            for i, item in enumerate(run):
-                nxt = run[i + 1] if i + 1 < len(run) else None
+            paused = False
+            for i, (due, seq, item) in enumerate(run):
+                if paused:  # the rest of the run goes back as it was, after the paused one
+                    self._requeue(due, seq, item, read=False)
+                    continue
+                nxt = run[i + 1][2] if i + 1 < len(run) else None
                 retry_at: float | None = None
                 try:
                     retry_at, marked = self._runner.run(item, marked, nxt)
@@ -407,9 +412,29 @@ class Dispatcher:
                     log.exception("unexpected error dispatching %s", item.id)
                 finally:
                     try:
-                        self._finish(item, retry_at)
+                        if retry_at == PAUSE:  # a segment's next part: its place in the queue kept
+                            self._requeue(due, seq, item)
+                            paused = True
+                        else:
+                            self._finish(item, retry_at)
                     except BaseException:  # noqa: BLE001 - nor die finishing one
                         log.exception("unexpected error finishing %s", item.id)
+
+    def _requeue(self, due: float, seq: int, item: Incoming, read: bool = True) -> None:
+        """Back in the queue where it was: a segment paused between two of its messages
+        (``read``: its progress is read again), or what its worker had taken after it."""
+        with self._cv:
+            if self._closing:
+                return
+            if read:
+                try:
+                    item = item._replace(progress=self._store.progress(item.id))
+                except StoreError as exc:  # a refill reads it again
+                    log.error("reading the progress of %s: %s", item.id, exc)
+                    self._known.discard(item.id)
+                    return
+            heapq.heappush(self._heap, (due, seq, item))
+            self._cv.notify()
 
     def _finish(self, item: Incoming, retry_at: float | None) -> None:
         refill = False

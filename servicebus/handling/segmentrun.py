@@ -37,11 +37,15 @@ from .staging import UpdateFailed
 # ``runner`` below is the Runner (runner.py, which calls in here: not imported back).
 Runner = Any
 
-__all__ = ["run_segment", "START"]
+__all__ = ["run_segment", "START", "PAUSE"]
 
 log = logging.getLogger("servicebus")
 
 START = 0  # a segment runs from its first message on, as one run (one progress record)
+# Messages run before a segment goes back in the queue (its place kept): what is queued
+# meanwhile, a higher priority first, does not wait for a whole segment.
+BUDGET = 16
+PAUSE = -1.0  # returned for "run again from where it is, at its place in the queue"
 _tuple = tuple.__new__
 
 
@@ -56,9 +60,9 @@ def progress_of(item: Incoming) -> Progress:
 
 
 def run_segment(runner: Runner, item: Incoming, marked: bool,
-                nxt: Incoming | None) -> tuple[float | None, bool]:
-    """Run what is left of segment ``item``; (when to run it again, or None; whether
-    ``nxt``'s start marker went into the last write)."""
+                nxt: Incoming | None, budget: int = BUDGET) -> tuple[float | None, bool]:
+    """Run what is left of segment ``item``, ``budget`` messages at most; (when to run it
+    again, or None; whether ``nxt``'s start marker went into the last write)."""
     record, key = item.record, item.id
     ids = record.ids
     try:
@@ -89,7 +93,11 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
                 return time.monotonic() + 0.5, False  # not written, so not run: later
     marked_next: bool | None = False
     ordered = lane_of(item) is not None
+    ran = 0
     while nxt_index < len(ids):
+        if ran >= budget:
+            return PAUSE, False  # the rest later: its progress says where
+        ran += 1
         i = nxt_index
         mid = ids[i]
         # The segment's own record stands for its message's: every field but ids and blob is
@@ -100,10 +108,11 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
         outcome = runner._outcome(view, True, bodies[i])
         last = i + 1 == len(ids)
         follow = nxt if last else None
-        nxt_index, started = i + 1, 1  # the next one starts with the write recording this one
+        # The next one starts with the write recording this one, unless it waits for later.
+        nxt_index, started = i + 1, 1 if ran < budget else 0
         if outcome.kind == "handled":
-            marked_next = _commit_handled(runner, item, view, outcome, nxt_index, skipped, last, follow,
-                                          kept or runner._several(record))
+            marked_next = _commit_handled(runner, item, view, outcome, nxt_index, started, skipped, last,
+                                          follow, kept or runner._several(record))
             if marked_next is None:  # a kv update raised at the commit: the message failed
                 outcome = _failed_update(view, outcome)
             else:
@@ -114,14 +123,14 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
         if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts:
             skipped.append(i)
             marked_next = _split_off(runner, item, view, one(record, i, bodies[i]), outcome, nxt_index,
-                                     skipped, last, follow)
+                                     started, skipped, last, follow)
             continue
         if outcome.kind == "failed":
             outcome = Outcome("dead", outcome.attempts, "handler_failed", outcome.error,
                                         (runner._event("handler_failed", view, outcome.attempts, outcome.error),))
         skipped.append(i)
         marked_next = _dead_one(runner, item, view, one(record, i, bodies[i]), outcome, nxt_index,
-                                skipped, last, follow)
+                                started, skipped, last, follow)
     if not ids or nxt_index < len(ids):
         return None, False
     if p.next >= len(ids):
@@ -171,12 +180,13 @@ def _finish(runner: Runner, item: Incoming, skipped: list[int], nxt: Incoming | 
 
 
 def _commit_handled(runner: Runner, item: Incoming, view: Incoming, o: Outcome, nxt_index: int,
-                    skipped: list[int], last: bool, nxt: Incoming | None, several: bool) -> bool | None:
+                    started: int, skipped: list[int], last: bool, nxt: Incoming | None,
+                    several: bool) -> bool | None:
     """Record message ``view`` handled (with what its handlers staged); None if a kv update
     raised at the commit (nothing written). ``several``: it may have a run state of its own
     (deleted with it)."""
     key, mid = item.id, view.id
-    progress = Progress(nxt_index, 1, list(skipped))
+    progress = Progress(nxt_index, started, list(skipped))
     events = _events(runner, item, skipped) if last else []
     starts = sorted({START, *(item.progress or {})})
 
@@ -201,7 +211,8 @@ def _failed_update(view: Incoming, o: Outcome) -> Outcome:
 
 
 def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingRecord, o: Outcome,
-               nxt_index: int, skipped: list[int], last: bool, nxt: Incoming | None) -> bool:
+               nxt_index: int, started: int, skipped: list[int], last: bool,
+               nxt: Incoming | None) -> bool:
     """Message ``view`` failed, attempts left: it goes on as a segment of one, retried
     after a backoff; the segment goes on without it."""
     config, mid = runner._config, view.id
@@ -210,7 +221,7 @@ def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingR
     state = RunState(o.attempts, list(o.done), o.error, runner._wall() + int(delay * 1000))
     failed = runner._event("handler_failed", view, o.attempts, o.error)
     retried = runner._event("retried", view, o.attempts, o.error)
-    progress = Progress(nxt_index, 1, list(skipped))
+    progress = Progress(nxt_index, started, list(skipped))
 
     def build(batch: Any) -> None:
         batch.split_off(mid, single, state)
@@ -247,13 +258,13 @@ def _retry_here(runner: Runner, item: Incoming, o: Outcome, i: int, started_now:
 
 
 def _dead_one(runner: Runner, item: Incoming, view: Incoming, single: IncomingRecord, o: Outcome,
-              nxt_index: int, skipped: list[int], last: bool, nxt: Incoming | None) -> bool:
+              nxt_index: int, started: int, skipped: list[int], last: bool, nxt: Incoming | None) -> bool:
     """Message ``view`` is a dead letter of its own; the segment goes on without it."""
     reason = o.reason or "handler_failed"
     name = "expired" if reason == "expired" else "deadlettered"
     letter = incoming_letter(reason, o.error, o.attempts, single)
     events = [*o.events, runner._event(name, view, o.attempts, o.error or reason)]
-    progress = Progress(nxt_index, 1, list(skipped))
+    progress = Progress(nxt_index, started, list(skipped))
     log.error("dead letter: %s %s after %d attempt(s): %s", view.record.topic, view.id, o.attempts,
               o.error or reason)
 

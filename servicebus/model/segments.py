@@ -23,7 +23,7 @@ import msgpack
 
 from .packer import pack
 
-__all__ = ["make_blob", "bodies_of", "cut", "single", "SEGMENT_BYTES"]
+__all__ = ["make_blob", "bodies_of", "cut", "single", "count_of", "SEGMENT_BYTES"]
 
 SEGMENT_BYTES = 1 << 20  # payload bytes of one segment, at most (protocol.FRAME_BYTES)
 _BIN = 5  # what msgpack puts before a payload (bin 32), at most
@@ -58,6 +58,20 @@ def cut(bodies: Sequence[bytes], max_count: int, max_bytes: int = SEGMENT_BYTES,
         size += n
     if start < len(bodies):
         yield start, len(bodies)
+
+
+def count_of(record: bytes, ids_at: int) -> int:
+    """How many messages a stored segment record holds (its ids are field ``ids_at`` of its
+    array), read without copying its payloads; 1 if it does not read."""
+    reader = msgpack.Unpacker(raw=False)
+    reader.feed(record)
+    try:
+        reader.read_array_header()
+        for _ in range(ids_at):
+            reader.skip()
+        return int(reader.read_array_header())
+    except Exception:  # noqa: BLE001 - damaged: counts as one (check says what it is)
+        return 1
 
 
 def single(blob: bytes, index: int) -> bytes:

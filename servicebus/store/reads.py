@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..model.clock import BusClock
+from ..model.segments import count_of
 from . import schema
 from ..errors import CorruptRecordError
 from ..model.stored import (DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, Progress, ReplyRecord, RunState,
@@ -172,16 +173,36 @@ class Reads:
                         break
         return out
 
-    def count_stream(self, stream: str, after: str | None = None) -> int:
+    def count_stream(self, stream: str, after: str | None = None,
+                     skip: set[str] | frozenset[str] = frozenset()) -> int:
+        """Messages stored in a stream's segments after key ``after`` but those in ``skip``."""
         prefix = _O + stream.encode() + SEP
         with self._op():
             if after is None:
-                it = self._db.iterator(prefix=prefix, include_value=False)
+                it = self._db.iterator(prefix=prefix, fill_cache=False)
             else:
                 it = self._db.iterator(start=prefix + after.encode(), include_start=False,
-                                       stop=_end(prefix), include_value=False)
+                                       stop=_end(prefix), fill_cache=False)
+            plen = len(prefix)
             with it:
-                return sum(1 for _ in it)
+                return sum(count_of(value, 6) for key, value in it if key[plen:].decode() not in skip)
+
+    def count_messages(self, keyspace: str) -> int:
+        """Messages held by the segments of ``outgoing`` or ``incoming`` (not handled yet: a
+        segment's run may have finished some)."""
+        if keyspace == "outgoing":
+            with self._op():
+                with self._db.iterator(prefix=_O, fill_cache=False) as it:
+                    return sum(count_of(value, 6) for _key, value in it)
+        total = 0
+        for key, value in self._iter(_N, fill_cache=False):
+            n = count_of(value, 9)
+            if n > 1:
+                p = self.progress(key[len(_N):].decode()).get(0)
+                if p is not None:  # those before its next are done here, or split off (counted
+                    n -= min(n, p.next)  # as their own segments) or dead letters
+            total += n
+        return total
 
     def get_outgoing(self, stream: str, message_id: str) -> bytes | None:
         with self._op():

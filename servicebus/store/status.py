@@ -26,10 +26,16 @@ def live_status(store: Store, snap: dict[str, Any], *, node_id: str, address: st
         except StoreError:
             return -1
 
+    def messages(keyspace: str) -> int:
+        try:
+            return store.count_messages(keyspace)
+        except StoreError:
+            return -1
+
     pending_by: dict[str, int] = {}
     for peer, stream, floor, acked in snap["consumers"]:
         try:
-            n = max(0, store.count_stream(stream, after=floor) - acked)
+            n = store.count_stream(stream, after=floor, skip=acked)
         except StoreError:
             n = -1
         pending_by[peer] = n if n < 0 else pending_by.get(peer, 0) + n
@@ -41,10 +47,10 @@ def live_status(store: Store, snap: dict[str, Any], *, node_id: str, address: st
         subscriptions=count("subscriptions"),
         intents=count("intents"),
         intents_unconfirmed=snap["intents_unconfirmed"],
-        outgoing=count("outgoing"),
+        outgoing=messages("outgoing"),
         pending=-1 if any(n < 0 for n in pending_by.values()) else sum(pending_by.values()),
         pending_by_subscriber=pending_by,
-        incoming=count("incoming"),
+        incoming=messages("incoming"),
         deadletters=count("deadletters"),
         handled=count("handled"),
         malformed=sum(snap["malformed"].values()),
