@@ -136,17 +136,20 @@ class Runner:
             return Outcome("parked")
         return None
 
-    def _outcome(self, item: Incoming, marked: bool, body: bytes | None = None) -> Outcome:
+    def _outcome(self, item: Incoming, marked: bool, body: bytes | None = None,
+                 handlers: list[tuple[str, Handler]] | None = None) -> Outcome:
         """What comes of one message: ``item`` a segment of one, or a message of a segment
-        of several given with its payload ``body``."""
+        of several given with its payload ``body`` and its topic's ``handlers`` (the
+        segment's own checks made once, before: ``_outcome_before``)."""
         record = item.record
         kind, topic = record.kind, record.topic
-        before = self._outcome_before(item)
-        if before is not None:
-            return before
+        if handlers is None:
+            before = self._outcome_before(item)
+            if before is not None:
+                return before
+            handlers = self._handlers.get((kind, topic))
+            assert handlers
         attempts, done, last_error, _next = item.runstate or NO_RUNS
-        handlers = self._handlers.get((kind, topic))
-        assert handlers
         attempts += 1
         if attempts > self._config.max_attempts:
             # Every run so far started and none ended, not even by raising: the handler

@@ -93,6 +93,8 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
                 return time.monotonic() + 0.5, False  # not written, so not run: later
     marked_next: bool | None = False
     ordered = lane_of(item) is not None
+    handlers = runner._handlers.get((record.kind, record.topic))
+    several = len(handlers or ()) > 1
     ran = 0
     while nxt_index < len(ids):
         if ran >= budget:
@@ -103,16 +105,16 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
         # The segment's own record stands for its message's: every field but ids and blob is
         # theirs, and the payload is given apart (a record of its own is made only when the
         # message leaves the segment).
-        state, kept = _state(runner, record, mid, started, first=i == p.next)
+        state, kept = _state(runner, mid, started, i == p.next or several)
         view = _tuple(Incoming, (mid, record, state, None))
-        outcome = runner._outcome(view, True, bodies[i])
+        outcome = runner._outcome(view, True, bodies[i], handlers)
         last = i + 1 == len(ids)
         follow = nxt if last else None
         # The next one starts with the write recording this one, unless it waits for later.
         nxt_index, started = i + 1, 1 if ran < budget else 0
         if outcome.kind == "handled":
             marked_next = _commit_handled(runner, item, view, outcome, nxt_index, started, skipped, last,
-                                          follow, kept or runner._several(record))
+                                          follow, kept or several)
             if marked_next is None:  # a kv update raised at the commit: the message failed
                 outcome = _failed_update(view, outcome)
             else:
@@ -139,14 +141,13 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
     return None, bool(marked_next)
 
 
-def _state(runner: Runner, record: IncomingRecord, mid: str, started: int,
-           first: bool) -> tuple[RunState, bool]:
+def _state(runner: Runner, mid: str, started: int, look: bool) -> tuple[RunState, bool]:
     """Message ``mid``'s run state: runs so far from the progress (this one included);
-    the handlers that finished and the last error from a record of its own, if it has one
-    (one of several handlers finished, or an ordered segment is retried at it). Whether it
-    has one: the write that finishes it deletes it."""
+    with ``look``, the handlers that finished and the last error from a record of its own,
+    if it has one (one of several handlers finished, or an ordered segment is retried at
+    it). Whether it has one: the write that finishes it deletes it."""
     found = None
-    if first or runner._several(record):
+    if look:
         try:
             found = runner.writer.store.get_runstate(mid)
         except StoreError:

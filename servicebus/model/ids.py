@@ -66,7 +66,19 @@ class IdGenerator:
         return f"{ms:012x}{self._counter:06x}{self._boot}"
 
     def many(self, count: int) -> list[str]:
-        return [self.next() for _ in range(count)]
+        """``count`` ids in a row, made under one lock: one reading of the clock, the
+        counter carried (as ``next`` does when it wraps)."""
+        with self._lock:
+            ms = max(self.now_ms(), self._last_ms)
+            counter, boot = self._counter, self._boot
+            out = []
+            for _ in range(count):
+                counter = (counter + 1) & 0xFFFFFF
+                if counter == 0:
+                    ms += 1  # the counter wrapped within one millisecond bucket: move time on
+                out.append(f"{ms:012x}{counter:06x}{boot}")
+            self._counter, self._last_ms = counter, ms
+            return out
 
     def delayed(self, count: int, due_ms: int) -> list[str]:
         """Ids for messages to deliver at ``due_ms`` (wall clock, as ``publish`` computed it
