@@ -3,6 +3,7 @@ delivery state's owner are when the stream is a priority level ("e:<topic> 3") o
 owner a subscriber group ("group:<name>")."""
 
 from servicebus.model.delivery import Kind, pack_outgoing
+from servicebus.model.segments import make_blob
 from servicebus.ops.repair import Owed, check, lost_in_repair
 
 SUB, OTHER = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
@@ -19,7 +20,7 @@ def write(store, subscriptions=(), deliveries=(), outgoing=()):
     for peer, stream, record in deliveries:
         b.put_delivery(peer, stream, record)
     for stream, mid in outgoing:
-        b.put_outgoing(stream, mid, pack_outgoing(Kind.EVENT, "t", 1, b"\x01"))
+        b.put_outgoing(stream, mid, pack_outgoing(Kind.EVENT, "t", 1, [mid], make_blob([b"\x01"])))
     store.write(b, sync=True)
 
 
