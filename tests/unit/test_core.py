@@ -10,6 +10,7 @@ import pytest
 
 from servicebus.wire import protocol as P
 from servicebus.wire.decoding import decode
+from servicebus.model.config import BusConfig
 from servicebus.model.segments import make_blob
 from servicebus.wire.payload import encode_payload
 from servicebus.wire.policy import AddressPolicy, OwnAddress
@@ -199,6 +200,35 @@ def test_a_window_counts_messages_when_publishes_hold_several():
     net.lose = lambda s, d, f: False
     net.run(lambda: len(sub.handled_ids()) == 15 and pub.core.idle(), seconds=10)
     assert sub.handled_ids() == [mid for ids in segments for mid in ids]
+
+
+@pytest.mark.parametrize("big", [
+    pytest.param(0, marks=pytest.mark.xfail(strict=True, reason=(
+        "core/sender.py Sender.on_nack: the receiver NACKs a too-large message by its id and "
+        "keeps (stores, acks, hands over) the rest of its segment under the segment's key; when "
+        "that message is the segment's first, its id IS the key, and on_nack takes the NACK "
+        "for the whole segment (expiry.refuse without `which`): every message of it becomes a "
+        "dead letter at the sender while the receiver handles all but the first, so a replay "
+        "of those letters delivers them twice"))),
+    1,
+], ids=["the first (its key)", "another"])
+def test_a_message_too_large_for_a_receiver_is_refused_alone_and_the_rest_of_its_segment_delivered(big):
+    # The receiver's limit is lower than what it told the publisher (it was restarted with
+    # a smaller max_payload): the publisher sends the whole segment, the receiver refuses the
+    # one message by its id (NACK) and takes the others.
+    net = Network(ack_timeout=1.0, resend_max=2.0)
+    pub, sub = net.node("pub"), net.node("sub")
+    subscribed(net, pub, sub)
+    net.config = BusConfig(max_payload=1000)  # what the receiving side now decodes frames with
+    payloads = [b"a", b"b", b"c"]
+    payloads[big] = b"x" * 2000
+    ids = pub.publish(TOPIC, *payloads)
+    net.run(lambda: pub.core.idle() and sub.handled, seconds=10)
+    net.run(seconds=3)
+    assert [tuple(n.ids) for n in net.sent(sub.address, pub.address, P.Nack)] == [(ids[big],)]
+    assert sub.handled_ids() == [m for m in ids if m != ids[big]]
+    assert sorted(pub.store.letters) == [ids[big]]  # the one refused, and only it
+    assert pub.store.letters[ids[big]]["reason"] == "refused"
 
 
 def test_a_subscriber_that_restarts_gets_what_it_was_owed_at_once_not_after_the_backoff():
