@@ -67,6 +67,22 @@ def test_the_handled_event_of_a_finished_segment_names_every_message_it_handled(
     assert ("complete_incoming", (key, 0, [0])) in rig.store.write_of("complete_incoming", key)
 
 
+def test_the_write_that_finishes_a_message_marks_the_next_segment_started_and_its_run_writes_no_start():
+    rig = RunnerRig()
+    seen = []
+    rig.add(TOPIC, recording(seen))
+    first = rig.receive(TOPIC, "x")
+    key, ids = rig.receive_segment(TOPIC, "a", "b")
+    nxt = rig.item(key)  # as the dispatcher took it, before either ran
+
+    assert rig.runner.run(rig.item(first), False, nxt) == (None, True)
+    assert ("put_progress", (key, 0, Progress(0, 1, []))) in rig.store.write_of("complete_incoming", first)
+    writes = len(rig.store.written)
+    assert rig.runner.run(nxt, True) == (None, False)
+    assert len(rig.store.written) == writes + 2  # one per message: no start of its own
+    assert seen == [("x", 1), ("a", 1), ("b", 1)]  # the marker counts this run, once
+
+
 def test_a_crash_mid_segment_resumes_at_the_message_it_was_running_not_at_a_finished_one():
     rig = RunnerRig()
     seen, crash = [], ["b"]
