@@ -307,10 +307,13 @@ class CoreNode:
 
     # what user threads do
     def publish(self, topic: str, *payloads: Any, priority: int = 0) -> list[str]:
+        """One publish of ``payloads`` (one segment, or several of at most ``max_batch``
+        messages, as the bus's publisher cuts them); their ids."""
         batch = self.store.batch()
         bodies = [encode_payload(p) for p in payloads]
         ids, streams, _events = stage_publish(batch, self.core.s.routes, self.core.s.ids, self.net.clock.wall_ms(),
-                                              topic, bodies, priority=priority)
+                                              topic, bodies, priority=priority,
+                                              max_count=self.net.config.max_batch)
         self.store.write(batch, sync=True)
         self.commands.extend(Published(stream, items) for stream, items in streams)
         return ids
@@ -329,6 +332,11 @@ class CoreNode:
     def payloads(self) -> list[Any]:
         """What the handlers were handed, in order."""
         return [decode_payload(body) for item in self.handled for body in bodies_of(item.record.blob)]
+
+    def handled_ids(self) -> list[str]:
+        """The ids of the messages the handlers were handed, in order (``handled`` holds
+        segments: their keys are their first messages' ids)."""
+        return [mid for item in self.handled for mid in item.record.ids]
 
     def turn(self) -> None:
         core, now = self.core, self.net.clock.monotonic()

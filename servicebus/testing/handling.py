@@ -24,7 +24,7 @@ from ..handling.runner import Runner
 from ..handling.transaction import StagedEvent
 from ..hooks.base import Hook, Hooks
 from ..model.config import BusConfig
-from ..model.stored import Event, Incoming, IncomingRecord, OutboxSend, ReplyRecord, RunState
+from ..model.stored import Event, Incoming, IncomingRecord, OutboxSend, Progress, ReplyRecord, RunState
 from ..model.segments import make_blob
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.protocol import Kind
@@ -37,7 +37,8 @@ Op = tuple[str, tuple]
 
 class HandlingBatch(FakeBatch):
     """``FakeBatch`` with the handler side's writes (``complete_incoming``,
-    ``complete_with_reply``, ``deadletter_incoming``, besides every ``put_*``/``delete_*``)
+    ``complete_with_reply``, ``deadletter_incoming``, ``split_off``, besides every
+    ``put_*``/``delete_*``)
     and what ``RunWriter`` needs of a batch it reuses (``clear``, ``generation``)."""
 
     def __init__(self, generation: int = 0) -> None:
@@ -50,7 +51,7 @@ class HandlingBatch(FakeBatch):
         self.sync = False
 
     def __getattr__(self, name: str) -> Callable[..., None]:
-        if name.startswith(("complete_", "deadletter_")):
+        if name.startswith(("complete_", "deadletter_", "split_")):
             return lambda *args: self._op(name, *args)
         return super().__getattr__(name)
 
@@ -73,6 +74,7 @@ class HandlingStore(FakeStore):
         super().__init__()
         self.incoming: _Records = _Records()
         self.runstate: dict[str, RunState] = {}
+        self.runs: dict[tuple[str, int], Progress] = {}  # c/: (segment key, start) -> Progress
         self.kv: dict[str, bytes] = {}
         self.written: list[list[Op]] = []
         self.generation = 0
@@ -127,10 +129,23 @@ class HandlingStore(FakeStore):
     def _put_runstate(self, mid: str, rs: RunState) -> None:
         self.runstate[mid] = RunState(rs.attempts, list(rs.done), rs.last_error, rs.next_ms)
 
-    def _complete_incoming(self, mid: str, at: int) -> None:
+    def _complete_incoming(self, mid: str, at: int, starts: Sequence[int] = ()) -> None:
         self.incoming.pop(mid, None)
         self.runstate.pop(mid, None)
+        for start in starts:
+            self.runs.pop((mid, start), None)
         self.handled[mid] = at
+
+    def _put_progress(self, key: str, start: int, progress: Progress) -> None:
+        self.runs[(key, start)] = Progress(progress.next, progress.started, list(progress.skipped))
+
+    def _split_off(self, mid: str, record: IncomingRecord, state: RunState | None) -> None:
+        self.incoming[mid] = record
+        if state is not None:
+            self._put_runstate(mid, state)
+
+    def _delete_runstate(self, mid: str) -> None:
+        self.runstate.pop(mid, None)
 
     def _complete_with_reply(self, mid: str, at: int, reply: ReplyRecord) -> None:
         self._complete_incoming(mid, at)
@@ -152,6 +167,10 @@ class HandlingStore(FakeStore):
 
     def get_runstate(self, message_id: str) -> RunState | None:
         return self.runstate.get(message_id)
+
+    def progress(self, key: str) -> dict[int, Progress]:
+        """How far runs of received segment ``key`` got, by start index (``Store.progress``)."""
+        return {start: p for (k, start), p in self.runs.items() if k == key}
 
     def get_kv(self, key: str, default: Any = None) -> Any:
         data = self.kv.get(key)
@@ -221,12 +240,17 @@ class EventLog(Hook):
         """The names of ``mid``'s events, in order."""
         return [e.name for e in self.seen if e.id == mid]
 
+    def about(self, mid: str) -> list[Event]:
+        """Every event naming message ``mid``: its own, and a segment's that lists it."""
+        return [e for e in self.seen if e.id == mid or mid in (e.ids or ())]
+
 
 class RunnerRig:
     """A ``Runner`` made as a dispatcher makes it, on a ``HandlingStore``, a
     ``FakePublisher`` and a ``FakeClock``: ``add`` handlers, ``receive`` messages (stored
-    as the engine stores them), ``run`` one from the test's thread, ``restart`` after a
-    ``store.crash()``. ``parked`` and ``replies`` keep what the runner handed back."""
+    as the engine stores them; ``receive_segment`` for a segment of several), ``run`` one
+    from the test's thread, ``restart`` after a ``store.crash()``. ``parked``, ``replies``
+    and ``spawned`` (messages split off a segment) keep what the runner handed back."""
 
     def __init__(self, store: HandlingStore | None = None, clock: FakeClock | None = None, *,
                  publisher: bool = True, **config: Any) -> None:
@@ -237,6 +261,7 @@ class RunnerRig:
         self.log = EventLog()
         self.publisher = FakePublisher(self.store) if publisher else None
         self.parked: list[tuple[tuple[int, str], int | None]] = []
+        self.spawned: list[tuple[Incoming, float]] = []  # messages split off a segment, and when due
         self.replies: list[tuple[str, ReplyRecord]] = []
         self.closing = False
         self._ids = itertools.count(1)
@@ -248,7 +273,8 @@ class RunnerRig:
                         on_reply=lambda mid, reply: self.replies.append((mid, reply)),
                         hooks=Hooks([self.log]), clock=self.clock,
                         park=lambda key, expires: self.parked.append((key, expires)),
-                        closing=lambda: self.closing, wall=self.clock.wall_ms)
+                        closing=lambda: self.closing, wall=self.clock.wall_ms,
+                        spawn=lambda item, due: self.spawned.append((item, due)))
         runner.staging.publisher = self.publisher
         return runner
 
@@ -272,14 +298,31 @@ class RunnerRig:
             correlation_id, None, [mid], make_blob([encode_payload(payload) if body is None else body]))
         return mid
 
+    def receive_segment(self, topic: str, *payloads: Any, kind: Kind = Kind.EVENT,
+                        ttl: float | None = None, headers: dict[str, Any] | None = None,
+                        bodies: Sequence[bytes] | None = None) -> tuple[str, list[str]]:
+        """Store a received segment of several messages (one publish of ``payloads``, or of
+        the raw ``bodies``), as the engine does; its key and its messages' ids."""
+        if bodies is None:
+            bodies = [encode_payload(p) for p in payloads]
+        ids = [f"0000000000000000000{next(self._ids):06d}" for _ in bodies]
+        expires = None if ttl is None else self.clock.wall_ms() + int(ttl * 1000)
+        self.store.incoming[ids[0]] = IncomingRecord(
+            int(kind), topic, "peer-node", "ipc://peer", self.clock.wall_ms(), 1, expires,
+            None, headers, ids, make_blob(list(bodies)))
+        return ids[0], ids
+
     def request(self, command: str, payload: Any = None, *, ttl: float | None = None) -> str:
         """Store a received request (a command a caller waits on) for ``command``."""
         return self.receive(command, payload, kind=Kind.COMMAND, ttl=ttl,
                             correlation_id="c0ffee000000-1")
 
     def item(self, mid: str) -> Incoming:
-        """``mid`` as the dispatcher hands it to a runner: its record and run state."""
-        return Incoming(mid, self.store.incoming[mid], self.store.get_runstate(mid))
+        """``mid`` as the dispatcher hands it to a runner: its record and run state (and
+        for a segment of several, the progress of its runs)."""
+        record = self.store.incoming[mid]
+        progress = self.store.progress(mid) if len(record.ids) > 1 else None
+        return Incoming(mid, record, self.store.get_runstate(mid), progress)
 
     def run(self, mid: str) -> float | None:
         """Run ``mid`` once; when to retry it (monotonic), or None if it is finished."""

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from servicebus.wire import protocol as P
-from servicebus.model.delivery import group_peer
+from servicebus.model.delivery import group_peer, unpack_outgoing
 from servicebus.testing import Network
 
 TOPIC = "orders.created"
@@ -26,14 +26,20 @@ def join(net, pub, subs, **options):
 
 
 def handled_ids(*nodes):
-    return Counter(item.id for node in nodes for item in node.handled)
+    """How many times each message was handed to a handler (``handled`` holds segments)."""
+    return Counter(mid for node in nodes for mid in node.handled_ids())
+
+
+def publishes(pub, count, size, topic=TOPIC):
+    """``count`` publishes of ``size`` messages each (a segment each): their ids, in order."""
+    return [mid for i in range(count) for mid in pub.publish(topic, *range(i * size, i * size + size))]
 
 
 def test_each_message_published_to_a_group_is_handled_by_exactly_one_member(net):
     pub = net.node("pub")
     members = [net.node(f"m{i}") for i in range(3)]
     join(net, pub, members, group="email")
-    ids = pub.publish(TOPIC, *range(300))
+    ids = publishes(pub, 100, 3)  # a group shares segments: 100 of 3 messages
     net.run(lambda: pub.core.idle() and len(handled_ids(*members)) == 300)
 
     assert handled_ids(*members) == Counter(ids)  # each once, none twice
@@ -59,7 +65,7 @@ def test_what_a_dead_member_did_not_acknowledge_goes_to_another_after_ack_timeou
     # "dying" dies before it can store anything sent to it: nothing it was given is acked.
     dying.stop()
     net.lose = lambda s, d, f: d == dying.address
-    ids = pub.publish(TOPIC, *range(60))
+    ids = publishes(pub, 20, 3)
     net.run(lambda: pub.core.idle(), seconds=30)
 
     assert handled_ids(alive) == Counter(ids)
@@ -72,13 +78,13 @@ def test_a_member_that_stops_acknowledging_has_its_messages_reassigned_and_count
     join(net, pub, [a, b], group="email")
     # b is up (it answers pings) but its acks never arrive: a frozen engine, a half partition.
     net.lose = lambda s, d, f: s == b.address and isinstance(f, P.Ack)
-    ids = pub.publish(TOPIC, *range(40))
+    ids = publishes(pub, 20, 2)
     net.run(lambda: pub.core.idle(), seconds=30)
 
-    reassigned = pub.core.s.counters["group_reassigned"]
+    reassigned = pub.core.s.counters["group_reassigned"]  # segments
     assert set(handled_ids(a)) == set(ids)  # a got every one in the end
     assert reassigned == len(b.handled) > 0  # only reassigned ones can be handled twice
-    assert sum(handled_ids(a, b).values()) == len(ids) + reassigned
+    assert sum(handled_ids(a, b).values()) == len(ids) + 2 * reassigned  # two messages each
 
 
 def test_a_restarted_publisher_resends_a_group_message_to_the_member_it_chose(net):
@@ -86,17 +92,18 @@ def test_a_restarted_publisher_resends_a_group_message_to_the_member_it_chose(ne
     a, b = net.node("a"), net.node("b")
     join(net, pub, [a, b], group="email")
     net.lose = lambda s, d, f: isinstance(f, P.Ack)  # stored by members, never acked
-    ids = pub.publish(TOPIC, *range(20))
+    ids = publishes(pub, 10, 2)
     net.run(lambda: len(handled_ids(a, b)) == 20)
     net.run(seconds=0.3)  # the assignment is written with the next turn's batch
-    first = {item.id: node.address for node in (a, b) for item in node.handled}
+    first = {mid: node.address for node in (a, b) for mid in node.handled_ids()}
+    assert set(first.values()) == {a.address, b.address}  # each member chosen for some
     pub.stop()
     net.lose = lambda s, d, f: False
     pub.start()
     net.run(lambda: pub.core.idle(), seconds=30)
 
     assert handled_ids(a, b) == Counter(ids)  # resent to the same member: deduplicated there
-    assert {item.id: node.address for node in (a, b) for item in node.handled} == first
+    assert {mid: node.address for node in (a, b) for mid in node.handled_ids()} == first
     assert a.core.s.counters["duplicates"] + b.core.s.counters["duplicates"] >= 20
 
 
@@ -105,7 +112,7 @@ def test_a_member_that_leaves_hands_its_unacknowledged_messages_to_the_others(ne
     a, b = net.node("a"), net.node("b")
     join(net, pub, [a, b], group="email")
     net.lose = lambda s, d, f: d == b.address and isinstance(f, P.Batch)  # b never gets any
-    ids = pub.publish(TOPIC, *range(30))
+    ids = publishes(pub, 10, 3)
     net.run(seconds=0.2)
     left = b.subscribe(pub.address, TOPIC, op="unsubscribe")
     net.run(lambda: any(t is left for t, _ in b.released))
@@ -140,7 +147,7 @@ def test_a_group_survives_a_publisher_restart_with_its_members(net):
     join(net, pub, [a, b], group="email")
     pub.stop()
     pub.start()
-    ids = pub.publish(TOPIC, *range(50))
+    ids = publishes(pub, 25, 2)
     net.run(lambda: pub.core.idle(), seconds=30)
     assert handled_ids(a, b) == Counter(ids)
     assert a.handled and b.handled
@@ -154,6 +161,14 @@ def lossy(seed: int, rate: float, dst: str):
     return lambda s, d, f: d == dst and isinstance(f, P.Batch) and rng.random() < rate
 
 
+def publish_round(pub, i):
+    """30 messages: one publish of 15 (a segment), then 15 publishes of one."""
+    ids = pub.publish(TOPIC, *range(i * 30, i * 30 + 15))
+    for n in range(i * 30 + 15, i * 30 + 30):
+        ids += pub.publish(TOPIC, n)
+    return ids
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_an_ordered_subscription_is_handed_its_messages_in_publish_order_whatever_is_lost(net, seed):
     pub, sub = net.node("pub"), net.node("sub")
@@ -161,10 +176,10 @@ def test_an_ordered_subscription_is_handed_its_messages_in_publish_order_whateve
     net.lose = lossy(seed, 0.3, sub.address)
     ids = []
     for i in range(10):
-        ids += pub.publish(TOPIC, *range(i * 30, i * 30 + 30))
+        ids += publish_round(pub, i)
         net.run(seconds=0.05)
     net.run(lambda: pub.core.idle(), seconds=60)
-    assert [item.id for item in sub.handled] == ids
+    assert sub.handled_ids() == ids
 
 
 def test_the_same_losses_reorder_an_unordered_subscription(net):
@@ -174,41 +189,62 @@ def test_the_same_losses_reorder_an_unordered_subscription(net):
     net.lose = lossy(0, 0.3, sub.address)
     ids = []
     for i in range(10):
-        ids += pub.publish(TOPIC, *range(i * 30, i * 30 + 30))
+        ids += publish_round(pub, i)
         net.run(seconds=0.05)
     net.run(lambda: pub.core.idle(), seconds=60)
-    assert sorted(item.id for item in sub.handled) == ids
-    assert [item.id for item in sub.handled] != ids
+    assert sorted(sub.handled_ids()) == ids
+    assert sub.handled_ids() != ids
 
 
 def test_an_ordered_subscription_has_one_frame_in_flight_and_marks_its_messages(net):
     pub, sub = net.node("pub"), net.node("sub")
     join(net, pub, [sub], ordered=True)
     net.lose = lambda s, d, f: isinstance(f, P.Ack)  # nothing is ever acked
-    pub.publish(TOPIC, *range(500))
+    publishes(pub, 10, 50)
     net.run(seconds=3)
     frames = net.sent(pub.address, sub.address, P.Batch)
-    first = [env.id for env in frames[0].messages]
-    assert len(first) == net.config.max_batch
+    first = [(env.id, env.ids) for env in frames[0].messages]
+    assert sum(len(ids) for _key, ids in first) == net.config.max_batch  # 4 segments of 50
     # Every later frame is the same window again (resends), never the next messages.
-    assert all([env.id for env in f.messages] == first for f in frames)
+    assert all([(env.id, env.ids) for env in f.messages] == first for f in frames)
     assert {env.headers["sb-order"] for env in frames[0].messages} == {"e:" + TOPIC}
 
 
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core/sender.py: an ordered consumer's room is max_batch messages, and a segment is taken "
+    "whole while any room is left, so its window can hold more than max_batch messages (here "
+    "4 for max_batch=3: two segments of 2); Sender._frames then cuts that window into two "
+    "frames, both in flight at once. The first lost, the second is handled before it: the "
+    "ordered lane goes out of order (one frame in flight at a time is what keeps it in order)"))
+def test_an_ordered_window_of_segments_goes_in_one_frame_so_a_loss_cannot_reorder_it():
+    net = Network(ack_timeout=1.0, resend_max=2.0, window=50, max_batch=3)
+    pub, sub = net.node("pub"), net.node("sub")
+    join(net, pub, [sub], ordered=True)
+    lost = []
+    net.lose = lambda s, d, f: isinstance(f, P.Batch) and d == sub.address and not lost and not lost.append(f)
+    ids = publishes(pub, 2, 2)  # two segments of two messages
+    net.run(lambda: pub.core.idle(), seconds=30)
+    assert lost  # the first frame was lost, and sent again
+    assert sub.handled_ids() == ids
 
 
 # --- backlog counting ------------------------------------------------------------------------
 
 
 def owed(pub, consumer):
-    """What the store says ``consumer`` is owed: stored after its floor, not acked."""
+    """What the store says ``consumer`` is owed: the messages of the segments stored after
+    its floor, not acked."""
     acked = {i for i in consumer.order if i not in consumer.inflight} | consumer.skip
-    return sum(1 for mid in pub.store.stream_ids(consumer.stream, after=consumer.floor) if mid not in acked)
+    return sum(len(unpack_outgoing(data).ids) for key, data in pub.store.iter_stream(consumer.stream, after=consumer.floor)
+               if key not in acked)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_backlog_count_matches_the_store_through_losses_and_restarts(seed):
-    net = Network(ack_timeout=0.5, resend_max=1.0, window=20, max_backlog=10_000)
+    # max_batch 30: a publish of more is cut into segments of 30 at most.
+    net = Network(ack_timeout=0.5, resend_max=1.0, window=20, max_backlog=10_000, max_batch=30)
     pub, sub = net.node("pub"), net.node("sub")
     join(net, pub, [sub])
     rng = random.Random(seed)
@@ -250,12 +286,12 @@ def test_a_high_priority_event_overtakes_the_backlog_of_a_subscriber_that_comes_
     pub, sub = net.node("pub"), net.node("sub")
     join(net, pub, [sub])
     sub.stop()
-    low = pub.publish(TOPIC, *range(200))
+    low = publishes(pub, 200, 1)  # a backlog of 200 segments
     high = pub.publish(TOPIC, "urgent", priority=9)
     net.run(seconds=1)
     sub.start()
     net.run(lambda: pub.core.idle(), seconds=60)
-    order = [item.id for item in sub.handled]
+    order = sub.handled_ids()
     assert sorted(order) == sorted(low + high)
     assert order.index(high[0]) < 25  # with the first windows, not after 200
     assert ("ipc://sub", "e:" + TOPIC + " 9") in pub.store.delivery  # a cursor of its own

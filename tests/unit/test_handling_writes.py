@@ -12,7 +12,8 @@ from servicebus.handling.lanes import Lanes
 from servicebus.handling.requests import PendingRequests
 from servicebus.hooks.base import Hooks
 from servicebus.model.config import BusConfig
-from servicebus.model.delivery import KEY_HEADER, ORDER_HEADER
+from servicebus.model.delivery import KEY_HEADER, ORDER_HEADER, PRIORITY_HEADER
+from servicebus.model.segments import make_blob
 from servicebus.model.stored import Incoming, IncomingRecord, RunState
 from servicebus.testing import FakeClock, wait_until
 from servicebus.testing.handling import HandlingStore, RunnerRig
@@ -188,8 +189,9 @@ def dispatching():
 
 
 def incoming(store, mid, payload, headers=None):
+    """A received message, stored as the engine stores it (a segment of one), as handed over."""
     record = IncomingRecord(int(Kind.EVENT), TOPIC, "peer-node", "ipc://peer", 0, 1, None, None,
-                            headers, encode_payload(payload))
+                            headers, [mid], make_blob([encode_payload(payload)]))
     store.incoming[mid] = record
     return Incoming(mid, record, None)
 
@@ -228,10 +230,75 @@ def test_a_scan_finding_a_message_whose_finishing_write_was_lost_redoes_it_not_t
     assert len(store.ops("complete_incoming", "m1")) == 2
 
 
+def incoming_segment(store, key, payloads, headers=None):
+    """A received segment of several messages (one publish), stored and as handed over."""
+    ids = [key] + [f"{key}.{n}" for n in range(1, len(payloads))]
+    record = IncomingRecord(int(Kind.EVENT), TOPIC, "peer-node", "ipc://peer", 0, 1, None, None,
+                            headers, ids, make_blob([encode_payload(p) for p in payloads]))
+    store.incoming[key] = record
+    return Incoming(key, record, None, {})
+
+
+def test_a_segment_handed_to_the_dispatcher_twice_runs_each_of_its_messages_once(dispatching):
+    d, store, idle = dispatching
+    seen = []
+    d.register(Kind.EVENT, TOPIC, lambda payload, message: seen.append((message.id, payload)))
+    item = incoming_segment(store, "s1", ["a", "b", "c"])
+    d.submit([item, item])
+    d.submit([item])  # a resend handed over again while it waits
+
+    d.start()  # its scan of the store finds it already queued
+    assert idle.wait(5.0)
+    d.refill()
+    wait_until(lambda: d.idle, 5.0)
+    assert seen == [("s1", "a"), ("s1.1", "b"), ("s1.2", "c")]
+    assert store.ops("complete_incoming", "s1") == [("s1", 0, [0])]
+    assert "s1" in store.handled and not store.incoming and not store.runs
+
+
+def test_a_scan_finding_a_segment_whose_finishing_write_was_lost_redoes_it_not_the_handlers(dispatching):
+    d, store, idle = dispatching
+    seen = []
+    d.register(Kind.EVENT, TOPIC, lambda payload, message: seen.append(payload))
+    d.start()
+    item = incoming_segment(store, "s1", ["a", "b"])
+    d.submit([item])
+    assert idle.wait(5.0)
+
+    store.incoming["s1"] = item.record  # the reopen after a failed write dropped its completion
+    del store.handled["s1"]
+    d.refill()
+    wait_until(lambda: d.idle, 5.0)
+    assert seen == ["a", "b"]
+    assert "s1" in store.handled and "s1" not in store.incoming
+    assert len(store.ops("complete_incoming", "s1")) == 2
+
+
+def test_a_long_segment_pauses_at_its_place_in_the_queue_so_a_higher_priority_message_goes_first(dispatching):
+    d, store, idle = dispatching
+    seen = []
+
+    def handle(payload, message):
+        seen.append(payload)
+        if payload == 2:  # while the segment runs, an urgent message arrives
+            d.submit([incoming(store, "u1", "urgent", headers={PRIORITY_HEADER: 9})])
+
+    d.register(Kind.EVENT, TOPIC, handle)
+    d.start()
+    d.submit([incoming_segment(store, "s1", list(range(40)))])
+    assert idle.wait(5.0)
+    wait_until(lambda: d.idle, 5.0)
+    # The segment's run stops after 16 messages and goes back in the queue: the urgent
+    # message, queued as if it had waited longer, runs before the segment's 17th.
+    assert seen == [*range(16), "urgent", *range(16, 40)]
+    assert store.ops("complete_incoming", "s1") == [("s1", 0, [0])]
+    assert "u1" in store.handled and not store.incoming
+
+
 def test_an_ordered_lane_lets_one_message_go_at_a_time_in_id_order():
     def item(mid, key):
         record = IncomingRecord(int(Kind.EVENT), TOPIC, "pub", "ipc://pub", 0, 1, None, None,
-                                {ORDER_HEADER: "sub", KEY_HEADER: key}, b"")
+                                {ORDER_HEADER: "sub", KEY_HEADER: key}, [mid], make_blob([encode_payload(None)]))
         return Incoming(mid, record, None)
 
     lanes = Lanes()

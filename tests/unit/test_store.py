@@ -2,7 +2,8 @@ import pytest
 
 from servicebus.errors import StoreError
 from servicebus.store import Store
-from servicebus.model.stored import IncomingRecord, RunState
+from servicebus.model.segments import make_blob
+from servicebus.model.stored import IncomingRecord, Progress, RunState
 
 
 def test_subscriptions_and_intents_round_trip_and_delete(store):
@@ -49,13 +50,15 @@ def test_delivery_state_round_trips(store):
 
 def test_incoming_moves_to_handled_or_deadletters_atomically(store):
     b = store.batch()
-    b.put_incoming("m1", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x01"))
-    b.put_incoming("m2", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x02"))
+    b.put_incoming("m1", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, ["m1"],
+                                        make_blob([b"\x01"])))
+    b.put_incoming("m2", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, ["m2"],
+                                        make_blob([b"\x02"])))
     b.put_runstate("m1", RunState(1, [], None, 0))
     store.write(b, sync=True)
     assert store.seen("m1") and store.has_incoming("m2")
     assert store.get_runstate("m1") == RunState(1, [], None, 0)
-    assert store.get_incoming("m2").body == b"\x02"
+    assert store.get_incoming("m2").blob == make_blob([b"\x02"])
     b = store.batch()
     b.complete_incoming("m1", 123)
     b.deadletter_incoming("m2", {"origin": "incoming", "reason": "handler_failed"})
@@ -70,6 +73,30 @@ def test_incoming_moves_to_handled_or_deadletters_atomically(store):
     b.delete_deadletter("m2")
     store.write(b, sync=False)
     assert not store.seen("m1") and not store.seen("m2")
+
+
+def test_a_segments_progress_is_kept_by_start_and_goes_with_its_completion(store):
+    # Format 3: a received segment of several is one n/ record; how far runs of it got is
+    # c/<key>\0<start>; a message split off it is a segment of one with its own run state.
+    blob = make_blob([b"\x01", b"\x02", b"\x03"])
+    b = store.batch()
+    b.put_incoming("m1", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, ["m1", "m2", "m3"], blob))
+    b.put_progress("m1", 0, Progress(2, 1, [1]))
+    b.split_off("m2", IncomingRecord(1, "t", "n", "tcp://h:1", 5, 1, None, None, None, ["m2"],
+                                     make_blob([b"\x02"])), RunState(1, [], "ValueError: x", 99))
+    b.put_progress("other", 0, Progress(1, 1, []))  # another segment's: not this one's
+    store.write(b, sync=True)
+    assert store.get_incoming("m1").ids == ["m1", "m2", "m3"] and store.get_incoming("m1").blob == blob
+    assert store.progress("m1") == {0: Progress(2, 1, [1])}
+    assert store.get_incoming("m2").ids == ["m2"] and store.get_runstate("m2") == RunState(1, [], "ValueError: x", 99)
+    # What is left to handle: m3 of the segment (m1 done, m2 split off) and m2 by itself.
+    assert store.count_messages("incoming") == 2
+    b = store.batch()
+    b.complete_incoming("m1", 7, [0])
+    store.write(b, sync=True)
+    assert store.get_incoming("m1") is None and store.progress("m1") == {}
+    assert store.progress("other") == {0: Progress(1, 1, [])}
+    assert store.seen_many(["m1", "m2", "m3"]) == [True, True, False]  # by key: m3 is m1's
 
 
 def test_data_survives_reopen(tmp_path):
@@ -203,7 +230,7 @@ def test_a_message_completing_while_a_resend_is_checked_still_counts_as_seen(sto
     # incoming to handled in one write. Read in the other order, both reads miss it and the
     # resend is handled again (tools/chaos found this under a full disk's burst of resends).
     batch = store.batch()
-    batch.put_incoming("m1", [1, "t", "n", "tcp://h:1", 5, 1, None, None, None, b"\x01"])
+    batch.put_incoming("m1", [1, "t", "n", "tcp://h:1", 5, 1, None, None, None, ["m1"], make_blob([b"\x01"])])
     store.write(batch, sync=False)
     real = store._db
 
