@@ -45,7 +45,8 @@ class Receiver:
             reason = s.address_refused(frame.reply_to, source, user) if frame.reply_to else None
             if reason is not None:
                 s.count_refused(reason, frame.reply_to, source)
-                ids = [env.id for env in frame.messages] + list(frame.oversize) + [m.id for m in frame.invalid]
+                ids = [env.id for env in frame.messages] + [m.id for m in frame.invalid] + [
+                    key for key, _ids in frame.oversize if key not in {env.id for env in frame.messages}]
                 s.out.to_router.append((ident, P.encode_nack(ids, (
                     f"reply address {frame.reply_to[:200]!r} refused: {reason}"))))
                 return
@@ -64,10 +65,10 @@ class Receiver:
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
         stored = False
-        if frame.oversize:
-            s.out.to_router.append((ident, P.encode_nack(frame.oversize, (
-                f"payload larger than this bus's max_payload ({s.config.max_payload} bytes)"))))
-            s.counters["refused_oversize"] += len(frame.oversize)
+        for key, too_big in frame.oversize:  # by message, naming its segment
+            s.out.to_router.append((ident, P.encode_nack(too_big, (
+                f"payload larger than this bus's max_payload ({s.config.max_payload} bytes)"), key)))
+            s.counters["refused_oversize"] += len(too_big)
         jon, ts, kname = s.events_on, s.wall(), KIND_NAMES[kind]
         jev = s.out.events  # appended to inline: this loop runs per received segment
         known = s.store.seen_many([env.id for env in frame.messages])

@@ -15,7 +15,7 @@ from ..wire import protocol as P
 from ..model.delivery import (ORDER_HEADER, Consumer, OutgoingRecord, backoff, envelope_from_record, unpack_outgoing,
                         is_command_stream, is_delayed, stream_target)
 from ..model.ids import id_millis
-from ..model.segments import bodies_of, make_blob
+from ..model.segments import bodies_of, count_of, make_blob
 from ..model.stored import event
 from ..wire.payload import header_bytes
 from ..wire.protocol import FRAME_BYTES, KIND_NAMES, Kind
@@ -68,23 +68,43 @@ class Sender:
         is acked as usual). Each message becomes a dead letter here, with the peer's reason."""
         log.warning("peer %s refused %d message(s) or segment(s): %s", peer.address, len(nack.ids),
                     nack.reason)
-        for mid in nack.ids:
+        if nack.segment is not None:
+            self._refuse_part(peer, nack)
+            return
+        for key in nack.ids:
             for consumer in peer.consumers:
-                key, which = mid, None
-                if mid not in consumer.inflight:
-                    key = next((k for k, f in consumer.inflight.items() if mid in f.ids), "")
-                    if not key:
-                        continue
+                if key not in consumer.inflight:
+                    continue
                 data = self.s.store.get_outgoing(consumer.stream, key)
                 record = None if data is None else self.expiry.record(consumer, key, data)
                 if record is None:
                     consumer.settle(key)
-                elif key == mid:
+                else:
                     self.expiry.refuse(consumer, key, record, "refused", nack.reason)
-                elif mid in record.ids:
-                    which = [record.ids.index(mid)]
-                    self.expiry.refuse(consumer, key, record, "refused", nack.reason, which)
                 break
+
+    def _refuse_part(self, peer: Peer, nack: P.Nack) -> None:
+        """Messages of an in-flight segment its receiver refused (too large for it): dead
+        letters here, left out of its resends; the rest of it is acked as usual (none left:
+        the segment is done)."""
+        key = nack.segment
+        assert key is not None
+        refused = set(nack.ids)
+        for consumer in peer.consumers:
+            flight = consumer.inflight.get(key)
+            if flight is None:
+                continue
+            data = self.s.store.get_outgoing(consumer.stream, key)
+            record = None if data is None else self.expiry.record(consumer, key, data)
+            if record is None:
+                break
+            which = [i for i, mid in enumerate(record.ids) if mid in refused and mid in (flight.ids or record.ids)]
+            if which:
+                self.expiry.refuse(consumer, key, record, "refused", nack.reason, which)
+            flight.ids = [mid for mid in (flight.ids or record.ids) if mid not in refused]
+            if not flight.ids:
+                consumer.settle(key, len(record.ids))  # nothing of it is left to deliver
+            break
 
     def peer_up(self, peer: Peer) -> None:
         """A peer (re)appeared: what it had in flight may be lost, so send it again now
@@ -108,7 +128,7 @@ class Sender:
         elif consumer.members is not None:
             room = consumer.room(window * max(1, len(consumer.members)))
         else:
-            room = window - len(consumer.order)
+            room = consumer.room(window)
         if consumer.left is not None:
             room = min(room, self._left(consumer))
         return room
@@ -245,8 +265,10 @@ class Sender:
                         continue  # read from the store before this notice arrived
                     if len(mid) == 25 and self._delayed(consumer, mid):
                         continue  # read from the store when due
-                    if room <= 0 or size >= FRAME_BYTES:
-                        consumer.exhausted = False  # the rest is read from the store later
+                    if room <= 0 or size >= FRAME_BYTES or (consumer.ordered and consumer.order and count > room):
+                        # The rest is read from the store later (an ordered window holds what
+                        # one frame carries: the first segment, and others while they fit).
+                        consumer.exhausted = False
                         break
                     n = self._admit(consumer, mid, record, now, peer)  # type: ignore[arg-type]
                     room -= count
@@ -284,7 +306,8 @@ class Sender:
                 if len(mid) == 25 and self._delayed(consumer, mid):
                     consumer.exhausted = True  # until the timer wakes it
                     break
-                if room <= 0 or (consumer.ordered and size >= FRAME_BYTES):
+                if room <= 0 or (consumer.ordered and (size >= FRAME_BYTES or (
+                        consumer.order and count_of(data, 6) > room))):
                     consumer.exhausted = False
                     break
                 used = consumer.used
@@ -386,7 +409,9 @@ class Sender:
             compress = codec if codec is not None and codec in peer.codecs else None
             for key, envs in by_kind.items():
                 kind = Kind(key if type(key) is int else key[0])  # type: ignore[index]
-                for chunk in self._frames(envs):
+                # An ordered consumer's window goes in one frame, whole (it was cut to fit):
+                # two frames in flight could arrive the other way round.
+                for chunk in [envs] if type(key) is not int else self._frames(envs):
                     frames = P.encode_batch(kind, s.node_id, s.address, chunk, s.wall(), compress)
                     s.out.to_peers.append((peer.address, frames, sum(len(e.ids) or 1 for e in chunk)))
 

@@ -22,8 +22,7 @@ from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.stored import Incoming
 from ..model.delivery import PRIORITY_HEADER
-from ..model.letters import damaged_letter
-from ..errors import CorruptRecordError, StoreError
+from ..errors import StoreError
 from ..wire.topics import is_pattern, matches
 from .handlers import Handler, Handlers
 from .lanes import LaneKey, Lanes, lane_of
@@ -31,6 +30,7 @@ from ..hooks.base import Hooks
 from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
+from .scan import quarantine, stored_item
 from .segmentrun import PAUSE
 from ..store import Store
 from ..model.stored import ReplyRecord
@@ -277,18 +277,7 @@ class Dispatcher:
             return self._scan_records(only, strict, damaged, now_ms, now)
         finally:
             if damaged:
-                self._quarantine(damaged)
-
-    def _quarantine(self, damaged: list[tuple[bytes, bytes]]) -> None:
-        batch = self._store.batch()
-        for key, raw in damaged:
-            batch.quarantine_incoming(key, damaged_letter("incoming", "undecodable record", raw))
-            log.error("incoming message %s: its stored record is damaged; moving it to the "
-                      "dead letters with its raw bytes", key[2:].decode("utf-8", "replace"))
-        try:
-            self._store.write(batch, sync=False)
-        except StoreError as exc:  # found again by the next scan
-            log.error("could not move damaged incoming records: %s", exc)
+                quarantine(self._store, damaged)
 
     def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
                       now_ms: int, now: float) -> bool:
@@ -296,8 +285,8 @@ class Dispatcher:
         try:
             return self._scan_stored(only, strict, damaged, now_ms, now, redos)
         finally:
-            for message_id, redo in redos:  # finished here, but the write was dropped
-                log.warning("message %s: its finishing write was lost with a failed write; "
+            for message_id, redo in redos:  # written here, but the write was dropped
+                log.warning("message %s: its last write may have been lost with a failed write; "
                             "writing it again (its handler does not run again)", message_id)
                 redo()
 
@@ -333,22 +322,13 @@ class Dispatcher:
                 if redo is not None:
                     redos.append((message_id, redo))
                     continue
-                progress = None
-                try:
-                    runstate = self._store.get_runstate(message_id)
-                    if len(record.ids) > 1:
-                        progress = self._store.progress(message_id)
-                except CorruptRecordError:
-                    if strict:
-                        raise
-                    log.error("the run state of %s is damaged; its attempts start again", message_id)
-                    runstate = None
-                due = 0.0
-                if runstate and runstate.next_ms and runstate.next_ms > now_ms:
-                    # A retry time is wall-clock ms from an earlier run. If the clock was
-                    # set back since, it is too far off: no retry waits past retry_max.
-                    due = now + min((runstate.next_ms - now_ms) / 1000, self._config.retry_max)
-                item = Incoming(message_id, record, runstate, progress)
+                progress_redo = self._runner.writer.progress_redo(message_id) if len(record.ids) > 1 else None
+                if progress_redo is not None:  # written again after the scan, read by the next
+                    redos.append((message_id, progress_redo))
+                    self._refill_pending = True
+                    continue
+                item, due = stored_item(self._store, message_id, record, strict, now_ms, now,
+                                        self._config.retry_max)
                 self._enqueue(item, due, lane_of(item))
                 self._cv.notify()
         return True

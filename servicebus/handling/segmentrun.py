@@ -200,7 +200,8 @@ def _commit_handled(runner: Runner, item: Incoming, view: Incoming, o: Outcome, 
         else:
             batch.put_progress(key, START, progress)
     try:
-        return runner.staging.commit(build, mid, False, nxt, o.tx, o.part, taken=key if last else None)
+        return runner.staging.commit(build, mid, False, nxt, o.tx, o.part, taken=key if last else None,
+                                     progress=None if last else (key, progress))
     except UpdateFailed as exc:
         log.warning("handler %s failed on %s %s: kv update: %s", o.part, item.record.topic, mid, exc)
         return None
@@ -232,7 +233,7 @@ def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingR
     if last:
         marked = _finish(runner, item, skipped, nxt, build)
     else:
-        marked = runner.writer.record(build, None, nxt)
+        marked = runner.writer.record(build, None, nxt, progress=(item.id, progress))
     runner._spawn(_tuple(Incoming, (mid, single, state, None)), time.monotonic() + delay)
     return marked
 
@@ -277,7 +278,7 @@ def _dead_one(runner: Runner, item: Incoming, view: Incoming, single: IncomingRe
             batch.put_progress(item.id, START, progress)
     if last:
         return _finish(runner, item, skipped, nxt, build)
-    return runner.writer.record(build, None, nxt)
+    return runner.writer.record(build, None, nxt, progress=(item.id, progress))
 
 
 def _all_dead(runner: Runner, item: Incoming, start: int, skipped: list[int], reason: str,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import TransactionError
-from ..model.stored import Incoming, OutboxSend
+from ..model.stored import Incoming, OutboxSend, Progress
 from .transaction import StagedEvent, Transaction
 from .writes import RunStore, RunWriter
 
@@ -90,7 +90,8 @@ class Staging:
     # --- the run's write ----------------------------------------------------------------------
 
     def commit(self, build: Callable[[Any], None], message_id: str, finished: bool,
-               nxt: Incoming | None, tx: Transaction | None, part: str, taken: str | None = None) -> bool:
+               nxt: Incoming | None, tx: Transaction | None, part: str, taken: str | None = None,
+               progress: tuple[str, Progress] | None = None) -> bool:
         """``RunWriter.record`` a run's outcome with what its handler staged. Outbox keys
         are the message's id and ``part`` (the handler's name): apart for every message
         and every handler of it. ``finished``: this write takes the message out of the
@@ -99,7 +100,7 @@ class Staging:
         the message's own id)."""
         done = message_id if finished else taken
         if tx is None or tx.empty():
-            return self._writer.record(build, done, nxt)
+            return self._writer.record(build, done, nxt, progress=progress)
         if tx.updates:
             with self.kv_lock:  # held until written: the next update reads this one's value
                 try:

@@ -17,6 +17,7 @@ a write a failed write took with it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from ..model.stored import NO_RUNS, Incoming, Progress, RunState
 from ..wire.protocol import Kind
 
 __all__ = ["RunWriter", "RunStore", "RECENT"]
+
+log = logging.getLogger("servicebus")
 
 # Finishing writes kept to redo after a reopen. Only those that returned between a failed
 # write and its failure being recorded can be dropped: a few per worker. Dead letters and
@@ -67,6 +70,7 @@ class RunWriter:
         self._wall = wall
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, tuple[Callable[[Any], None], Callable[[], None] | None]] = OrderedDict()
+        self._progress: OrderedDict[str, Progress] = OrderedDict()
         self._tls = threading.local()
 
     def scratch(self) -> Any:
@@ -96,7 +100,7 @@ class RunWriter:
 
     def record(self, build: Callable[[Any], None], finished: str | None = None,
                nxt: Incoming | None = None, *, after: Callable[[], None] | None = None,
-               synced: Synced | None = None) -> bool:
+               synced: Synced | None = None, progress: tuple[str, Progress] | None = None) -> bool:
         """Write what a handler's run did: ``build(batch)`` fills a batch, whose write is
         tried until it succeeds (built again each time: one made before a reopen belongs to
         the closed handle). Only closing the bus gives up (the message then runs again
@@ -134,12 +138,22 @@ class RunWriter:
                 failed = True
                 self._store.wait_writable(delay)
                 delay = min(delay * 2, 1.0)
-        if finished is not None and synced is None:  # a synced write is never dropped
+        if synced is None and finished is not None:
+            # Kept to be written again if a failed write takes it with it (a synced write
+            # is never dropped).
             with self._lock:
                 recent = self._recent
                 recent[finished] = (build, after)
                 if len(recent) > RECENT:
                     recent.popitem(last=False)
+        elif synced is None and progress is not None:
+            # The progress alone (not what else the write held: a message split off and
+            # handled since must not come back): the last one of the segment's run.
+            with self._lock:
+                self._progress[progress[0]] = progress[1]
+                self._progress.move_to_end(progress[0])
+                if len(self._progress) > RECENT:
+                    self._progress.popitem(last=False)
         if after is not None:
             after()
         return marked
@@ -161,6 +175,21 @@ class RunWriter:
 
         def redo() -> None:
             self.record(build, message_id, after=after)
+        return redo
+
+    def progress_redo(self, key: str) -> Callable[[], None] | None:
+        """Writes the last progress of segment ``key``'s run again, if it is among the last
+        RECENT made (a scan after a reopen: its finished handlers must not run again);
+        taken once."""
+        with self._lock:
+            found = self._progress.pop(key, None)
+        if found is None:
+            return None
+
+        def redo() -> None:
+            log.warning("segment %s: the progress of its run may have been lost with a failed "
+                        "write; writing it again (its finished handlers do not run again)", key)
+            self.record(lambda batch: batch.put_progress(key, 0, found))
         return redo
 
     def marker(self, item: Incoming | None) -> RunState | None:

@@ -40,7 +40,7 @@ def bodies_of(blob: bytes) -> list[bytes]:
     """The payloads of a blob (``ValueError`` and msgpack's errors if it is not an array
     of bins: no str, map or ext is read at all)."""
     bodies = _unpackb(blob, raw=False, max_str_len=0, max_map_len=0, max_ext_len=0)
-    if type(bodies) is not list:
+    if type(bodies) is not list or not all(type(b) is bytes for b in bodies):
         raise ValueError("a blob is an array of payloads")
     return bodies
 

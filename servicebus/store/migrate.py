@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
 from ..model.packer import pack
 from .keys import SEP, _H, _N, _O, _X
 
-if TYPE_CHECKING:
-    from .db import Store
+# ``store`` below is the Store (db.py, which calls in here at open: not imported back).
+Store = Any
 
 __all__ = ["upgrade", "CHUNK"]
 
@@ -38,7 +38,7 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def upgrade(store: "Store", version: int, target: int,
+def upgrade(store: Store, version: int, target: int,
             progress: Callable[[int], None] | None = None) -> int:
     """Bring ``store`` from ``version`` to ``target``; returns records rewritten."""
     done = 0
@@ -55,7 +55,7 @@ def upgrade(store: "Store", version: int, target: int,
     return done
 
 
-def _handled_by_time(store: "Store", progress: Callable[[int], None] | None) -> int:
+def _handled_by_time(store: Store, progress: Callable[[int], None] | None) -> int:
     """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
     every handled id as handled now, on the bus clock (so each is remembered for one whole
     dedupe window more, never less)."""
@@ -102,7 +102,7 @@ def _letter(letter: Any, message_id: str) -> Any:
     return None if new is None else {**letter, "record": new}
 
 
-def _segments_of_one(store: "Store", progress: Callable[[int], None] | None) -> int:
+def _segments_of_one(store: Store, progress: Callable[[int], None] | None) -> int:
     n = 0
     batch = store.batch()
     for prefix, convert in ((_O, _outgoing), (_N, _incoming), (_X, _letter)):

@@ -86,7 +86,9 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
         return Ack(_ids(header["ids"]))
     if kind is Kind.NACK:
         _require(header, "ids", "reason")
-        return Nack(_ids(header["ids"]), _str(header["reason"], "reason", MAX_REASON_LEN))
+        segment = header.get("segment")
+        return Nack(_ids(header["ids"]), _str(header["reason"], "reason", MAX_REASON_LEN),
+                    None if segment is None else _str(segment, "segment", MAX_ID_LEN))
     if kind in (Kind.SUBSCRIBE, Kind.UNSUBSCRIBE):
         _require(header, "id", "topic", "address", "sender")
         fields = (
@@ -263,7 +265,7 @@ def _decode_batch(kind: Kind, header: dict[str, Any], blobs: list[bytes], max_pa
         sent_at = _ms(sent_at, "now")
     codec = header.get("z")
     out = []
-    oversize: list[str] = []
+    oversize: list[tuple[str, tuple[str, ...]]] = []
     invalid = []
     total = 0
     max_ms, max_id = MAX_MS, MAX_ID_LEN
@@ -307,8 +309,8 @@ def _decode_batch(kind: Kind, header: dict[str, Any], blobs: list[bytes], max_pa
             # lengths: a blob of a million tiny payloads is refused before it is 50 MB of objects.
             bodies = _unpackb(blob, raw=False, max_array_len=len(ids), max_map_len=0,
                               max_str_len=0, max_ext_len=0)
-            if type(bodies) is not list or len(bodies) != len(ids):
-                raise ValueError("not one payload per message")
+            if type(bodies) is not list or len(bodies) != len(ids) or not all(type(b) is bytes for b in bodies):
+                raise ValueError("not one payload (bin) per message")
         except Exception as exc:  # msgpack raises many types on junk (ValueError, ExtraData, ...)
             invalid.append(_invalid(meta, blob, f"the blob must be an array of {len(ids)} payloads "
                                     f"({type(exc).__name__})", _part(meta, metas, parts)))
@@ -316,7 +318,7 @@ def _decode_batch(kind: Kind, header: dict[str, Any], blobs: list[bytes], max_pa
         too_big = [i for i, body in enumerate(bodies) if len(body) > max_payload]
         if too_big:
             # Refused by id, the rest of the segment kept (rarely: a sender knows the limit).
-            oversize += [ids[i] for i in too_big]
+            oversize.append((env.id, tuple(ids[i] for i in too_big)))
             keep = [i for i in range(len(ids)) if i not in set(too_big)]
             if not keep:
                 continue

@@ -122,9 +122,10 @@ class Batch(NamedTuple):
     # The sender's wall clock when it sent the frame (header "now", optional): lets the
     # receiver turn ``expires`` into its own clock's terms, whatever the skew between them.
     sent_at: int | None = None
-    # Ids of messages whose payload exceeds the receiver's max_payload: left out of their
-    # segment in ``messages``; the receiver NACKs them (the rest of the frame is fine).
-    oversize: tuple[str, ...] = ()
+    # (segment key, ids of its messages whose payload exceeds the receiver's max_payload):
+    # left out of their segment in ``messages``; the receiver NACKs them by id, naming the
+    # segment (the rest of the frame is fine).
+    oversize: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Kept for the receiver's interface: payloads are no longer decoded on receipt (one
     # that does not decode is a dead letter when a handler would get it; handling/runner.py).
     undecodable: tuple[tuple[Envelope, str], ...] = ()
@@ -156,8 +157,9 @@ class Ack(NamedTuple):
 
 
 class Nack(NamedTuple):
-    ids: tuple[str, ...]
+    ids: tuple[str, ...]  # segment keys; or, with ``segment``, messages of that segment
     reason: str
+    segment: str | None = None  # header "segment", optional: the messages' segment (the rest of it is kept)
 
 
 class Subscribe(NamedTuple):
@@ -240,8 +242,12 @@ def encode_ack(ids: list[str] | tuple[str, ...]) -> list[bytes]:
     return _control(Kind.ACK, {"ids": list(ids)})
 
 
-def encode_nack(ids: list[str] | tuple[str, ...], reason: str) -> list[bytes]:
-    return _control(Kind.NACK, {"ids": list(ids), "reason": reason})
+def encode_nack(ids: list[str] | tuple[str, ...], reason: str, segment: str | None = None) -> list[bytes]:
+    """Refused for good: segments by key; or, with ``segment``, those messages of it."""
+    header: dict[str, Any] = {"ids": list(ids), "reason": reason}
+    if segment is not None:
+        header["segment"] = segment
+    return _control(Kind.NACK, header)
 
 
 def encode_subscribe(id: str, topic: str, address: str, sender: str, group: str | None = None,

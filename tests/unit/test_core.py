@@ -182,11 +182,6 @@ def test_no_more_than_a_window_of_messages_is_in_flight_to_one_subscriber():
     assert sub.payloads() == [b"%d" % i for i in range(10)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/sender.py Sender._room: a plain subscriber's room is window - len(consumer.order), "
-    "the SEGMENTS in its window, not its messages (Consumer.room counts messages): each "
-    "later turn admits more segments until `window` segments, i.e. up to window * "
-    "max_batch messages, are in flight (here 12 messages for a window of 4)"))
 def test_a_window_counts_messages_when_publishes_hold_several():
     net = Network(window=4, ack_timeout=1.0, resend_max=2.0)
     pub, sub = net.node("pub"), net.node("sub")
@@ -203,13 +198,7 @@ def test_a_window_counts_messages_when_publishes_hold_several():
 
 
 @pytest.mark.parametrize("big", [
-    pytest.param(0, marks=pytest.mark.xfail(strict=True, reason=(
-        "core/sender.py Sender.on_nack: the receiver NACKs a too-large message by its id and "
-        "keeps (stores, acks, hands over) the rest of its segment under the segment's key; when "
-        "that message is the segment's first, its id IS the key, and on_nack takes the NACK "
-        "for the whole segment (expiry.refuse without `which`): every message of it becomes a "
-        "dead letter at the sender while the receiver handles all but the first, so a replay "
-        "of those letters delivers them twice"))),
+    0,
     1,
 ], ids=["the first (its key)", "another"])
 def test_a_message_too_large_for_a_receiver_is_refused_alone_and_the_rest_of_its_segment_delivered(big):

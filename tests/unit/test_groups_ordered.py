@@ -212,12 +212,6 @@ def test_an_ordered_subscription_has_one_frame_in_flight_and_marks_its_messages(
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/sender.py: an ordered consumer's room is max_batch messages, and a segment is taken "
-    "whole while any room is left, so its window can hold more than max_batch messages (here "
-    "4 for max_batch=3: two segments of 2); Sender._frames then cuts that window into two "
-    "frames, both in flight at once. The first lost, the second is handled before it: the "
-    "ordered lane goes out of order (one frame in flight at a time is what keeps it in order)"))
 def test_an_ordered_window_of_segments_goes_in_one_frame_so_a_loss_cannot_reorder_it():
     net = Network(ack_timeout=1.0, resend_max=2.0, window=50, max_batch=3)
     pub, sub = net.node("pub"), net.node("sub")
