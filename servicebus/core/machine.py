@@ -229,8 +229,7 @@ class Core:
             ids = frame.ids
             if s.intent_ids:  # rare: only while a subscribe or unsubscribe waits
                 ids = tuple(mid for mid in ids if not self.handshake.on_ack(mid))
-            self.sender.on_acks(peer, ids, s.wall())
-            s.counters["acked"] += len(frame.ids)
+            s.counters["acked"] += self.sender.on_acks(peer, ids, s.wall())
         elif isinstance(frame, P.Pong):
             if frame.sender == s.node_id and frame.boot == s.boot and address not in s.own.exact:
                 self.handshake.found_self(address)  # an alias of our own address

@@ -48,19 +48,23 @@ class Sender:
 
     # --- acks --------------------------------------------------------------------------
 
-    def on_acks(self, peer: Peer, ids: Iterable[str], wall_ms: int) -> None:
+    def on_acks(self, peer: Peer, ids: Iterable[str], wall_ms: int) -> int:
+        """Segments ``peer`` acknowledged; how many messages they held."""
         s = self.s
         jon, jev, consumers = s.events_on, s.out.events, peer.consumers
+        acked = 0
         for mid in ids:
             for consumer in consumers:
                 flight = consumer.inflight.get(mid)
                 if flight is not None and consumer.ack(mid):
+                    acked += len(flight.ids) or 1
                     consumer.last_ack = wall_ms / 1000
                     if jon:
                         topic, kname = _stream_topic(consumer.stream)
                         jev.append(event("acked", wall_ms, mid, topic, kname, peer.address, 0, None,
                                          flight.ids or None))
                     break
+        return acked
 
     def on_nack(self, peer: Peer, nack: P.Nack) -> None:
         """The peer refused these for good: segments (by key; their place in the window is
@@ -376,7 +380,7 @@ class Sender:
                                                             cfg.resend_max)
                 consumer.dirty = True
                 self._queue(consumer, peer, record, mid, flight.attempt, park=moved)  # type: ignore[arg-type]
-                s.counters["resent"] += 1
+                s.counters["resent"] += len(record.ids)
 
     def check_down(self) -> None:
         """Whether anything waits for peers that are down (drain and status need it): one

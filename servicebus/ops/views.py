@@ -214,6 +214,12 @@ def letter_body(rec: dict) -> bytes | None:
         except Exception:  # noqa: BLE001 - shown as it is
             return inner[-1]
     body = rec.get("body")
+    if isinstance(body, bytes) and rec.get("reason") == "invalid" and rec.get("origin") == "incoming":
+        try:  # a segment that was not valid: its blob; of one message, that message's payload
+            bodies = bodies_of(body)
+        except Exception:  # noqa: BLE001 - shown as it came
+            return body
+        return bodies[0] if len(bodies) == 1 else body
     return body if isinstance(body, bytes) else None
 
 

@@ -16,17 +16,25 @@ from ..model.config import BusConfig
 from ..core import Core, Incoming, Published, SendCmd, SubscribeCmd
 from ..model.ids import IdGenerator
 from ..model.outgoing import stage_publish
-from ..model.segments import bodies_of
+from ..model.segments import bodies_of, make_blob
 from ..model.stored import DeliveryRecord, IncomingRecord, IntentRecord, OutboxSend, ReplyRecord, SubscriptionRecord
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.decoding import decode
-from ..wire.protocol import encode_ack
+from ..wire.protocol import Envelope, encode_ack
 from .stub import Sent, StubBus
 
-__all__ = ["StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
+__all__ = ["one_message", "StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
            "FakeBatch", "Network", "CoreNode"]
 
 T = TypeVar("T")
+
+
+def one_message(mid: str, topic: str, sent: int, body: bytes, attempt: int = 1,
+                expires: int | None = None, correlation_id: str | None = None,
+                headers: dict[str, Any] | None = None) -> Envelope:
+    """A segment of one message, as a frame carries it: for tests that write frames by hand
+    (``body``: the message's msgpack payload)."""
+    return Envelope(mid, topic, sent, make_blob([body]), attempt, expires, correlation_id, headers, (mid,))
 _pause = threading.Event().wait
 
 

@@ -21,7 +21,7 @@ import zmq
 from servicebus.wire import protocol as P
 from servicebus.wire.decoding import decode
 from servicebus.wire.payload import encode_payload
-from servicebus.testing import free_address, wait_until
+from servicebus.testing import one_message, free_address, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TOPIC = "user.signup"
@@ -120,7 +120,8 @@ def test_zstd_bombs_from_a_raw_dealer_do_not_grow_a_bus_and_it_goes_on_deliverin
         bombs.append(b"".join([*(comp.compress(chunk) for _ in range(mib)), comp.flush()]))
     assert all(len(b) < 64 << 10 for b in bombs)
     header = msgpack.packb({"sender": "bomber", "reply_to": "tcp://127.0.0.1:9", "z": "zstd",
-                            "msgs": [[f"{k:024x}", TOPIC, 1, 1, None, None, {}] for k in range(1000)]})
+                            "segs": [[f"{0:024x}", TOPIC, 1, 1, None, None, {},
+                                      [f"{k:024x}" for k in range(1000)]]]})
     dealer = raw(address)
     for _ in range(3):
         for bomb in bombs:
@@ -174,7 +175,7 @@ def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_
     ids = [f"{k:024x}" for k in range(1, 8)]
     bodies = [encode_payload({"n": n}) for n in range(7)]
     bodies[3] = UNDECODABLE
-    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, body, 1, None, None, {ORDER_HEADER: "stream-1"})
+    envs = [one_message(mid, TOPIC, 1_700_000_000_000, body, 1, None, None, {ORDER_HEADER: "stream-1"})
             for mid, body in zip(ids, bodies)]
     frame = P.encode_batch(P.Kind.EVENT, "hostile", "tcp://127.0.0.1:9", envs)
     dealer = raw(bus.address)
@@ -284,7 +285,7 @@ def test_messages_with_bad_fields_in_a_raw_ordered_frame_are_dead_letters_and_th
     bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
     ids = [f"{k:024x}" for k in range(1, 8)]
     lane = {ORDER_HEADER: "stream-1"}
-    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, encode_payload({"n": n}), 1, None, None, lane)
+    envs = [one_message(mid, TOPIC, 1_700_000_000_000, encode_payload({"n": n}), 1, None, None, lane)
             for n, mid in enumerate(ids)]
     envs[2] = envs[2]._replace(topic="user signup")  # not a topic
     envs[4] = envs[4]._replace(headers={**lane, "x": {1: 2}})  # a map no receiver reads in a header
@@ -333,7 +334,7 @@ def test_a_ttl_past_any_clock_from_a_raw_dealer_is_a_dead_letter_and_the_bus_goe
     handled: list[int] = []
     bus.every(TOPIC, lambda payload, message: handled.append(payload["n"]))
     ids = [f"{k:024x}" for k in range(1, 4)]
-    envs = [P.Envelope(mid, TOPIC, 1_700_000_000_000, encode_payload({"n": n}), 1, None, None, {})
+    envs = [one_message(mid, TOPIC, 1_700_000_000_000, encode_payload({"n": n}), 1, None, None, {})
             for n, mid in enumerate(ids)]
     envs[1] = envs[1]._replace(expires=2**64 - 1)
     dealer = raw(bus.address)

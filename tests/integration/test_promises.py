@@ -22,7 +22,7 @@ from servicebus.wire import protocol as P
 from servicebus.wire.decoding import decode
 from servicebus.wire.payload import encode_payload
 from servicebus.store.lockfile import probe
-from servicebus.testing import free_address, wait_until
+from servicebus.testing import one_message, free_address, wait_until
 
 CLI = str(Path(sys.executable).parent / "servicebus")
 TOPIC = "user.signup"
@@ -205,7 +205,7 @@ def test_a_reply_owed_to_a_caller_that_went_away_expires_and_drain_returns(make_
     gone = free_address()  # a caller that bound a port and went away for good
     sock = raw_dealer(bus.address)
     try:
-        env = P.Envelope("0000000000000000000001", "ask", int(time.time() * 1000),
+        env = one_message("0000000000000000000001", "ask", int(time.time() * 1000),
                          encode_payload(1), 1, None, "corr-1", None)
         sock.send_multipart(P.encode_batch(P.Kind.COMMAND, "caller", gone, [env], int(time.time() * 1000)))
         wait_until(lambda: bus.status().handled == 1, 10)
@@ -360,8 +360,8 @@ def test_a_receiver_refuses_an_oversize_message_in_a_frame_with_a_nack(make_bus)
     sock = raw_dealer(receiver.address)
     try:
         now = int(time.time() * 1000)
-        envs = [P.Envelope("0000000000000000000001", "c", now, encode_payload("x" * 2000)),
-                P.Envelope("0000000000000000000002", "c", now, encode_payload("ok"))]
+        envs = [one_message("0000000000000000000001", "c", now, encode_payload("x" * 2000)),
+                one_message("0000000000000000000002", "c", now, encode_payload("ok"))]
         sock.send_multipart(P.encode_batch(P.Kind.COMMAND, "raw", free_address(), envs, now))
         answers = []
         deadline = time.monotonic() + 10

@@ -12,8 +12,8 @@ from servicebus import (
     Bus, BusClosedError, LockedError, Message, StoreError, SubscribeTimeout, TransportError,
 )
 from servicebus.wire.payload import encode_payload
-from servicebus.wire.protocol import MAGIC, Kind, encode_batch, Envelope
-from servicebus.testing import free_address, wait_until
+from servicebus.wire.protocol import MAGIC, Kind, encode_batch
+from servicebus.testing import one_message, free_address, wait_until
 
 
 def pair(make_bus, topic="user.signup", **sub_options):
@@ -249,7 +249,7 @@ def test_fuzzed_frames_are_counted_and_dropped_while_delivery_goes_on(make_bus):
     dealer.connect(sub.address)
     rng = random.Random(1)
     good = encode_batch(Kind.EVENT, "evil", "tcp://127.0.0.1:1",
-                        [Envelope("f" * 24, "user.signup", 1, encode_payload(-1))])
+                        [one_message("f" * 24, "user.signup", 1, encode_payload(-1))])
     junk_kinds = [
         lambda: [os.urandom(rng.randint(0, 64))],
         lambda: [b"XXX", bytes([Kind.EVENT]), good[2], good[3]],
