@@ -11,6 +11,17 @@ Batches are built under the lock, in the order their ids are made, and committed
 are reported (``on_commit``) in that same order, before any caller returns. So a stream
 never holds a newer id without the older ones, and the engine learns of new messages in id
 order: its delivery cursors rely on both.
+
+One fsync on the latency path: a group is written to LevelDB unsynced first; the publishes
+at its head (``early``: plain publishes, not a handler's transaction) are reported to the
+engine right then, so that it sends them while the fsync runs; then one synced write makes
+the group durable and its callers return. A publish returns only once durable, as always;
+but a message may be delivered although its publish then raised (the fsync failed) or never
+returned (a crash or a power cut during the fsync), as with any at-least-once producer.
+Its id is never made again: ids carry the bus's epoch, counted up durably at every start
+(ids.py). A transaction is reported only once durable: if its write must be made again
+(a failed fsync), its events get new ids, and what was sent under the old ones would be
+delivered twice.
 """
 
 from __future__ import annotations
@@ -29,11 +40,12 @@ T = TypeVar("T")
 
 
 class _Entry(Generic[T]):
-    __slots__ = ("batch", "result", "done", "error", "lead", "wake")
+    __slots__ = ("batch", "result", "done", "error", "lead", "wake", "early")
 
-    def __init__(self, batch: Batch, result: T) -> None:
+    def __init__(self, batch: Batch, result: T, early: bool = False) -> None:
         self.batch = batch
         self.result = result
+        self.early = early  # may be reported before the fsync (a plain publish)
         self.done = False
         self.error: BaseException | None = None
         self.lead = False  # handed the lead of the next group
@@ -57,16 +69,17 @@ class GroupCommit:
         # mutex: metrics.py's histogram. None: not observed.
         self.observe: Callable[[int], None] | None = None
 
-    def commit(self, build: Callable[[Batch], T]) -> T:
+    def commit(self, build: Callable[[Batch], T], early: bool = False) -> T:
         """Run ``build(batch)`` under the commit lock, then make the batch durable (shared
-        with concurrent callers) and return what ``build`` returned.
+        with concurrent callers) and return what ``build`` returned. ``early``: it may be
+        reported before its fsync (see the module docstring).
 
         Exception-safe: whatever is raised where (the write, ``on_commit``, a
         KeyboardInterrupt while waiting or leading), the lead passes on or is given up, so
         a later caller never waits for a leader that is gone."""
         with self._mutex:
             batch = self._store.batch()
-            entry = _Entry(batch, build(batch))
+            entry = _Entry(batch, build(batch), early)
             self._queue.append(entry)
             follow, self._leading = self._leading, True
         leading = not follow
@@ -91,8 +104,18 @@ class GroupCommit:
                 self._withdraw(entry, leading)
             raise
         error: BaseException | None = None
+        head = 0  # the early entries at the group's head: reported before the fsync
+        while head < len(group) and group[head].early:
+            head += 1
         try:
-            self._store.write_many([e.batch for e in group], sync=True)
+            if head:
+                # In LevelDB (readable) before the engine hears of it; durable right after.
+                self._store.write_many([e.batch for e in group], sync=False)
+                with self._mutex:
+                    self._report(group[:head])
+                self._store.sync()
+            else:
+                self._store.write_many([e.batch for e in group], sync=True)
         except BaseException as exc:  # noqa: BLE001 - every caller of the group gets it
             error = exc
         nxt = None
@@ -103,7 +126,7 @@ class GroupCommit:
                     if self.observe is not None:
                         self.observe(len(group))
                     try:
-                        self._on_commit([e.result for e in group])
+                        self._report(group[head:])
                     except BaseException as exc:  # noqa: BLE001 - written, but not reported
                         error = exc
                 for e in group:
@@ -119,6 +142,11 @@ class GroupCommit:
         if error is not None:
             raise error
         return entry.result
+
+    def _report(self, entries: list[_Entry[Any]]) -> None:
+        """Tell ``on_commit`` of these entries (under the mutex, in commit order)."""
+        if entries:
+            self._on_commit([e.result for e in entries])
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -101,7 +101,7 @@ class Engine(threading.Thread):
         self.fsyncs = 0
         try:
             # Above every id the store refers to, whatever the wall clock says now (ids.py).
-            self.ids = IdGenerator(after=store.highest_own_id())
+            self.ids = IdGenerator(after=store.highest_own_id(), epoch=store.next_epoch())
             self.core = Core(config=config, store=store, links=sockets, batch=store.batch(),
                              address=address, node_id=node_id, boot=os.urandom(6).hex(),
                              ids=self.ids, clock=clock, events=hooks,

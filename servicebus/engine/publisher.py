@@ -125,7 +125,7 @@ class Publisher:
                 batch.put_publish_key(name, ids[0], now)
             return ids, streams, expires is not None
 
-        return self.committer.commit(build)[0]
+        return self.committer.commit(build, early=True)[0]
 
     def _stage(self, batch: Batch, topic: str, bodies: list[bytes], expires: int | None,
                headers: dict[str, Any] | None, due: int | None,

@@ -32,10 +32,13 @@ __all__ = ["IdGenerator", "id_millis"]
 
 class IdGenerator:
     def __init__(self, after: str | None = None, *, wall: Callable[[], int] = wall_ms,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, epoch: int | None = None) -> None:
         """``after``: the highest id made before (the store's ``highest_own_id``); every
-        id made here sorts above it. ``wall``/``monotonic``: the clocks (tests fake them)."""
-        self._boot = os.urandom(3).hex()
+        id made here sorts above it. ``wall``/``monotonic``: the clocks (tests fake them).
+        ``epoch``: this start's number (``Store.next_epoch``), the ids' last 6 digits: an id
+        made in one start is never made again in another, even one whose writes a crash
+        lost after they were sent (engine/commit.py); random when not given."""
+        self._boot = os.urandom(3).hex() if epoch is None else f"{epoch & 0xFFFFFF:06x}"
         self._wall = wall
         self._monotonic = monotonic
         floor = id_millis(after) + 1 if after else 0

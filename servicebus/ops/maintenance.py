@@ -71,7 +71,7 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
     subscribers_of: dict[str, set[str]] = {}
     for c in views.values():
         subscribers_of.setdefault(c.stream, set()).add(c.peer)
-    gen = IdGenerator(after=store.highest_own_id())  # above every cursor, whatever the clock
+    gen = IdGenerator(after=store.highest_own_id(), epoch=store.next_epoch())  # above every cursor
     journal = _journal(store)
     writer = _Writer(store, progress)
     for mid, rec in letters:

@@ -396,6 +396,14 @@ class Store(Reads):
         """Apply several batches as one atomic write (one fsync with ``sync``)."""
         self._writing(batches, sync)
 
+    def next_epoch(self) -> int:
+        """Count one more start of the bus, durably, and return its number (ids carry it)."""
+        epoch = (self.meta("epoch") or 0) + 1
+        batch = self.batch()
+        batch.put_meta("epoch", str(epoch).encode())
+        self.write(batch, sync=True)
+        return int(epoch)
+
     def unsynced_for(self, now: float) -> float:
         """How long (seconds, monotonic ``now``) the oldest write that may not survive a power
         cut has been waiting for a synced write to cover it; 0.0 if none."""

@@ -215,6 +215,7 @@ META: dict[str, Callable[[bytes], Any]] = {
     "address": lambda v: v.decode("utf-8"),
     "sync": _empty,
     "hwm": _decimal,  # the high-water mark (store/mark.py)
+    "epoch": _decimal,  # starts of the bus so far: in every id it makes (model/ids.py)
 }
 
 VALUES: dict[str, Callable[[bytes], Any]] = {
