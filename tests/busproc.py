@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=0, help="publish_many batches of this size")
     ap.add_argument("--rate", type=float, default=0.0, help="publish at most this many messages a second")
     ap.add_argument("--ids", help="file of ids whose publish returned")
+    ap.add_argument("--publish-when", help="publish only once this file exists (after ready)")
     ap.add_argument("--pad", type=int, default=200, help="payload padding bytes")
     ap.add_argument("--random-pad", action="store_true", help="incompressible padding")
     ap.add_argument("--kill-after-publish", action="store_true")
@@ -130,6 +131,8 @@ def main() -> None:
     # Its pid and its wall clock: a test that moved the clock checks that it really moved.
     append(args.ready, f"{os.getpid()} {time.time()}")
 
+    if args.publish and args.publish_when:  # the test sets a fault up first, then lets it go
+        wait_until(lambda: os.path.exists(args.publish_when), 60, 0.01, "the go file")
     if args.publish:
         n, end = args.first, args.first + args.count
         began = time.monotonic()

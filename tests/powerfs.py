@@ -52,7 +52,9 @@ one line: ``ping`` -> ``ok``; ``stats`` -> ``ok dirty_files=N dirty_bytes=N fsyn
 cuts=N``; ``cut`` -> ``ok dropped_files=N dropped_bytes=N`` (what the cut lost, so a test
 can prove the fault was real); ``stall GLOB`` -> ``ok``: writes and fsyncs of files whose
 name matches wait (a disk slow for those files) until ``stall`` without a glob, or until a
-cut, which fails them (their process died with the power). The mount is ready once ``ping`` answers. Unmount with
+cut, which fails them (their process died with the power); ``stall fsync:GLOB`` -> ``ok``:
+only fsyncs of such files wait, their writes go on (a write reached the page cache, its
+fsync hangs: the instant between them, held open). The mount is ready once ``ping`` answers. Unmount with
 ``fusermount3 -u MOUNTPOINT`` (or umount); the process then exits.
 """
 
@@ -220,9 +222,16 @@ class PowerLossFS(mfusepy.Operations):
             self.stalled = pattern
             self.unstalled.notify_all()
 
-    def _wait_if_stalled(self, handle: Handle) -> None:
+    def _wait_if_stalled(self, handle: Handle, syncing: bool = False) -> None:
         """Called holding the mutex; gives it up while waiting."""
-        if self.stalled is None or not fnmatch.fnmatch(os.path.basename(handle.name), self.stalled):
+        if self.stalled is None:
+            return
+        pattern = self.stalled
+        if pattern.startswith("fsync:"):
+            if not syncing:
+                return
+            pattern = pattern[len("fsync:"):]
+        if not fnmatch.fnmatch(os.path.basename(handle.name), pattern):
             return
         cuts = self.cuts
         while self.stalled is not None and self.cuts == cuts:
@@ -314,7 +323,7 @@ class PowerLossFS(mfusepy.Operations):
     def fsync(self, path: str | None, datasync: int, fh: int) -> int:
         with self.mutex:
             handle = self._handle(fh)
-            self._wait_if_stalled(handle)
+            self._wait_if_stalled(handle, syncing=True)
             self._writeback(handle.ino, handle.fd)
             return 0
 

@@ -4,6 +4,7 @@ import pytest
 
 from servicebus.engine.commit import GroupCommit
 from servicebus.errors import StoreError
+from servicebus.testing import wait_until
 
 
 def _committer(store):
@@ -143,3 +144,79 @@ def test_a_caller_interrupted_while_waiting_does_not_stall_the_commits_after_it(
     leader.join(5)
     monkeypatch.setattr(store, "write_many", real)
     assert _commit_in_thread(committer, build) is not None
+
+
+def test_an_early_commit_is_reported_after_its_unsynced_write_and_before_its_fsync(store, monkeypatch):
+    """One fsync on the latency path: the engine hears of a plain publish while its fsync
+    runs, and can read it from the store; its caller returns only once the fsync is done."""
+    seen: list[tuple[str, object]] = []
+    committer = GroupCommit(store, lambda results: seen.append(("reported", results,
+                                                                store.stream_ids("e:t", limit=10))))
+    real_sync, real_write = store.sync, store.write_many
+
+    def write_many(batches, *, sync):
+        seen.append(("write", sync))
+        real_write(batches, sync=sync)
+
+    def sync():
+        seen.append(("fsync", None))
+        real_sync()
+
+    monkeypatch.setattr(store, "write_many", write_many)
+    monkeypatch.setattr(store, "sync", sync)
+
+    def build(batch):
+        batch.put_outgoing("e:t", "00000001", b"x")
+        return 1
+
+    assert committer.commit(build, early=True) == 1
+    assert seen == [("write", False), ("reported", [1], ["00000001"]), ("fsync", None)]
+    assert committer.fsyncs == 1
+
+
+def test_an_early_commit_whose_fsync_fails_was_reported_and_its_caller_gets_the_error(store, monkeypatch):
+    """The README's "a message may be delivered although its publish raised"."""
+    committer, groups, build = _committer(store)
+
+    def broken():
+        raise StoreError("fsync failed")
+
+    monkeypatch.setattr(store, "sync", broken)
+    with pytest.raises(StoreError, match="fsync failed"):
+        committer.commit(build, early=True)
+    assert groups == [[0]] and committer.fsyncs == 0
+
+
+def test_a_transaction_is_reported_only_once_durable_even_behind_an_early_publish(store, monkeypatch):
+    """Entries not marked early (a handler's transaction) wait for the fsync: if it fails,
+    nothing of theirs was reported, so nothing went out under ids a retry will not use."""
+    committer, groups, build = _committer(store)
+    in_sync = [threading.Event(), threading.Event()]  # the 1st, 2nd fsync has begun
+    go_on = [threading.Event(), threading.Event()]  # the 1st, 2nd fsync may finish
+    calls = iter(range(2))
+    real_sync = store.sync
+
+    def held_sync():
+        n = next(calls)
+        in_sync[n].set()
+        assert go_on[n].wait(10)
+        real_sync()
+
+    monkeypatch.setattr(store, "sync", held_sync)
+    threads = [threading.Thread(target=committer.commit, args=(build,), kwargs={"early": True})]
+    threads[0].start()
+    assert in_sync[0].wait(10)
+    # While the leader's group is in its fsync, an early publish then a transaction queue:
+    # the next group, in that order.
+    for early in (True, False):
+        queued = len(committer._queue)  # noqa: SLF001
+        threads.append(threading.Thread(target=committer.commit, args=(build,), kwargs={"early": early}))
+        threads[-1].start()
+        wait_until(lambda q=queued: len(committer._queue) > q, 10)  # noqa: SLF001
+    go_on[0].set()
+    assert in_sync[1].wait(10)
+    assert groups == [[0], [1]]  # the early publish was reported before the fsync, the transaction not
+    go_on[1].set()
+    for t in threads:
+        t.join(10)
+    assert groups == [[0], [1], [2]]
