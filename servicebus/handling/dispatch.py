@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
+from ..model.segments import by_message
 from ..model.stored import Incoming
 from ..model.delivery import PRIORITY_HEADER
 from ..errors import StoreError
@@ -30,7 +31,7 @@ from ..hooks.base import Hooks
 from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
-from .scan import quarantine, stored_item
+from .scan import quarantine, reread, stored_item
 from .segmentrun import PAUSE
 from ..store import Store
 from ..model.stored import ReplyRecord
@@ -322,7 +323,8 @@ class Dispatcher:
                 if redo is not None:
                     redos.append((message_id, redo))
                     continue
-                progress_redo = self._runner.writer.progress_redo(message_id) if len(record.ids) > 1 else None
+                progress_redo = self._runner.writer.progress_redo(message_id) \
+                    if by_message(message_id, record.ids) else None
                 if progress_redo is not None:  # written again after the scan, read by the next
                     redos.append((message_id, progress_redo))
                     self._refill_pending = True
@@ -421,14 +423,11 @@ class Dispatcher:
         with self._cv:
             if retry_at is not None and not self._closing:
                 try:
-                    runstate = self._store.get_runstate(item.id) if not self._store.closed else None
-                    progress = self._store.progress(item.id) if len(item.record.ids) > 1 and \
-                        not self._store.closed else None
+                    item = reread(self._store, item)
                 except StoreError as exc:  # damaged, or closing: retried from its attempt 0
                     log.error("reading the run state of %s: %s", item.id, exc)
-                    runstate, progress = None, None
-                heapq.heappush(self._heap, (retry_at, next(self._seq),
-                                            item._replace(runstate=runstate, progress=progress)))
+                    item = item._replace(runstate=None, progress=None)
+                heapq.heappush(self._heap, (retry_at, next(self._seq), item))
                 self._cv.notify()
             else:
                 self._known.discard(item.id)

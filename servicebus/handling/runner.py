@@ -45,7 +45,7 @@ from ..model.delivery import backoff
 from ..model.letters import incoming_letter
 from ..wire.payload import decode_payload, encode_payload
 from ..model.records import Message
-from ..model.segments import bodies_of
+from ..model.segments import bodies_of, by_message
 from ..model.stored import NO_RUNS, Event, Incoming, IncomingRecord, ReplyRecord, RunState, event
 from ..wire.protocol import KIND_NAMES, Kind
 from .handlers import Handler, Handlers
@@ -111,7 +111,7 @@ class Runner:
             nxt: Incoming | None = None) -> tuple[float | None, bool]:
         """Run one received segment and record the outcome. Returns (when to retry,
         monotonic, or None if finished; whether ``nxt``'s start marker went into the write)."""
-        if len(item.record.ids) > 1:
+        if by_message(item.id, item.record.ids):
             return run_segment(self, item, marked, nxt)
         outcome = self._outcome(item, marked)
         return _FINISH[outcome.kind](self, item, outcome, nxt)

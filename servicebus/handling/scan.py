@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import CorruptRecordError, StoreError
 from ..model.letters import damaged_letter
+from ..model.segments import by_message
 from ..model.stored import Incoming, IncomingRecord
 
 __all__ = ["stored_item", "quarantine"]
@@ -27,7 +28,7 @@ def stored_item(store: Any, key: str, record: IncomingRecord, strict: bool, now_
     progress = None
     try:
         runstate = store.get_runstate(key)
-        if len(record.ids) > 1:
+        if by_message(key, record.ids):
             progress = store.progress(key)
     except CorruptRecordError:
         if strict:
@@ -40,6 +41,20 @@ def stored_item(store: Any, key: str, record: IncomingRecord, strict: bool, now_
         # since, it is too far off: no retry waits past retry_max.
         due = now + min((runstate.next_ms - now_ms) / 1000, retry_max)
     return Incoming(key, record, runstate, progress), due
+
+
+def reread(store: Any, item: Incoming) -> Incoming:
+    """A segment to run again, as its run left it in the store: its run state, and for
+    one run by message its record (its first message may have been split off under its
+    key, the rest of it gone on under another: segmentrun.py) and progress."""
+    if store.closed:
+        return item._replace(runstate=None, progress=None)
+    runstate = store.get_runstate(item.id)
+    if not by_message(item.id, item.record.ids):
+        return item._replace(runstate=runstate)
+    record = store.get_incoming(item.id) or item.record
+    progress = store.progress(item.id) if by_message(item.id, record.ids) else None
+    return item._replace(record=record, runstate=runstate, progress=progress)
 
 
 def quarantine(store: Any, damaged: list[tuple[bytes, bytes]]) -> None:

@@ -122,6 +122,8 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
         if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts and ordered:
             # The rest of an ordered lane waits for it: the segment is retried from here.
             return _retry_here(runner, item, outcome, i, started_now=outcome.attempts, skipped=skipped)
+        if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts and mid == key:
+            return _split_first(runner, item, view, one(record, i, bodies[i]), outcome, bodies)
         if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts:
             skipped.append(i)
             marked_next = _split_off(runner, item, view, one(record, i, bodies[i]), outcome, nxt_index,
@@ -236,6 +238,31 @@ def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingR
         marked = runner.writer.record(build, None, nxt, progress=(item.id, progress))
     runner._spawn(_tuple(Incoming, (mid, single, state, None)), time.monotonic() + delay)
     return marked
+
+
+def _split_first(runner: Runner, item: Incoming, view: Incoming, single: IncomingRecord, o: Outcome,
+                 bodies: list[bytes]) -> tuple[float | None, bool]:
+    """The segment's first message failed, attempts left. Its id is the segment's key, so
+    it cannot be split off beside the segment: it stays under the key, by itself, retried
+    after a backoff (the dispatcher reads its record again), and the rest of the segment
+    goes on at once under its next message's id, as a segment of its own."""
+    config, record, key = runner._config, item.record, item.id
+    delay = backoff(o.attempts, config.retry_initial, config.retry_max) if o.retry_after is None \
+        else o.retry_after
+    state = RunState(o.attempts, list(o.done), o.error, runner._wall() + int(delay * 1000))
+    rest = record._replace(ids=list(record.ids[1:]), blob=make_blob(bodies[1:]))
+    events = [runner._event("handler_failed", view, o.attempts, o.error),
+              runner._event("retried", view, o.attempts, o.error)]
+    starts = sorted({START, *(item.progress or {})})
+
+    def build(batch: Any) -> None:
+        batch.split_off(key, single, state)
+        batch.delete_progress(key, starts)
+        batch.put_incoming(rest.ids[0], rest)
+        runner._hooks.events(batch, events)
+    runner.writer.record(build, None, None)
+    runner._spawn(_tuple(Incoming, (rest.ids[0], rest, None, None)), time.monotonic())
+    return time.monotonic() + delay, False
 
 
 def _retry_here(runner: Runner, item: Incoming, o: Outcome, i: int, started_now: int,

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from ..errors import StoreError
 from ..model.clock import wall_ms
+from ..model.segments import by_message
 from ..model.stored import NO_RUNS, Incoming, Progress, RunState
 from ..wire.protocol import Kind
 
@@ -210,7 +211,7 @@ class RunWriter:
 
     def mark(self, batch: Any, nxt: Incoming | None) -> bool:
         """Put the next message's (or segment's) start marker in ``batch``; whether it did."""
-        if nxt is not None and len(nxt.record.ids) > 1:
+        if nxt is not None and by_message(nxt.id, nxt.record.ids):
             return self._mark_segment(batch, nxt)
         marker = self.marker(nxt)
         if marker is None or nxt is None:

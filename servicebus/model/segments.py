@@ -23,12 +23,19 @@ import msgpack
 
 from .packer import pack
 
-__all__ = ["make_blob", "bodies_of", "cut", "single", "count_of", "SEGMENT_BYTES"]
+__all__ = ["make_blob", "bodies_of", "cut", "single", "count_of", "by_message", "SEGMENT_BYTES"]
 
 SEGMENT_BYTES = 1 << 20  # payload bytes of one segment, at most (protocol.FRAME_BYTES)
 _BIN = 5  # what msgpack puts before a payload (bin 32), at most
 
 _unpackb = msgpack.unpackb
+
+
+def by_message(key: str, ids: Sequence[str]) -> bool:
+    """Whether a received segment is run message by message, with progress records: it
+    holds several messages, or one that is not its key's (a segment its sender cut for
+    this receiver, without its first message). Otherwise it is its key's message alone."""
+    return len(ids) != 1 or ids[0] != key
 
 
 def make_blob(bodies: Sequence[bytes]) -> bytes:

@@ -132,8 +132,8 @@ class Event(NamedTuple):
     peer: str | None  # the receiver (on the sender's side) or the sender (the receiver's)
     attempt: int
     error: str | None  # why, for failures, dead letters and drops
-    ids: tuple[str, ...] | None = None  # a segment's messages, when it names several: ``id``
-    #                                     is then the first; None: ``id`` alone
+    ids: tuple[str, ...] | None = None  # the messages of a segment it is about (``id`` is the
+    #                                     segment's key); None: ``id`` alone
 
 
 _tuple = tuple.__new__  # millions are made per run: skip the keyword-parsing __new__
@@ -141,10 +141,12 @@ _tuple = tuple.__new__  # millions are made per run: skip the keyword-parsing __
 
 def event(name: str, ts: int, mid: str, topic: str | None, kind: str | None, peer: str | None,
           attempt: int = 0, error: str | None = None, ids: tuple[str, ...] | list[str] | None = None) -> Event:
-    """An ``Event``: the one place they are made. ``ids``: several messages (a segment's);
-    ``mid`` is then their first."""
+    """An ``Event``: the one place they are made. ``ids``: the messages of a segment it is
+    about, when not ``mid`` alone (``mid`` is the segment's key)."""
     if ids is not None:
-        ids = tuple(ids) if len(ids) > 1 else None
+        # Kept when they are not ``mid`` alone: a segment cut for its receiver keeps its key
+        # (``mid``) without that message, and the event is about the others.
+        ids = tuple(ids) if len(ids) > 1 or (ids and ids[0] != mid) else None
     return _tuple(Event, (name, ts, mid, topic, kind, peer, attempt, error, ids))
 
 

@@ -93,6 +93,10 @@ class Batch:
         """How far the run of segment ``key`` from message ``start`` on got."""
         self._put(_C + key.encode() + SEP + _start(start).encode(), _pack(progress))
 
+    def delete_progress(self, key: str, starts: Iterable[int]) -> None:
+        for start in starts:
+            self._delete(_C + key.encode() + SEP + _start(start).encode())
+
     def split_off(self, message_id: str, record: IncomingRecord, state: RunState | None) -> None:
         """One message of a received segment goes on by itself, as a segment of one (its
         handler failed and is retried, or it waits for one), with its run state."""
