@@ -1,6 +1,7 @@
 """The real `servicebus` console script, run in subprocesses against data directories left
 by real buses (most of them killed with SIGKILL)."""
 
+import itertools
 import json
 import os
 import shutil
@@ -469,7 +470,11 @@ def long_listings(make_bus):
     gone.subscribe(pub.address, "out.t", wait=10)
     gone.close()
     recv.subscribe(pub.address, "in.t", wait=10)
-    dropper.publish_many("drop.t", [{"n": n} for n in range(CUT + 100)])
+    # Backlog drops go by whole segments (a publish's messages, model/segments.py): 31, then
+    # 100 at a time, so that exactly the oldest CUT go and the newest 100 stay.
+    sizes = [31] + [100] * ((CUT - 31) // 100 + 1)
+    for start, size in zip(itertools.accumulate([0] + sizes), sizes):
+        dropper.publish_many("drop.t", [{"n": n} for n in range(start, start + size)])
     pub.publish_many("out.t", [{"n": n} for n in range(CUT)])
     pub.publish_many("in.t", [{"n": n} for n in range(CUT)])
     wait_until(lambda: dropper.status().deadletters == CUT and recv.status().incoming == CUT, 30)
