@@ -1,5 +1,5 @@
-"""Operations that change a stopped bus's data directory: replay, purge, check/repair,
-compact. The CLI refuses to run them while a live bus holds the lock.
+"""Operations that change a stopped bus's data directory: migrate, replay, purge,
+check/repair, compact. The CLI refuses to run them while a live bus holds the lock.
 
 Every change is written in batches that keep the keyspaces consistent (a dead letter is
 deleted in the same write that puts its message back), and reported row by row so an
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+from ..errors import StoreError
 from ..model.clock import wall_ms
 from ..model.packer import pack
 from ..store.cursors import consumers
@@ -21,10 +22,11 @@ from ..hooks.journal import Journal
 from ..model.letters import damaged_letter
 from ..model.stored import event
 from ..wire.protocol import KIND_NAMES, Kind
-from ..store import Store, schema
+from ..store import FORMAT_VERSION, Store, schema
+from ..store.migrate import Upgrade, upgrade
 from .messages import outgoing_letters
 
-__all__ = ["replay", "purge", "REPLAYABLE"]
+__all__ = ["migrate", "replay", "purge", "REPLAYABLE"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -49,6 +51,28 @@ class _Writer:
 
     def close(self) -> None:
         self.store.write(self.batch, sync=True)
+
+
+# --- migrate -------------------------------------------------------------------------------
+
+
+def migrate(store: Store, progress: Progress = None) -> Upgrade | None:
+    """Upgrade a store (opened without its format checked) written by an older version;
+    None if it is in this version's format already. ``StoreError`` for one this version
+    cannot upgrade: a newer format, or none recorded in a store that holds records."""
+    store.check_mark()  # one that lost writes is repaired first: it says what it lost
+    version = store.meta("format")
+    if version is None:
+        if any(True for _ in store.records(verify=False)):
+            raise StoreError(f"store {store.path} has no format record; `servicebus check --repair` "
+                             "restores it")
+        version = FORMAT_VERSION
+    if version > FORMAT_VERSION:
+        raise StoreError(f"store {store.path} has format {version}, newer than this version's "
+                         f"({FORMAT_VERSION}): run the servicebus that wrote it")
+    if version == FORMAT_VERSION:
+        return None
+    return upgrade(store, version, FORMAT_VERSION, progress)
 
 
 # --- replay --------------------------------------------------------------------------------
