@@ -259,7 +259,7 @@ def test_a_damaged_segment_of_several_messages_is_checked_and_repaired_naming_ea
     sub.subscribe(pub.address, TOPIC, wait=10)
     sub.close()
     address, sub_address = pub.address, sub.address
-    first = pub.publish_many(TOPIC, [{"n": n} for n in range(3)])
+    pub.publish_many(TOPIC, [{"n": n} for n in range(3)])
     second = pub.publish_many(TOPIC, [{"n": n} for n in range(3, 7)])
     pub.close()
     db = plyvel.DB(str(tmp_path / "pub" / "store"))
