@@ -325,6 +325,31 @@ def test_incoming_lists_what_is_left_of_a_segment_and_the_message_split_off_it(t
     assert cli("check", datadir).returncode == 0
 
 
+def test_replay_puts_back_a_letter_only_as_a_message_of_its_own_this_version_reads(tmp_path):
+    """A dead letter keeps its message as a segment of one (store format 3). One whose record
+    is anything else (an older layout a migration did not reach, a segment of several) is
+    skipped with why, not put back as a record the bus would find damaged."""
+    from servicebus.model.segments import make_blob
+
+    good, old_layout, several = (f"{n:024x}" for n in (0xD1, 0xD2, 0xD3))
+    incoming = [1, TOPIC, "node", "tcp://127.0.0.1:9", 1, 1, None, None, None]
+    store = _store_by_hand(tmp_path / "sub")
+    b = store.batch()
+    b.put_deadletter(good, {"origin": "incoming", "reason": "handler_failed", "error": "x", "at": 1,
+                            "record": [*incoming, [good], make_blob([msgpack_of({"n": 1})])]})
+    b.put_deadletter(old_layout, {"origin": "incoming", "reason": "handler_failed", "error": "x", "at": 1,
+                                  "record": [*incoming, msgpack_of({"n": 2})]})
+    b.put_deadletter(several, {"origin": "incoming", "reason": "handler_failed", "error": "x", "at": 1,
+                               "record": [*incoming, [several, good], make_blob([b"\x01", b"\x02"])]})
+    store.write(b, sync=True)
+    store.close()
+    rows = {r["id"]: r for r in cli_json("replay", tmp_path / "sub", "--all")}
+    assert rows[good]["result"] == "replayed"
+    assert rows[old_layout]["result"] == "skipped" and "not a message this version reads" in rows[old_layout]["detail"]
+    assert rows[several]["result"] == "skipped" and "not this message alone" in rows[several]["detail"]
+    assert cli("check", tmp_path / "sub").returncode == 0  # nothing damaged was put back
+
+
 def msgpack_of(value) -> bytes:
     import msgpack
 
