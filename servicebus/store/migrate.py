@@ -18,16 +18,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
 from ..model.packer import pack
-from . import schema
+from .schema import VALUES, decode
 from .keys import SEP, _H, _N, _O, _X
+from .reads import Reads
 
-if TYPE_CHECKING:
-    from .db import Store
+# The store's reads and writes, typed by what db.Store inherits (not db itself, which
+# imports this module: a type-only import back would tie the two in a circle).
+Store = Reads
 
 __all__ = ["upgrade", "Upgrade", "CHUNK", "older_layout"]
 
@@ -60,7 +62,7 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def upgrade(store: "Store", version: int, target: int,
+def upgrade(store: Store, version: int, target: int,
             progress: Callable[[int], None] | None = None) -> Upgrade:
     """Bring ``store`` from ``version`` to ``target``; returns what it rewrote."""
     done = Upgrade(version, target)
@@ -80,7 +82,7 @@ def upgrade(store: "Store", version: int, target: int,
     return done
 
 
-def _handled_by_time(store: "Store", progress: Callable[[int], None] | None) -> int:
+def _handled_by_time(store: Store, progress: Callable[[int], None] | None) -> int:
     """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
     every handled id as handled now, on the bus clock (so each is remembered for one whole
     dedupe window more, never less)."""
@@ -131,10 +133,10 @@ def _current(keyspace: str, key: bytes, value: bytes) -> bool:
     """Whether a record reads in this version's layout (a dead letter's message record
     too): one a stopped migration rewrote already."""
     try:
-        letter = schema.decode(keyspace, key, value)
+        letter = decode(keyspace, key, value)
         if keyspace == "deadletters" and "record" in letter:
             inner = "incoming" if letter.get("origin") == "incoming" else "outgoing"
-            schema.VALUES[inner](pack(letter["record"]))  # a letter's record has no key of its own
+            VALUES[inner](pack(letter["record"]))  # a letter's record has no key of its own
     except Exception:  # noqa: BLE001 - CorruptRecordError, and msgpack's errors on junk
         return False
     return True
@@ -157,7 +159,7 @@ def _message_id(prefix: bytes, key: bytes) -> str:
     return (rest.rpartition(SEP)[2] if prefix == _O else rest).decode("utf-8", "replace")
 
 
-def _segments_of_one(store: "Store", progress: Callable[[int], None] | None, done: Upgrade) -> None:
+def _segments_of_one(store: Store, progress: Callable[[int], None] | None, done: Upgrade) -> None:
     n = 0
     batch = store.batch()
     for keyspace, prefix, convert in (("outgoing", _O, _outgoing), ("incoming", _N, _incoming),
