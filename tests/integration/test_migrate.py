@@ -95,8 +95,12 @@ def old(tmp_path) -> Old:
     return fixture
 
 
-def stored_letters(datadir: Path) -> dict[str, dict]:
-    return {k[2:].decode(): msgpack.unpackb(v, raw=False) for k, v in records(datadir).items() if k[:2] == b"x/"}
+def format2_records(stored: dict[bytes, bytes]) -> dict[str, int]:
+    """The records of a format-2 store that a migration rewrites, by keyspace: every
+    message (one record each in format 2), and dead letters that keep their message."""
+    return {"outgoing": sum(k[:2] == b"o/" for k in stored), "incoming": sum(k[:2] == b"n/" for k in stored),
+            "deadletters": sum(k[:2] == b"x/" and "record" in msgpack.unpackb(v, raw=False)
+                               for k, v in stored.items())}
 
 
 # --- servicebus migrate ------------------------------------------------------------------------
@@ -115,11 +119,7 @@ def test_migrate_upgrades_a_stopped_bus_reports_what_it_rewrote_and_the_listings
     assert records(pub) == before["pub"]  # nothing was written
     for name, datadir in old.dirs.items():
         (report,) = cli_json("migrate", datadir)
-        old_records = before[name]
-        expected = {"outgoing": sum(k[:2] == b"o/" for k in old_records),
-                    "incoming": sum(k[:2] == b"n/" for k in old_records),
-                    "deadletters": sum(k[:2] == b"x/" and "record" in msgpack.unpackb(v, raw=False)
-                                       for k, v in old_records.items())}
+        expected = format2_records(before[name])
         assert report["from"] == 2 and report["to"] == 3 and report["left"] == {}
         assert report["rewritten"] == {k: n for k, n in expected.items() if n}, name
         assert format_of(datadir) == b"3"
@@ -306,7 +306,9 @@ def test_a_migration_whose_write_fails_half_way_is_finished_by_the_next_open_wit
     with pytest.raises(StoreWriteError, match="injected"):
         Store.open(pub / "store")
     monkeypatch.setattr(Store, "write", real_write)
-    assert format_of(pub) == b"2" and layouts(pub) == Counter({8: 12, 7: 10})  # three chunks of four
+    outgoing = format2_records(records(pub))["outgoing"]
+    assert outgoing > 12  # the failure comes among the outgoing records
+    assert format_of(pub) == b"2" and layouts(pub) == Counter({8: 12, 7: outgoing - 12})  # three chunks of four
     assert cli("status", pub).returncode == 1  # still format 2 to the tools
     Store.open(pub / "store").close()  # the next open finishes it
     assert records(pub) == want
@@ -338,12 +340,44 @@ KILLED_MIGRATION = textwrap.dedent("""
 def test_servicebus_migrate_killed_half_way_is_finished_by_the_next_run_with_nothing_lost(old, tmp_path):
     want = reference(old, tmp_path)
     pub = old.dirs["pub"]
+    before = format2_records(records(pub))
     killed = subprocess.run([sys.executable, "-c", KILLED_MIGRATION, str(pub)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
-    assert format_of(pub) == b"2" and layouts(pub) == Counter({8: 12, 7: 10})
+    assert format_of(pub) == b"2" and layouts(pub) == Counter({8: 12, 7: before["outgoing"] - 12})
     assert (pub / "LOCK").exists()  # left by the killed command; stale
     (report,) = cli_json("migrate", pub)
-    assert report["rewritten"] == {"outgoing": 10, "incoming": 2, "deadletters": 2}  # the rest only
+    assert report["rewritten"] == {**before, "outgoing": before["outgoing"] - 12}  # the rest only
+    assert records(pub) == want
+    assert cli("check", pub).returncode == 0
+
+
+# --- check --repair of a format-2 store ---------------------------------------------------------
+
+
+def test_check_repair_upgrades_a_format_2_store_first_and_drops_nothing(old, tmp_path):
+    want = reference(old, tmp_path)
+    pub = old.dirs["pub"]
+    n = sum(format2_records(records(pub)).values())
+    rows = cli_json("check", pub, "--repair")
+    assert [(r["keyspace"], r["key"], r["action"]) for r in rows] == [
+        ("meta", "format", f"upgraded to format 3 ({n} records rewritten)")]
+    assert records(pub) == want
+    assert cli("check", pub).returncode == 0
+
+
+def test_a_format_2_store_whose_format_record_is_damaged_is_told_by_its_records_not_dropped(old, tmp_path):
+    want = reference(old, tmp_path)
+    pub = old.dirs["pub"]
+    n = sum(format2_records(records(pub)).values())
+    db = plyvel.DB(str(pub / "store"))
+    db.put(b"m/format", b"\xff junk")
+    db.close()
+    checked = cli("check", pub, "--json")
+    assert checked.returncode == 4, checked.stdout + checked.stderr
+    assert [json.loads(line)["problem"] for line in checked.stdout.splitlines()] == [
+        "its format record is damaged; its records are format 2's"]  # not 22 damaged messages
+    rows = cli_json("check", pub, "--repair")
+    assert [(r["key"], r["action"]) for r in rows] == [("format", f"upgraded to format 3 ({n} records rewritten)")]
     assert records(pub) == want
     assert cli("check", pub).returncode == 0
