@@ -21,7 +21,7 @@ from ..model.ids import IdGenerator
 from ..hooks.journal import Journal
 from ..model.letters import damaged_letter
 from ..model.stored import event
-from ..wire.protocol import KIND_NAMES, Kind
+from ..wire.protocol import Kind
 from ..store import FORMAT_VERSION, Store, schema
 from ..store.migrate import Upgrade, upgrade
 from .messages import outgoing_letters
@@ -192,8 +192,7 @@ def _journal_owed(store: Store, writer: "_Writer", peer: str | None, name: str, 
             data = store.get_outgoing(c.stream, key)
             if data is not None:
                 try:
-                    record = unpack_outgoing(data)
-                    ids, kind = record.ids, KIND_NAMES.get(record.kind, kind)
+                    ids = unpack_outgoing(data).ids
                 except Exception:  # noqa: BLE001 - damaged: named by its key
                     ids = None
             journal.record(writer.batch, [event(name, wall_ms(), key, topic, kind, c.peer, 0, why, ids)])
