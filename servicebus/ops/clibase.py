@@ -21,7 +21,7 @@ from . import admin as A
 from . import views as V
 from ..errors import LockedError, StoreError
 from ..store.lockfile import LOCK_NAME, DataDirLock, probe
-from ..store import Store
+from ..store import OlderFormatError, Store
 
 __all__ = ["app", "CliError", "EXIT_OK", "EXIT_USAGE", "EXIT_NO_DATADIR", "EXIT_LOCKED", "EXIT_CORRUPT",
            "EXIT_DENIED", "DATADIR", "JSON", "FULL", "LIMIT", "ALL"]
@@ -116,9 +116,9 @@ def _holding_lock(path: Path, command: str) -> Iterator[None]:
 
 
 @contextmanager
-def _offline_store(path: Path, *, writing: bool, command: str = "") -> Iterator[Store]:
+def _offline_store(path: Path, *, writing: bool, command: str = "", as_it_is: bool = False) -> Iterator[Store]:
     if writing:
-        with _holding_lock(path, command), _open_store(path) as store:
+        with _holding_lock(path, command), _open_store(path, as_it_is=as_it_is) as store:
             yield store
         return
     owner, alive = probe(path)
@@ -130,13 +130,19 @@ def _offline_store(path: Path, *, writing: bool, command: str = "") -> Iterator[
 
 
 @contextmanager
-def _open_store(path: Path) -> Iterator[Store]:
+def _open_store(path: Path, *, as_it_is: bool = False) -> Iterator[Store]:
+    """The data directory's store. A store written by an older version is refused with what
+    upgrades it (``servicebus migrate``): no command but that one rewrites a store's format,
+    and none reads one it does not know. ``as_it_is``: opened without checking its format or
+    its high-water mark (for ``migrate``, which checks them itself)."""
     if not os.access(path / "store", os.R_OK | os.W_OK | os.X_OK):
         # LevelDB writes its LOCK and LOG files even to read: told as what it is, not as
         # a store in use or a damaged one.
         raise _denied(path / "store", f"{path / 'store'} cannot be written (LevelDB needs to, even to read it)")
     try:
-        store = Store.open(path / "store", create=False)
+        store = Store.open(path / "store", create=False, check_format=not as_it_is, upgrade_old=False)
+    except OlderFormatError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     except StoreError as exc:
         raise CliError(f"{exc} (try: servicebus check --repair {path})", EXIT_CORRUPT) from None
     try:

@@ -1,6 +1,6 @@
-"""The ``servicebus`` commands that write: keygen, unlock, replay, purge, check [--repair],
-compact. Those that change a data directory refuse while a live process holds its lock, and
-hold the lock themselves while they work, so that no bus starts under them.
+"""The ``servicebus`` commands that write: keygen, unlock, migrate, replay, purge, check
+[--repair], compact. Those that change a data directory refuse while a live process holds
+its lock, and hold the lock themselves while they work, so that no bus starts under them.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from .clibase import DATADIR, EXIT_CORRUPT, EXIT_LOCKED, EXIT_NO_DATADIR, EXIT_U
 from .clibase import _datadir, _holding_lock, _offline_store, app
 from .clitable import emit as _emit, err, out, progress as _progress
 from .clitable import safe as _safe
-from ..store import MARK_NAME, Store
+from ..store import FORMAT_VERSION, MARK_NAME, Store
 from ..store.mark import MarkFile
+from ..store.migrate import upgrade
 
-__all__ = ["keygen", "unlock", "replay", "purge", "check", "compact"]
+__all__ = ["keygen", "unlock", "migrate", "replay", "purge", "check", "compact"]
 
 
 @app.command()
@@ -65,6 +66,36 @@ def unlock(datadir: Path = DATADIR,
                   "directory will corrupt delivery state")
     (datadir / LOCK_NAME).unlink(missing_ok=True)
     out.print(_safe(f"removed the lock of {owner.describe() if owner else 'an unknown owner'}"))
+
+
+# What each keyspace a migration rewrites holds, as its report names it.
+_REWRITTEN = {"outgoing": "outgoing messages", "incoming": "incoming messages", "deadletters": "dead letters",
+              "handled": "handled ids"}
+
+
+@app.command()
+def migrate(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
+    """Upgrade a stopped bus's store, written by an older version, to this version's
+    format (a bus does it when it opens); print what it rewrote. Safe to stop: the next
+    run (or the bus) finishes it."""
+    datadir = _datadir(datadir)
+    with _offline_store(datadir, writing=True, command="migrate", as_it_is=True) as store:
+        with _progress("migrating", None) as step:
+            done = M.migrate(store, step)
+    if as_json:
+        print(json.dumps({"datadir": str(datadir), "from": FORMAT_VERSION if done is None else done.version,
+                          "to": FORMAT_VERSION, "rewritten": {} if done is None else done.rewritten,
+                          "left": {} if done is None else done.left}))
+        return
+    if done is None:
+        out.print(_safe(f"{datadir}: already format {FORMAT_VERSION}; nothing to rewrite"))
+        return
+    counts = ", ".join(f"{n} {_REWRITTEN.get(k, k)}" for k, n in done.rewritten.items() if n) or "no records"
+    out.print(_safe(f"{datadir}: upgraded from format {done.version} to {done.target}: rewrote {counts}"))
+    if done.left:
+        left = ", ".join(f"{n} {_REWRITTEN.get(k, k)}" for k, n in done.left.items())
+        err.print(_safe(f"left as they were, reading as neither format: {left}; `servicebus check "
+                        f"{datadir}` lists them"))
 
 
 @app.command()
@@ -173,8 +204,11 @@ def _check(datadir: Path, repair: bool) -> list[R.Problem]:
             with _progress("reading the journal", None) as step:
                 return rows + R.lost_writes(store, datadir, step)
         store = Store.open(path, create=False, check_format=False)
+        rows = _older_format(store, datadir, repair)
+        if rows and not repair:
+            return rows  # its records are an older format's: checked once repair upgraded them
         with _progress("checking", None) as step:
-            rows = R.check(store, repair, step, datadir)
+            rows += R.check(store, repair, step, datadir)
         if repair and store.mark_behind() is not None:
             with _progress("reading the journal", None) as step:
                 rows += R.lost_writes(store, datadir, step)
@@ -192,6 +226,7 @@ def _check(datadir: Path, repair: bool) -> list[R.Problem]:
             owed = R.journal_owed(datadir, step)
         rows = R.repair_files(path)
         store = Store.open(path, create=False, check_format=False)
+        rows += _older_format(store, datadir, True)
         rows += R.check(store, True, None, datadir)
         if owed.events == 0:
             rows.append(R.Problem("*", "journal", "no delivery journal to compare the repaired store with",
@@ -202,6 +237,28 @@ def _check(datadir: Path, repair: bool) -> list[R.Problem]:
     finally:
         if store is not None and not store.closed:
             store.close()
+
+
+def _older_format(store: Store, datadir: Path, repair: bool) -> list[R.Problem]:
+    """A store written by an older version is checked in its own format's terms by no one:
+    this version's checks would take every message record of it for damage, and --repair
+    would drop them. So plain ``check`` refuses it (``servicebus migrate`` first), and
+    ``--repair`` upgrades it first (the migration leaves what is damaged as it is, for the
+    check after it to deal with); either tells it from its records when its format record
+    is damaged or missing."""
+    found = R.older_format(store)
+    if found is None:
+        return []
+    version, how = found
+    if not repair:
+        if how:  # the format record cannot say: a problem of the store's, which repair solves
+            return [R.Problem("meta", "format", f"{how}; its records are format {version}'s", "")]
+        raise CliError(f"store {store.path} has format {version}; this version reads {FORMAT_VERSION}: "
+                       f"`servicebus migrate {datadir}` upgrades it (a bus does so when it opens)", EXIT_USAGE)
+    with _progress("migrating", None) as step:
+        done = upgrade(store, version, FORMAT_VERSION, step)
+    return [R.Problem("meta", "format", how or f"format {version}, older than this version's",
+                      f"upgraded to format {FORMAT_VERSION} ({done.total} records rewritten)")]
 
 
 def _store_missing(datadir: Path) -> bool:

@@ -15,18 +15,21 @@ from pathlib import Path
 
 from ..model.clock import wall_ms
 from ..model.delivery import unpack_outgoing
-from ..model.segments import bodies_of
 from ..store.cursors import consumers
 from ..wire.protocol import KIND_NAMES
 from ..store import Store
-from .views import deadletter_row, incoming_messages, incoming_row, jsonable, letter_body, payload_of
+from .messages import bodies
+from .views import deadletter_row, incoming_messages, incoming_row, jsonable, letter_body, payload_of, shown_payload
 
 __all__ = ["export_rows", "export", "write_rows"]
 
 
 def export_rows(store: Store) -> Iterator[dict]:
     """Every stored message and delivery state, one JSON-able object each. Message rows
-    carry ``payload`` (decoded) and ``body`` (the exact msgpack bytes, base64)."""
+    carry ``payload`` (decoded) and ``body`` (the exact msgpack bytes, base64): one row
+    per message, with the ``segment`` it is stored in (its key, which delivery states'
+    ``floor`` and ``acked`` name). A segment whose payloads do not read gives each of its
+    ids a row whose ``body`` is the segment's payload bytes as stored."""
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     node = store.get_meta("node")
     yield {"type": "meta", "node_id": node.decode() if node else None}
@@ -43,11 +46,12 @@ def export_rows(store: Store) -> Iterator[dict]:
             chunk = store.iter_stream(stream, after=after, limit=1000)
             for key, data in chunk:
                 out = unpack_outgoing(data)
-                for mid, body in zip(out.ids, bodies_of(out.blob)):  # a segment: one row per message
+                for mid, body in zip(out.ids, bodies(out.ids, out.blob)):  # a segment: one row per message
                     yield {"type": "outgoing", "stream": stream, "id": mid, "segment": key,
                            "kind": KIND_NAMES.get(out.kind), "topic": out.topic, "sent": out.sent,
                            "expires": out.expires, "correlation_id": out.correlation_id,
-                           "headers": jsonable(out.headers), "payload": payload_of(body), "body": b64(body)}
+                           "headers": jsonable(out.headers), "payload": shown_payload(body, out.blob),
+                           "body": b64(out.blob if body is None else body)}
             if len(chunk) < 1000:
                 break
             after = chunk[-1][0]
@@ -55,7 +59,8 @@ def export_rows(store: Store) -> Iterator[dict]:
     for key, inc in store.incoming():
         for mid, body, runstate in incoming_messages(store, key, inc):
             row = incoming_row(mid, inc, runstate, now, body)
-            yield {"type": "incoming", **row, "segment": key, "sent": inc.sent, "body": b64(body)}
+            yield {"type": "incoming", **row, "segment": key, "sent": inc.sent,
+                   "body": b64(inc.blob if body is None else body)}
     for mid, reply in store.replies():
         yield {"type": "reply", "request_id": mid, "reply_to": reply.reply_to, "command": reply.command,
                "correlation_id": reply.correlation_id, "payload": payload_of(reply.body),

@@ -1,5 +1,5 @@
-"""Operations that change a stopped bus's data directory: replay, purge, check/repair,
-compact. The CLI refuses to run them while a live bus holds the lock.
+"""Operations that change a stopped bus's data directory: migrate, replay, purge,
+check/repair, compact. The CLI refuses to run them while a live bus holds the lock.
 
 Every change is written in batches that keep the keyspaces consistent (a dead letter is
 deleted in the same write that puts its message back), and reported row by row so an
@@ -12,17 +12,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+from ..errors import StoreError
 from ..model.clock import wall_ms
+from ..model.packer import pack
 from ..store.cursors import consumers
 from ..model.delivery import is_command_stream, pack_outgoing, stream_target, unpack_outgoing
 from ..model.ids import IdGenerator
 from ..hooks.journal import Journal
-from ..model.letters import outgoing_letter
+from ..model.letters import damaged_letter
 from ..model.stored import event
 from ..wire.protocol import Kind
-from ..store import Store
+from ..store import FORMAT_VERSION, Store, schema
+from ..store.migrate import Upgrade, upgrade
+from .messages import outgoing_letters
 
-__all__ = ["replay", "purge", "REPLAYABLE"]
+__all__ = ["migrate", "replay", "purge", "REPLAYABLE"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -49,7 +53,43 @@ class _Writer:
         self.store.write(self.batch, sync=True)
 
 
+# --- migrate -------------------------------------------------------------------------------
+
+
+def migrate(store: Store, progress: Progress = None) -> Upgrade | None:
+    """Upgrade a store (opened without its format checked) written by an older version;
+    None if it is in this version's format already. ``StoreError`` for one this version
+    cannot upgrade: a newer format, or none recorded in a store that holds records."""
+    store.check_mark()  # one that lost writes is repaired first: it says what it lost
+    version = store.meta("format")
+    if version is None:
+        if any(True for _ in store.records(verify=False)):
+            raise StoreError(f"store {store.path} has no format record; `servicebus check --repair` "
+                             "restores it")
+        version = FORMAT_VERSION
+    if version > FORMAT_VERSION:
+        raise StoreError(f"store {store.path} has format {version}, newer than this version's "
+                         f"({FORMAT_VERSION}): run the servicebus that wrote it")
+    if version == FORMAT_VERSION:
+        return None
+    return upgrade(store, version, FORMAT_VERSION, progress)
+
+
 # --- replay --------------------------------------------------------------------------------
+
+
+def _replayable(mid: str, rec: dict) -> str | None:
+    """Why a letter's message record cannot be put back as it is (None: it can). Letters
+    keep their message as a segment of one (format 3; ``servicebus migrate`` rewrites
+    older ones): anything else would go back as a record the bus cannot read."""
+    inner = "incoming" if rec.get("origin") == "incoming" else "outgoing"
+    try:
+        record = schema.VALUES[inner](pack(rec["record"]))
+    except Exception:  # noqa: BLE001 - msgpack and the checks raise many types on junk
+        return "its record is not a message this version reads; servicebus export shows what is left of it"
+    if record[-2] != [mid]:
+        return f"its record holds {record[-2]!r}, not this message alone"
+    return None
 
 
 def replay(store: Store, ids: list[str] | None, topic: str | None,
@@ -85,6 +125,8 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
         elif "record" not in rec:
             row.update(result="skipped", detail=f"its record is damaged ({rec.get('error')}); "
                                                 "servicebus export shows what is left of it")
+        elif origin in REPLAYABLE and (why := _replayable(mid, rec)) is not None:
+            row.update(result="skipped", detail=why)
         elif origin == "incoming":
             batch.put_incoming(mid, rec["record"])
             batch.delete_deadletter(mid)
@@ -136,27 +178,41 @@ def _journal(store: Store) -> Journal:
 
 def _journal_owed(store: Store, writer: "_Writer", peer: str | None, name: str, why: str) -> None:
     """Journal every message still owed to ``peer`` (every peer if None) as ended by an
-    operator: the audit counts it as ``event``, not as lost."""
+    operator: the audit counts it as ``event``, not as lost. One event per segment naming
+    its messages (``ids``), as the bus journals them; a segment whose record does not read
+    is named by its key alone."""
     journal = _journal(store)
     for c in consumers(store):
         if peer is not None and c.peer != peer:
             continue
         kind = "command" if is_command_stream(c.stream) else "event"
         topic = None if kind == "command" else stream_target(c.stream)
-        for mid in c.pending_ids(store):
-            journal.record(writer.batch, [event(name, wall_ms(), mid, topic, kind, c.peer, 0, why)])
+        for key in c.pending_ids(store):
+            ids: list[str] | None = None
+            data = store.get_outgoing(c.stream, key)
+            if data is not None:
+                try:
+                    ids = unpack_outgoing(data).ids
+                except Exception:  # noqa: BLE001 - damaged: named by its key
+                    ids = None
+            journal.record(writer.batch, [event(name, wall_ms(), key, topic, kind, c.peer, 0, why, ids)])
             writer.step()
 
 
+# Keyspaces whose records are segments: what purge counts of them is messages.
+_MESSAGES = ("outgoing", "incoming")
+
+
 def _delete_keyspaces(store: Store, names: tuple[str, ...], progress: Progress) -> dict[str, int]:
-    counts = {name: 0 for name in names}
+    counts = {name: store.count_messages(name) if name in _MESSAGES else 0 for name in names}
     writer = _Writer(store, progress)
     if "outgoing" in names:
         _journal_owed(store, writer, None, "dropped_at_sender", "purged")
     for name in names:
         for key in store.keys_in(name):
             writer.batch.delete_raw(key)
-            counts[name] += 1
+            if name not in _MESSAGES:
+                counts[name] += 1
             writer.step()
     writer.close()
     return counts
@@ -171,7 +227,9 @@ def purge(store: Store, *, outgoing: bool = False, incoming: bool = False,
     if outgoing:
         names += ("outgoing", "deliveries", "replies")
     if incoming:
-        names += ("incoming", "runstate")
+        # A segment's runs' progress goes with it: left alone, it would resume a segment
+        # received later under the same key from where this one's run stopped.
+        names += ("incoming", "runstate", "progress")
     if deadletters:
         names += ("deadletters",)
     if names:
@@ -183,23 +241,33 @@ def purge(store: Store, *, outgoing: bool = False, incoming: bool = False,
 
 def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[str, int]:
     """Forget a subscriber. What it was still owed becomes dead letters (reason
-    ``subscriber_removed``) rather than vanishing: they can be exported or inspected."""
+    ``subscriber_removed``) rather than vanishing: they can be exported or inspected. A dead
+    letter is one message's: each message of a segment it was owed becomes one (a segment
+    of one, as the bus makes them), and the journal names them all in one event."""
     mine = [c for c in consumers(store) if c.peer == address]
     writer = _Writer(store, progress)
     journal = _journal(store)
     moved = 0
     for c in mine:
-        for mid in c.pending_ids(store):
-            data = store.get_outgoing(c.stream, mid)
+        for key in c.pending_ids(store):
+            data = store.get_outgoing(c.stream, key)
             if data is None:
                 continue
-            rec = unpack_outgoing(data)
+            try:
+                rec = unpack_outgoing(data)
+            except Exception as exc:  # noqa: BLE001 - damaged: kept as its raw bytes, by its key
+                writer.batch.put_deadletter(key, damaged_letter(
+                    "outgoing", f"subscriber_removed: undecodable record ({type(exc).__name__})", data,
+                    address, c.stream))
+                moved += 1
+                writer.step()
+                continue
             kind = Kind(rec.kind).name.lower()
-            writer.batch.put_deadletter(mid, outgoing_letter("subscriber_removed", None, rec, address,
-                                                             c.stream))
-            journal.record(writer.batch, [event("deadlettered_at_sender", wall_ms(), mid, rec.topic, kind,
-                                                address, 0, "subscriber_removed")])
-            moved += 1
+            for mid, letter in outgoing_letters("subscriber_removed", rec, address, c.stream, data):
+                writer.batch.put_deadletter(mid, letter)
+                moved += 1
+            journal.record(writer.batch, [event("deadlettered_at_sender", wall_ms(), key, rec.topic, kind,
+                                                address, 0, "subscriber_removed", rec.ids)])
             writer.step()
         writer.batch.delete_delivery(c.peer, c.stream)
         if is_command_stream(c.stream):

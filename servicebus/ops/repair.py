@@ -4,7 +4,7 @@ what can be repaired, and say exactly what could not (DESIGN.md section 3, rule 
 Two levels of damage:
 
 - **Files** LevelDB cannot read (a missing ``CURRENT``, a truncated or bit-flipped table):
-  ``repair_files`` runs LevelDB's own repair, which rebuilds the store from every table
+  ``repair_files`` (lost.py) runs LevelDB's own repair, which rebuilds the store from every table
   and log entry it can still read and sets the rest aside in ``store/lost/``. What it could
   not read is found by comparing the delivery journal (segment files outside LevelDB: what
   this bus still owed, sent or received) with what the rebuilt store holds: those ids are
@@ -15,28 +15,42 @@ Two levels of damage:
   entry, the meta records) and drops what cannot be restored, reporting each as lost.
   Messages that no subscriber is owed any more become dead letters (``no_subscriber``),
   never silently deleted.
+
+Messages are stored by segment (model/segments.py, store format 3): a record of ``o/`` or
+``n/`` holds one or more messages under its first one's id (its key), cursors and acks go
+by key, a received segment's runs keep their progress in ``c/``, and a message split off
+from its segment goes on as a segment of one under its own id. What is lost is still said
+by message id: a damaged segment's row names its messages when their ids can be read, and
+the journal, which names a segment's messages in one event, is read as one event per id.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import msgpack
 
 from ..store import schema
 from ..model.delivery import (base_stream, command_stream, event_stream, group_peer, is_command_stream,
                                is_group_peer, stream_target, unpack_outgoing)
 from ..errors import CorruptRecordError
-from ..hooks.journal import FLUSH_CHUNK, ROLES
-from ..model.letters import outgoing_letter
-from ..model.stored import DeliveryRecord
+from ..hooks.journal import FLUSH_CHUNK
+from ..model.stored import Progress as RunProgress
 from ..store import FORMAT_VERSION, MARK_NAME, Store
-from ..store.keys import seq_name, split_pair, split_seq, split_stamped, stamped_name
+from ..store.keys import split_pair, split_seq, split_stamped, stamped_name
+from ..store.migrate import older_layout
 from ..model.clock import wall_ms
+from .lost import Owed, Problem, journal_owed, lost_in_repair, lost_writes, repair_files
+from .messages import outgoing_letters
 
-__all__ = ["Problem", "check", "repair_files", "journal_owed", "lost_in_repair", "lost_writes", "Owed"]
+# What a damaged store lost is found in lost.py; its names are re-exported here, where the
+# CLI and the tests have always found them.
+__all__ = ["Problem", "check", "repair_files", "journal_owed", "lost_in_repair", "lost_writes", "Owed",
+           "older_format"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -59,16 +73,14 @@ ON_UNDECODABLE = {
     "segments": "dropped (the segment's retention starts again)",
     "kv": "dropped: LOST (the service's state under this key is gone)",
     "outbox": "dropped: LOST (a command a handler sent is not sent)",
+    # Which of its segment's messages were done is no longer known: they run again (those
+    # a handler finished, a second time), none is lost.
+    "progress": "dropped (the segment's messages not split off run again from its first)",
     "meta": "restored",
 }
-
-
-@dataclass(frozen=True)
-class Problem:
-    keyspace: str
-    key: str
-    problem: str
-    action: str = ""  # what --repair did about it
+# Where a segment record of a keyspace keeps its messages' ids (delivery.OutgoingRecord,
+# stored.IncomingRecord): a damaged one's row names them when they can still be read.
+_IDS_AT = {"outgoing": 6, "incoming": 9}
 
 
 class _Fixes:
@@ -100,7 +112,9 @@ class _Seen:
     deliveries: dict[tuple[str, str], dict] = field(default_factory=dict)
     bad_subscriptions: list[tuple[str, str]] = field(default_factory=list)
     bad_deliveries: list[tuple[str, str]] = field(default_factory=list)
-    incoming: set[str] = field(default_factory=set)
+    incoming: dict[str, int] = field(default_factory=dict)  # segment key -> messages it holds
+    incoming_ids: set[str] = field(default_factory=set)  # every message of those segments
+    progress: list[tuple[str, bytes, Any]] = field(default_factory=list)  # (key, name, record)
     runstates: set[str] = field(default_factory=set)
     handled: dict[str, int] = field(default_factory=dict)
     index: list[tuple[int, str]] = field(default_factory=list)
@@ -147,7 +161,7 @@ def check(store: Store, repair: bool, progress: Progress = None,
                 continue
             else:
                 fix(lambda b, k=keyspace, m=name: b.delete_record(k, m))
-            report(keyspace, exc.key, detail, ON_UNDECODABLE[keyspace])
+            report(keyspace, exc.key, detail + _messages_of(keyspace, value), ON_UNDECODABLE[keyspace])
             continue
         _collect(seen, keyspace, name, record)
     _cross_check(store, seen, report, fix, datadir)
@@ -163,34 +177,40 @@ def check(store: Store, repair: bool, progress: Progress = None,
     return problems
 
 
-def lost_writes(store: Store, datadir: Path, progress: Progress = None) -> list[Problem]:
-    """After a store lost writes it had made durable (its mark is behind, or it is gone):
-    every message the journal says was owed and the store no longer holds, then the store
-    is accepted as it is (its mark catches up)."""
-    rows = lost_in_repair(store, journal_owed(datadir, progress))
-    if not (datadir / "journal").is_dir():
-        rows.append(Problem("*", "journal", "no delivery journal to compare the store with",
-                            "the messages lost cannot be listed by id"))
-    store.accept_marks()
-    return rows
+def _messages_of(keyspace: str, value: bytes) -> str:
+    """For a damaged segment record: the ids of the messages it held, if they still read
+    (what is lost with it, by id); else nothing."""
+    at = _IDS_AT.get(keyspace)
+    if at is None:
+        return ""
+    try:
+        ids = msgpack.unpackb(value, raw=False, strict_map_key=False)[at]
+    except Exception:  # noqa: BLE001 - damaged beyond that
+        return ""
+    if type(ids) is not list or not ids or not all(type(i) is str for i in ids):
+        return ""
+    return f"; its message{'s' if len(ids) > 1 else ''}: {', '.join(ids)}"
 
 
-def _collect(seen: _Seen, keyspace: str, name: bytes, record: object) -> None:
+def _collect(seen: _Seen, keyspace: str, name: bytes, record: Any) -> None:
     """Note a record that decoded (``name``: its key without the keyspace's prefix)."""
     if keyspace == "subscriptions":
-        seen.subscriptions[split_pair(name)] = record  # type: ignore[assignment]
+        seen.subscriptions[split_pair(name)] = record
     elif keyspace == "deliveries":
-        seen.deliveries[split_pair(name)] = record  # type: ignore[assignment]
+        seen.deliveries[split_pair(name)] = record
     elif keyspace == "incoming":
-        seen.incoming.add(name.decode())
+        seen.incoming[name.decode()] = len(record[9])
+        seen.incoming_ids.update(record[9])
+    elif keyspace == "progress":
+        seen.progress.append((split_pair(name)[0], name, record))
     elif keyspace == "runstate":
         seen.runstates.add(name.decode())
     elif keyspace == "handled":
-        seen.handled[name.decode()] = record  # type: ignore[assignment]
+        seen.handled[name.decode()] = record
     elif keyspace == "handled_index":
         seen.index.append(split_stamped(name))
     elif keyspace == "publish_keys":
-        seen.publish_keys[name.decode()] = (record[0], record[1])  # type: ignore[index]
+        seen.publish_keys[name.decode()] = (record[0], record[1])
     elif keyspace == "publish_keys_index":
         seen.publish_index.append(split_stamped(name))
     elif keyspace == "outgoing":
@@ -202,9 +222,12 @@ def _collect(seen: _Seen, keyspace: str, name: bytes, record: object) -> None:
 
 
 def _cross_check(store: Store, seen: _Seen, report: Callable, fix: _Fixes, datadir: Path | None) -> None:
-    for mid in sorted(seen.runstates - seen.incoming):
+    # A run state is a message's: of a segment (its key), or of one message in a segment
+    # (one of several handlers finished it, or an ordered segment is retried at it).
+    for mid in sorted(seen.runstates - seen.incoming_ids - set(seen.incoming)):
         report("runstate", mid, "run state of a message that is not stored", "dropped")
         fix(lambda b, m=mid: b.delete_record("runstate", m))
+    _check_progress(seen, report, fix)
 
     # Subscriptions and their delivery states determine each other. A subscription to a
     # topic has a state per level of its stream ("e:<topic>", "e:<topic> 3": delivery.py),
@@ -286,17 +309,54 @@ def _since(seen: _Seen, peer: str, topic: str) -> str:
                 if t == topic and r.get("group") and group_peer(r["group"]) == peer), default="")
 
 
+def _check_progress(seen: _Seen, report: Callable, fix: _Fixes) -> None:
+    """A segment's progress (``c/<key>\\0<start>``) belongs to a stored segment and names
+    indices of its messages: the run from ``start`` finished those before ``next``, but
+    ``skipped`` ones (split off or dead letters), and ``next`` is at most its end (there:
+    all finished, the segment not yet taken out, which the bus does at its next start)."""
+    for key, name, record in seen.progress:
+        shown = f"{key} {split_pair(name)[1]}"
+        count = seen.incoming.get(key)
+        if count is None:
+            report("progress", shown, "progress of a segment that is not stored", "dropped")
+            fix(lambda b, n=name: b.delete_record("progress", n))
+            continue
+        try:
+            start = int(split_pair(name)[1])
+        except ValueError:
+            start = -1
+        nxt, started, skipped = RunProgress._make(record)
+        if not 0 <= start < count:
+            report("progress", shown, f"its start is not a message of its segment of {count}", "dropped")
+            fix(lambda b, n=name: b.delete_record("progress", n))
+            continue
+        kept = sorted({i for i in skipped if start <= i < min(nxt, count)})
+        if nxt <= count and kept == skipped:
+            continue
+        fixed = RunProgress(min(nxt, count), started, kept)
+        report("progress", shown, f"indices past its segment of {count} messages (next {nxt}, skipped "
+               f"{skipped})", f"kept within it (next {fixed.next}, skipped {fixed.skipped})")
+        fix(lambda b, k=key, s=start, r=fixed: b.put_progress(k, s, r))
+
+
 def _orphans_to_deadletters(store: Store, stream: str, fix: _Fixes) -> None:
+    """Each message of each segment of ``stream`` becomes a dead letter of its own (a
+    segment of one, as the bus makes them), in the write that deletes the segment."""
     after = None
     while True:
         chunk = store.iter_stream(stream, after=after, limit=1000)
-        for mid, data in chunk:
+        for key, data in chunk:
             try:
                 rec = unpack_outgoing(data)
             except Exception:  # noqa: BLE001 - already reported by the scan
                 continue
-            letter = outgoing_letter("no_subscriber", None, rec, None, stream)
-            fix(lambda b, m=mid, r=letter: (b.put_deadletter(m, r), b.delete_outgoing(stream, m)))
+            letters = outgoing_letters("no_subscriber", rec, None, stream, data)
+
+            def move(b: Any, k: str = key, ls: list = letters) -> None:
+                for mid, letter in ls:
+                    b.put_deadletter(mid, letter)
+                b.delete_outgoing(stream, k)
+            fix(move)
         if len(chunk) < 1000:
             return
         after = chunk[-1][0]
@@ -336,107 +396,19 @@ def _last_segment_seq(datadir: Path | None) -> int:
     return max(firsts) + FLUSH_CHUNK if firsts else 0
 
 
-# --- damaged files ---------------------------------------------------------------------------
-
-
-@dataclass
-class Owed:
-    """What the journal says this bus still owed: sent and not acknowledged (id -> peers,
-    with the stream), received and not handled (ids)."""
-
-    sent: dict[tuple[str, str], str] = field(default_factory=dict)  # (id, peer) -> stream
-    received: set[str] = field(default_factory=set)
-    events: int = 0
-
-
-def _apply(owed: Owed, event: str, role: str, mid: str, topic: str | None, kind: str, peer: str) -> None:
-    owed.events += 1
-    if role == "sender":
-        if event == "published":
-            stream = event_stream(topic or "") if kind == "event" else command_stream(peer)
-            owed.sent[(mid, peer)] = stream
-        elif event in ("acked", "expired"):
-            owed.sent.pop((mid, peer), None)
-    elif event in ("received", "replayed"):
-        owed.received.add(mid)
-    elif event in ("handled", "deadlettered", "expired"):
-        owed.received.discard(mid)
-
-
-def journal_owed(datadir: Path, progress: Progress = None) -> Owed:
-    """Replay the journal's segment files (outside LevelDB, so they survive damage to it)."""
-    owed = Owed()
-    journal = datadir / "journal"
-    for path in sorted(journal.glob("*.jsonl")) if journal.is_dir() else ():
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    e = json.loads(line)
-                    _apply(owed, e["event"], e["role"], e["id"], e.get("topic"), e["kind"], e["peer"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line: the segment was being written
-        if progress:
-            progress(owed.events)
-    return owed
-
-
-def _add_stored_journal(owed: Owed, store: Store) -> None:
-    """Events the store still held (not yet moved to segments when the damage happened)."""
-    for _seq, packed in store.journal_records(1 << 62, 1 << 62):
-        try:
-            # The name only goes into the error, which is dropped here.
-            events = schema.decode_record("journal", seq_name(0), packed)
-        except CorruptRecordError:
-            continue
-        for name, _ts, mid, topic, kind, peer, _attempt, _error in events:
-            event, role = ROLES.get(name, (name, "sender"))
-            _apply(owed, event, role, mid, topic, kind, peer)
-
-
-def repair_files(store_path: Path) -> list[Problem]:
-    """LevelDB's repair; returns what it says about it (files it set aside)."""
-    lost_dir = store_path / "lost"
-    before = set(os.listdir(lost_dir)) if lost_dir.is_dir() else set()
-    Store.repair(store_path)
-    after = set(os.listdir(lost_dir)) if lost_dir.is_dir() else set()
-    rows = [Problem("*", "*", "LevelDB files damaged", "LevelDB repair rebuilt the store from what it could read")]
-    for name in sorted(after - before):
-        if name.endswith((".ldb", ".sst")):  # logs and old manifests are archived there too
-            rows.append(Problem("*", f"lost/{name}", "a table file LevelDB could not read",
-                                "set aside in store/lost/"))
-    return rows
-
-
-def lost_in_repair(store: Store, owed: Owed) -> list[Problem]:
-    """Messages the journal says were owed and the repaired store no longer holds."""
-    _add_stored_journal(owed, store)
-    # The journal names an event's topic, not its priority level: every level's stream
-    # and cursor is looked at. A group member's are the group's shared ones.
-    levels: dict[str, list[str]] = {}
-    for name in store.stream_names():
-        levels.setdefault(base_stream(name), []).append(name)
-    cursors: dict[tuple[str, str], list[DeliveryRecord]] = {}
-    for p, s, rec in store.deliveries():
-        cursors.setdefault((p, base_stream(s)), []).append(rec)
-    groups = {(sub, event_stream(topic)): group_peer(rec["group"])
-              for sub, topic, rec in store.subscriptions() if rec.get("group")}
-    rows = []
-    for (mid, peer), stream in sorted(owed.sent.items()):
-        if any(store.get_outgoing(s, mid) is not None for s in levels.get(stream, ())) or store.has_deadletter(mid):
-            continue
-        states = cursors.get((groups.get((peer, stream), peer), stream))
-        if not states:
-            rows.append(Problem("outgoing", mid, f"lost in repair, or dropped by an unsubscribe: owed to {peer} "
-                                "per the journal, not stored, and it has no subscription now", "reported"))
-            continue
-        passed = [(st.get("floor") or "") >= mid for st in states]
-        if all(passed) or any(mid in (st.get("acked") or ()) for st in states):
-            continue  # acknowledged, on whichever level (its "acked" event was lost with the damage)
-        rows.append(Problem("outgoing", mid, f"lost in repair: owed to {peer} on {stream}, no longer stored"
-                            + ("; or acknowledged, if it was on a priority level whose cursor has passed it "
-                               "(the journal does not say which)" if any(passed) else ""), "reported"))
-    for mid in sorted(owed.received):
-        if not store.seen(mid):
-            rows.append(Problem("incoming", mid, "lost in repair: received, not handled, no longer stored",
-                                "reported"))
-    return rows
+def older_format(store: Store, sample: int = 100) -> tuple[int, str] | None:
+    """(format, "" or how it was told) of a store written by an older version, else None.
+    Its format record says; where it is damaged or missing, the layout of its message
+    records does (a few of each keyspace that has them)."""
+    try:
+        version = store.meta("format")
+    except CorruptRecordError:
+        how = "its format record is damaged"
+    else:
+        if version is not None:
+            return (version, "") if version < FORMAT_VERSION else None
+        how = "it has no format record"
+    for keyspace in ("outgoing", "incoming", "deadletters"):
+        if any(older_layout(keyspace, key, value) for key, value in store.records_in(keyspace, sample)):
+            return 2, how
+    return None

@@ -18,6 +18,7 @@ import msgpack
 from ..model.clock import wall_ms
 from ..model.segments import bodies_of
 from ..model.delivery import is_command_stream, unpack_outgoing
+from .messages import bodies
 from ..model.ids import id_millis
 from ..store.cursors import ConsumerView, consumers
 from ..store.lockfile import probe
@@ -44,6 +45,7 @@ def jsonable(value: Any) -> Any:
 
 
 def payload_of(body: bytes) -> Any:
+    """A payload as JSON; one that does not decode, as its raw bytes."""
     try:
         return jsonable(msgpack.unpackb(body, raw=False, strict_map_key=False))
     except Exception:  # an undecodable body is shown raw rather than hiding the record
@@ -66,18 +68,28 @@ class Rows(list):
         self.total: int | None = len(self) if total == -1 else total
 
 
+def shown_payload(body: bytes | None, blob: bytes) -> Any:
+    """``payload_of`` a message's payload; where its segment's payloads do not read
+    (``body`` None), the segment's bytes as they are."""
+    if body is None:
+        return {"undecodable": base64.b64encode(blob).decode()}
+    return payload_of(body)
+
+
 def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    # Counts of messages, as ``Bus.status()`` gives them (store/status.py): a segment
+    # record holds one or more.
     now = wall_ms()
     pending_by: dict[str, int] = {}
     oldest: int | None = None
     for c in consumers(store):
-        n = 0
-        for mid in c.pending_ids(store):
-            if n == 0:
-                first = id_millis(mid)
-                oldest = first if oldest is None else min(oldest, first)
-            n += 1
-        pending_by[c.peer] = pending_by.get(c.peer, 0) + n
+        first_key = next(c.pending_ids(store), None)
+        if first_key is None:
+            pending_by.setdefault(c.peer, 0)
+            continue
+        first = id_millis(first_key)  # a segment's key is its first (oldest) message's id
+        oldest = first if oldest is None else min(oldest, first)
+        pending_by[c.peer] = pending_by.get(c.peer, 0) + c.pending_count(store)
     owner, alive = probe(datadir)
     node = store.get_meta("node")
     return [{
@@ -87,11 +99,11 @@ def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> l
         "subscriptions": store.count("subscriptions"),
         "intents": store.count("intents"),
         "intents_unconfirmed": sum(1 for _, _, r in store.intents() if not r.get("confirmed")),
-        "outgoing": store.count("outgoing"),
+        "outgoing": store.count_messages("outgoing"),
         "pending": sum(pending_by.values()),
         "pending_by_peer": pending_by,
         "oldest_pending_age_s": _age(oldest, now),
-        "incoming": store.count("incoming"),
+        "incoming": store.count_messages("incoming"),
         "deadletters": store.count("deadletters"),
         "handled": store.count("handled"),
         "replies_waiting": store.count("replies"),
@@ -117,7 +129,7 @@ def view_subscribers(store: Store, datadir: Path, args: dict, live: dict | None)
             row["commands"] = True
         elif c.topic not in row["topics"]:  # once, however many priority levels it has
             row["topics"].append(c.topic)
-        row["pending"] += sum(1 for _ in c.pending_ids(store))
+        row["pending"] += c.pending_count(store)  # messages, not segments
         if c.last_ack and (row["last_ack"] is None or c.last_ack > row["last_ack"]):
             row["last_ack"] = c.last_ack
     return list(rows.values())
@@ -147,8 +159,7 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
                 rec = unpack_outgoing(data)  # a segment: one row per message
                 if topic and rec.topic != topic:
                     continue
-                bodies = bodies_of(rec.blob)
-                for mid, body in zip(rec.ids, bodies):
+                for mid, body in zip(rec.ids, bodies(rec.ids, rec.blob)):
                     total += 1
                     if limit is not None and limit > 0 and len(rows) >= limit:
                         continue
@@ -158,7 +169,7 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
                         "attempts": max(c.attempts.get(key, 1) for c in owed),
                         "owed_by": [c.peer for c in owed],
                         "expires": rec.expires, "correlation_id": rec.correlation_id,
-                        "headers": jsonable(rec.headers), "payload": payload_of(body),
+                        "headers": jsonable(rec.headers), "payload": shown_payload(body, rec.blob),
                     })
             if len(chunk) < 1000:
                 break
@@ -167,26 +178,40 @@ def view_outgoing(store: Store, datadir: Path, args: dict, live: dict | None) ->
 
 
 def incoming_row(mid: str, rec: IncomingRecord, runstate: RunState | None, now: int,
-                 body: bytes) -> dict:
+                 body: bytes | None) -> dict:
     attempts, _done, last_error, next_ms = runstate or NO_RUNS
     return {
         "id": mid, "kind": KIND_NAMES.get(rec.kind, "?"), "topic": rec.topic, "sender": rec.sender,
         "reply_to": rec.reply_to, "age_s": _age(rec.sent, now), "attempts": attempts,
         "last_error": last_error, "next_attempt_ms": next_ms or None, "expires": rec.expires,
         "correlation_id": rec.correlation_id, "headers": jsonable(rec.headers),
-        "payload": payload_of(body),
+        "payload": shown_payload(body, rec.blob),
     }
 
 
-def incoming_messages(store: Store, key: str, rec: IncomingRecord) -> list[tuple[str, bytes, RunState | None]]:
-    """The messages of received segment ``key`` not handled yet: (id, payload, run state)."""
-    bodies = bodies_of(rec.blob)
+def incoming_messages(store: Store, key: str, rec: IncomingRecord
+                      ) -> list[tuple[str, bytes | None, RunState | None]]:
+    """The messages of received segment ``key`` not handled yet: (id, payload or None if
+    the segment's payloads do not read, run state).
+
+    A segment of several runs its messages in order and records how far it got (its
+    progress, ``c/``): those before ``next`` are done (handled, or split off to go on as
+    segments of their own, or dead letters: each listed where it is now). Message ``next``
+    has had ``started`` runs begun (a crash in one counts); a run state of its own, if it
+    has one, says its last error."""
+    found = bodies(rec.ids, rec.blob)
     if len(rec.ids) == 1:
-        return [(rec.ids[0], bodies[0], store.get_runstate(key))]
+        return [(rec.ids[0], found[0], store.get_runstate(key))]
     progress = store.progress(key).get(0)
-    start, skipped = (0, set()) if progress is None else (progress.next, set(progress.skipped))
-    return [(mid, body, store.get_runstate(mid)) for j, (mid, body) in enumerate(zip(rec.ids, bodies))
-            if j >= start and j not in skipped]
+    start, started = (0, 0) if progress is None else (progress.next, progress.started)
+    out: list[tuple[str, bytes | None, RunState | None]] = []
+    for j in range(start, len(rec.ids)):
+        mid = rec.ids[j]
+        state = store.get_runstate(mid)
+        if j == start and started:
+            state = (state or NO_RUNS)._replace(attempts=max(started, (state or NO_RUNS).attempts))
+        out.append((mid, found[j], state))
+    return out
 
 
 def view_incoming(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:

@@ -1,5 +1,8 @@
 """Delivery state as stored: every (peer, stream) cursor, and what each is still owed.
 
+Cursors go by segment key (model/segments.py): what a cursor owes is segments, each of one
+or more messages. ``pending_ids`` yields the keys; ``pending_count`` counts the messages.
+
 Read from the store alone, so at most a turn behind the engine. The operators' views
 (``ops/``), their maintenance commands and the metrics hook (``hooks/metrics.py``) all read
 it, which is why it lives in the store package rather than with any one of them.
@@ -30,10 +33,16 @@ class ConsumerView:
     def topic(self) -> str:
         return stream_target(self.stream)
 
-    def owes(self, message_id: str) -> bool:
-        return (self.floor is None or message_id > self.floor) and message_id not in self.acked
+    def owes(self, key: str) -> bool:
+        """Whether it still owes segment ``key`` (every message of it: a segment is acked whole)."""
+        return (self.floor is None or key > self.floor) and key not in self.acked
+
+    def pending_count(self, store: Store) -> int:
+        """Messages it is owed: those of every segment past its floor not acked."""
+        return store.count_stream(self.stream, after=self.floor, skip=self.acked)
 
     def pending_ids(self, store: Store, limit: int | None = None) -> Iterator[str]:
+        """The keys of the segments it is owed, in stream order."""
         after, batch = self.floor, 2000
         while True:
             ids = store.stream_ids(self.stream, after=after, limit=batch)
@@ -71,7 +80,8 @@ def consumers(store: Store) -> list[ConsumerView]:
 
 def oldest_pending(store: Store) -> dict[str, int]:
     """Subscriber (or address) -> the time (ms, from its id) of the oldest message it is
-    owed. Reads the stored cursors: at most a turn behind the engine."""
+    owed (a segment's first message is its oldest: its key is that one's id). Reads the
+    stored cursors: at most a turn behind the engine."""
     out: dict[str, int] = {}
     for c in consumers(store):
         first = next(c.pending_ids(store), None)

@@ -23,9 +23,18 @@ from .mark import MARK_NAME, MarkFile
 from .migrate import upgrade
 from .reads import Reads
 
-__all__ = ["Store"]
+__all__ = ["Store", "OlderFormatError"]
 
 log = logging.getLogger("servicebus")
+
+
+class OlderFormatError(StoreError):
+    """The store is in an older format, and ``Store.open(upgrade_old=False)`` was asked not
+    to upgrade it (the operators' tools: only ``servicebus migrate`` and a bus upgrade)."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 class Store(Reads):
@@ -121,9 +130,9 @@ class Store(Reads):
                 store.write(batch, sync=True)
             elif version in (1, 2):
                 if not upgrade_old:
-                    raise StoreError(f"store {path} has format {version}; this version reads "
-                                     f"{FORMAT_VERSION}: `servicebus migrate {path.parent}` upgrades it "
-                                     "(a bus does so when it opens)")
+                    raise OlderFormatError(f"store {path} has format {version}; this version reads "
+                                           f"{FORMAT_VERSION}: `servicebus migrate {path.parent}` upgrades "
+                                           "it (a bus does so when it opens)", version)
                 upgrade(store, version, FORMAT_VERSION)
             elif version != FORMAT_VERSION:
                 raise StoreError(f"store {path} has format {version}; this version reads "

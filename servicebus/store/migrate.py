@@ -17,21 +17,45 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from ..model.packer import pack
+from .schema import VALUES, decode
 from .keys import SEP, _H, _N, _O, _X
+from .reads import Reads
 
-# ``store`` below is the Store (db.py, which calls in here at open: not imported back).
-Store = Any
+# The store's reads and writes, typed by what db.Store inherits (not db itself, which
+# imports this module: a type-only import back would tie the two in a circle).
+Store = Reads
 
-__all__ = ["upgrade", "CHUNK"]
+__all__ = ["upgrade", "Upgrade", "CHUNK", "older_layout"]
 
 log = logging.getLogger("servicebus")
 
 CHUNK = 5_000  # records rewritten per synced write
+
+
+@dataclass
+class Upgrade:
+    """What an upgrade did, by keyspace: records ``rewritten`` in the new layout, and those
+    ``left`` as they were because they read as neither layout (damaged: ``servicebus check``
+    lists them, ``--repair`` drops them). Records already in the new layout (a migration
+    stopped half way, finished now) are in neither."""
+
+    version: int
+    target: int
+    rewritten: dict[str, int] = field(default_factory=dict)
+    left: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.rewritten.values())
+
+    def _count(self, into: dict[str, int], keyspace: str) -> None:
+        into[keyspace] = into.get(keyspace, 0) + 1
 
 
 def _unpack(data: bytes) -> Any:
@@ -39,19 +63,22 @@ def _unpack(data: bytes) -> Any:
 
 
 def upgrade(store: Store, version: int, target: int,
-            progress: Callable[[int], None] | None = None) -> int:
-    """Bring ``store`` from ``version`` to ``target``; returns records rewritten."""
-    done = 0
+            progress: Callable[[int], None] | None = None) -> Upgrade:
+    """Bring ``store`` from ``version`` to ``target``; returns what it rewrote."""
+    done = Upgrade(version, target)
     if version < 2:
-        done += _handled_by_time(store, progress)
+        done.rewritten["handled"] = _handled_by_time(store, progress)
     if version < 3:
-        done += _segments_of_one(store, progress)
+        _segments_of_one(store, progress, done)
     batch = store.batch()
     batch.put_meta("format", str(target).encode())
     store.write(batch, sync=True)
-    if done:
+    if done.total:
         log.info("store %s upgraded from format %d to %d (%d records rewritten)", store.path,
-                 version, target, done)
+                 version, target, done.total)
+    if done.left:
+        log.error("store %s: %d records read as neither format %d nor %d and were left as they are: "
+                  "`servicebus check` lists them", store.path, sum(done.left.values()), version, target)
     return done
 
 
@@ -102,25 +129,58 @@ def _letter(letter: Any, message_id: str) -> Any:
     return None if new is None else {**letter, "record": new}
 
 
-def _segments_of_one(store: Store, progress: Callable[[int], None] | None) -> int:
+def _current(keyspace: str, key: bytes, value: bytes) -> bool:
+    """Whether a record reads in this version's layout (a dead letter's message record
+    too): one a stopped migration rewrote already."""
+    try:
+        letter = decode(keyspace, key, value)
+        if keyspace == "deadletters" and "record" in letter:
+            inner = "incoming" if letter.get("origin") == "incoming" else "outgoing"
+            VALUES[inner](pack(letter["record"]))  # a letter's record has no key of its own
+    except Exception:  # noqa: BLE001 - CorruptRecordError, and msgpack's errors on junk
+        return False
+    return True
+
+
+def older_layout(keyspace: str, key: bytes, value: bytes) -> bool:
+    """Whether a record of ``outgoing``, ``incoming`` or ``deadletters`` is in format 2's
+    layout (``servicebus check`` of a store whose format record is damaged or missing must
+    not take those for damage and drop them)."""
+    prefix, convert = {"outgoing": (_O, _outgoing), "incoming": (_N, _incoming),
+                       "deadletters": (_X, _letter)}[keyspace]
+    try:
+        return convert(_unpack(value), _message_id(prefix, key)) is not None
+    except Exception:  # noqa: BLE001 - damaged
+        return False
+
+
+def _message_id(prefix: bytes, key: bytes) -> str:
+    rest = key[len(prefix):]
+    return (rest.rpartition(SEP)[2] if prefix == _O else rest).decode("utf-8", "replace")
+
+
+def _segments_of_one(store: Store, progress: Callable[[int], None] | None, done: Upgrade) -> None:
     n = 0
     batch = store.batch()
-    for prefix, convert in ((_O, _outgoing), (_N, _incoming), (_X, _letter)):
+    for keyspace, prefix, convert in (("outgoing", _O, _outgoing), ("incoming", _N, _incoming),
+                                      ("deadletters", _X, _letter)):
         for key, value in store._iter(prefix):
-            rest = key[len(prefix):]
-            message_id = (rest.rpartition(SEP)[2] if prefix == _O else rest).decode("utf-8", "replace")
             try:
-                new = convert(_unpack(value), message_id)
+                new = convert(_unpack(value), _message_id(prefix, key))
             except Exception:  # noqa: BLE001 - damaged: left for `servicebus check` to report
                 new = None
             if new is None:
+                if not _current(keyspace, key, value):
+                    done._count(done.left, keyspace)
                 continue  # already format 3, or damaged (check reports it)
             batch.put_raw(key, pack(new))
+            done._count(done.rewritten, keyspace)
             n += 1
             if n % CHUNK == 0:
+                # Synced a chunk at a time: a migration stopped here is finished by the next
+                # open, which rewrites only what is still in the old layout.
                 store.write(batch, sync=True)
                 batch = store.batch()
                 if progress is not None:
                     progress(n)
     store.write(batch, sync=True)
-    return n

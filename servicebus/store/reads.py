@@ -69,6 +69,15 @@ class Reads:
             with self._db.iterator(prefix=KEYSPACES[keyspace], include_value=False) as it:
                 yield from it
 
+    def records_in(self, keyspace: str, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(raw key, raw value) of one keyspace, undecoded, at most ``limit``: for tools that
+        must look at records before knowing their layout (``servicebus check`` of a store
+        whose format record is damaged)."""
+        for n, item in enumerate(self._iter(KEYSPACES[keyspace])):
+            if limit is not None and n >= limit:
+                return
+            yield item
+
     def count(self, keyspace: str) -> int:
         prefix = KEYSPACES[keyspace]
         with self._op():

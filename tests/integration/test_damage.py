@@ -15,6 +15,7 @@ import plyvel
 import pytest
 
 from servicebus import Bus, StoreError
+from servicebus.model.delivery import unpack_outgoing
 from servicebus.store.lockfile import probe
 from servicebus.store import Store
 from servicebus.testing import free_address, wait_until
@@ -33,10 +34,12 @@ def compact(datadir: Path) -> None:
     db.close()
 
 
-def publisher_with_backlog(tmp_path, n=100, pad=0, sessions=1):
+def publisher_with_backlog(tmp_path, n=100, pad=0, sessions=1, each=False):
     """A stopped publisher owing ``n`` messages to a stopped subscriber; returns their
     addresses and the message ids. Each of ``sessions`` publishes its share and closes: the
-    next open turns that session's log into a table file of its own."""
+    next open turns that session's log into a table file of its own. A share is one
+    ``publish_many`` (stored as segments of many messages, model/segments.py), or with
+    ``each`` one ``publish`` per message (a segment of one each)."""
     pub = Bus(free_address(), tmp_path / "pub")
     sub = Bus(free_address(), tmp_path / "sub")
     sub.subscribe(pub.address, TOPIC, wait=10)
@@ -47,9 +50,16 @@ def publisher_with_backlog(tmp_path, n=100, pad=0, sessions=1):
             pub = Bus(address, tmp_path / "pub")
         # Random padding does not compress: each session's table holds its messages.
         share = range(session * n // sessions, (session + 1) * n // sessions)
-        ids += pub.publish_many(TOPIC, [{"n": i, "pad": os.urandom(pad)} for i in share])
+        payloads = [{"n": i, "pad": os.urandom(pad)} for i in share]
+        ids += [pub.publish(TOPIC, p) for p in payloads] if each else pub.publish_many(TOPIC, payloads)
         pub.close()
     return address, sub.address, ids
+
+
+def held(store: Store, stream: str) -> list[str]:
+    """The ids of the messages a stream's segments hold, in order (the stream's keys are
+    only each segment's first)."""
+    return [mid for _key, data in store.iter_stream(stream) for mid in unpack_outgoing(data).ids]
 
 
 def delivered_after_restart(tmp_path, pub_address, sub_address, expected: int) -> set[int]:
@@ -229,7 +239,7 @@ def test_repair_of_a_truncated_table_reports_by_id_what_it_could_not_recover(tmp
 
 
 def test_a_message_whose_stored_record_is_damaged_becomes_a_dead_letter_and_the_rest_go_out(tmp_path):
-    pub_address, sub_address, ids = publisher_with_backlog(tmp_path, n=20)
+    pub_address, sub_address, ids = publisher_with_backlog(tmp_path, n=20, each=True)
     db = plyvel.DB(str(tmp_path / "pub" / "store"))
     victim = next(k for k in db.iterator(prefix=b"o/", include_value=False) if k.endswith(ids[7].encode()))
     db.put(victim, b"\xc1 junk")
@@ -239,6 +249,33 @@ def test_a_message_whose_stored_record_is_damaged_becomes_a_dead_letter_and_the_
     listed = subprocess.run([CLI, "deadletters", tmp_path / "pub", "--json"], capture_output=True, text=True)
     (letter,) = [json.loads(line) for line in listed.stdout.splitlines()]
     assert letter["id"] == ids[7] and letter["reason"] == "damaged"
+
+
+def test_a_damaged_segment_of_several_messages_is_checked_and_repaired_naming_each_of_them(tmp_path):
+    """A record holds a whole publish's messages: damaged, it loses them all. check says which
+    by id (the ids still read where its payloads do not); repair drops it and keeps the rest."""
+    pub = Bus(free_address(), tmp_path / "pub")
+    sub = Bus(free_address(), tmp_path / "sub")
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    sub.close()
+    address, sub_address = pub.address, sub.address
+    pub.publish_many(TOPIC, [{"n": n} for n in range(3)])
+    second = pub.publish_many(TOPIC, [{"n": n} for n in range(3, 7)])
+    pub.close()
+    db = plyvel.DB(str(tmp_path / "pub" / "store"))
+    victim = b"o/e:" + TOPIC.encode() + b"\x00" + second[0].encode()
+    record = msgpack.unpackb(db.get(victim), raw=False)
+    record[7] = record[7][:-3]  # its payloads cut short: the ids still read
+    db.put(victim, msgpack.packb(record))
+    db.close()
+    found = cli("check", tmp_path / "pub", "--json")
+    assert found.returncode == 4, found.stdout + found.stderr
+    (row,) = [json.loads(line) for line in found.stdout.splitlines()]
+    assert row["keyspace"] == "outgoing" and row["problem"].endswith("its messages: " + ", ".join(second))
+    fixed = cli("check", tmp_path / "pub", "--repair", "--json")
+    assert fixed.returncode == 0 and "LOST" in json.loads(fixed.stdout.splitlines()[0])["action"]
+    assert cli("check", tmp_path / "pub").returncode == 0
+    assert delivered_after_restart(tmp_path, address, sub_address, 3) == {0, 1, 2}
 
 
 def test_a_damaged_journal_record_is_set_aside_and_the_journal_goes_on(tmp_path):
@@ -287,7 +324,7 @@ def test_a_store_whose_log_was_lost_or_cut_is_refused_and_repair_reports_every_l
     lost = {row["key"] for row in rows if row["problem"].startswith("lost")}
     store = Store.open(tmp_path / "pub" / "store", create=False)
     try:
-        kept = set(store.stream_ids("e:" + TOPIC))
+        kept = set(held(store, "e:" + TOPIC))
     finally:
         store.close()
     assert not kept & lost and kept | lost == set(ids), (
@@ -317,7 +354,7 @@ def test_repair_after_a_lost_log_reports_exactly_what_it_lost_of_a_topic_with_pr
     assert reported == set(lost), f"{len(reported & set(kept))} kept ones reported lost"
     store = Store.open(tmp_path / "pub" / "store", create=False)
     try:
-        assert store.stream_ids(f"e:{TOPIC} 3") == kept
+        assert held(store, f"e:{TOPIC} 3") == kept
     finally:
         store.close()
     assert cli("check", tmp_path / "pub").returncode == 0

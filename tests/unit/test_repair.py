@@ -1,12 +1,17 @@
-"""check/repair (ops/repair.py) on stores written by hand: what a stream's topic and a
-delivery state's owner are when the stream is a priority level ("e:<topic> 3") or the
-owner a subscriber group ("group:<name>")."""
+"""check/repair (ops/repair.py, ops/lost.py) on stores written by hand: what a stream's
+topic and a delivery state's owner are when the stream is a priority level ("e:<topic> 3")
+or the owner a subscriber group ("group:<name>"); and segments (store format 3): records
+holding several messages, the progress of their runs, messages split off, and the journal
+naming a segment's messages in one event."""
 
-import pytest
+import json
+
+import msgpack
 
 from servicebus.model.delivery import Kind, pack_outgoing
 from servicebus.model.segments import make_blob
-from servicebus.ops.repair import Owed, check, lost_in_repair
+from servicebus.model.stored import IncomingRecord, Progress, RunState
+from servicebus.ops.repair import ON_UNDECODABLE, Owed, check, journal_owed, lost_in_repair, older_format
 
 SUB, OTHER = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 
@@ -71,26 +76,6 @@ def test_a_groups_cursors_with_no_member_left_are_dropped_not_made_a_subscriber(
     assert problems(store) == set()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ops/repair.py _orphans_to_deadletters keeps a stored segment of several as ONE dead letter "
-    "under its key (its record with every id and the whole blob), where the bus keeps one per "
-    "message (core/expiry.py Expiry.letters; model/segments.py: a dead letter is a message taken "
-    "out of its segment, a segment of one under its own id): the segment's other messages "
-    "cannot be found or replayed by their ids, and ops/maintenance.py replay would store the "
-    "whole blob of such a letter under one new id (a record whose blob does not match its ids)"))
-def test_a_segment_of_several_with_no_subscriber_left_is_one_dead_letter_per_message(store):
-    b = store.batch()
-    b.put_delivery("group:g", "e:t", cursor("0001"))
-    b.put_outgoing("e:t", "0002", pack_outgoing(Kind.EVENT, "t", 1, ["0002", "0003", "0004"],
-                                                make_blob([b"\x01", b"\x02", b"\x03"])))
-    store.write(b, sync=True)
-    problems(store, repair=True)
-    letters = dict(store.deadletters())
-    assert sorted(letters) == ["0002", "0003", "0004"]
-    assert [(letters[m]["record"][6], letters[m]["record"][7]) for m in sorted(letters)] == [
-        (["0002"], make_blob([b"\x01"])), (["0003"], make_blob([b"\x02"])), (["0004"], make_blob([b"\x03"]))]
-
-
 def test_a_damaged_cursor_on_a_priority_level_restarts_from_its_subscription(store):
     write(store, [(SUB, "t", {"since": "0004"}), (OTHER, "t", {"since": "0002", "group": "g"}),
                   ("tcp://127.0.0.1:3", "t", {"since": "0003", "group": "g"})],
@@ -120,3 +105,146 @@ def test_a_missing_message_is_acknowledged_only_if_every_level_it_could_be_on_sa
           [(SUB, "e:t", cursor("0005")), (SUB, "e:t 3", cursor("0002", acked=["0006"]))])
     owed = Owed(sent={("0004", SUB): "e:t", ("0006", SUB): "e:t", ("0001", SUB): "e:t"})
     assert [p.key for p in lost_in_repair(store, owed)] == ["0004"]
+
+
+# --- store format 3: segments (model/segments.py) ---------------------------------------------
+
+IDS = [f"{n:024x}" for n in range(0xA0, 0xA4)]  # one segment of four: its key is IDS[0]
+
+
+def segment(store, ids=IDS, progress=None, runstates=()):
+    """A received segment of ``ids`` not handled yet, with its runs' progress and run states."""
+    b = store.batch()
+    b.put_incoming(ids[0], IncomingRecord(1, "t", "node", OTHER, 1, 1, None, None, None, list(ids),
+                                          make_blob([b"\x01"] * len(ids))))
+    if progress is not None:
+        b.put_progress(ids[0], 0, progress)
+    for mid in runstates:
+        b.put_runstate(mid, RunState(1, [], "ValueError: x", 0))
+    store.write(b, sync=True)
+
+
+def test_a_run_state_of_a_message_inside_a_segment_belongs_to_it(store):
+    # An ordered segment retried at its third message keeps that message's run state under
+    # its own id (handling/segmentrun.py): not the segment's key, not an orphan.
+    segment(store, progress=Progress(2, 1, []), runstates=[IDS[2]])
+    assert problems(store) == set()
+    b = store.batch()
+    b.put_runstate("f" * 24, RunState(1, [], None, 0))
+    store.write(b, sync=True)
+    assert problems(store) == {("runstate", "f" * 24, "run state of a message that is not stored")}
+
+
+def test_a_progress_record_whose_segment_is_gone_is_reported_and_repair_drops_it(store):
+    segment(store, progress=Progress(1, 1, []))
+    b = store.batch()
+    b.put_progress("e" * 24, 0, Progress(2, 1, [1]))  # its segment finished, the progress left
+    store.write(b, sync=True)
+    assert problems(store, repair=True) == {
+        ("progress", f"{'e' * 24} 00000", "progress of a segment that is not stored")}
+    assert store.progress("e" * 24) == {}
+    assert store.progress(IDS[0]) == {0: Progress(1, 1, [])}  # its own segment's is kept
+    assert problems(store) == set()
+
+
+def test_progress_indices_past_the_segment_are_reported_and_kept_within_it(store):
+    segment(store, progress=Progress(9, 1, [1, 7]))  # a segment of 4: next 9, skipped 7
+    (found,) = problems(store, repair=True)
+    assert found[:2] == ("progress", f"{IDS[0]} 00000") and "past its segment of 4" in found[2]
+    assert store.progress(IDS[0]) == {0: Progress(4, 1, [1])}
+    assert problems(store) == set()
+
+
+def test_a_damaged_progress_record_is_dropped_and_its_segment_kept(store):
+    segment(store, progress=Progress(1, 1, []))
+    b = store.batch()
+    b.put_raw(b"c/" + IDS[0].encode() + b"\x0000000", b"\xc1 junk")
+    store.write(b, sync=True)
+    (found,) = check(store, repair=True)
+    assert (found.keyspace, found.action) == ("progress", ON_UNDECODABLE["progress"])
+    assert store.progress(IDS[0]) == {} and store.get_incoming(IDS[0]).ids == IDS
+    assert problems(store) == set()
+
+
+def test_a_damaged_segment_record_is_reported_with_the_ids_of_the_messages_it_held(store):
+    b = store.batch()
+    # Its ids read, its payloads do not (three ids, two payloads): every one of them is lost.
+    b.put_raw(b"o/e:t\x00" + IDS[0].encode(), msgpack.packb([1, "t", 1, None, None, None, IDS[:3],
+                                                             make_blob([b"\x01", b"\x02"])]))
+    store.write(b, sync=True)
+    (found,) = check(store, repair=True)
+    assert found.keyspace == "outgoing" and found.key == f"e:t\x00{IDS[0]}"
+    assert found.problem.endswith(f"its messages: {IDS[0]}, {IDS[1]}, {IDS[2]}")
+    assert found.action.startswith("dropped: LOST")
+    assert store.stream_ids("e:t") == []
+
+
+def test_a_segment_no_subscriber_is_owed_becomes_a_dead_letter_per_message(store):
+    b = store.batch()
+    b.put_outgoing("e:gone", IDS[0], pack_outgoing(Kind.EVENT, "gone", 1, IDS[:3],
+                                                    make_blob([b"\x01", b"\x02", b"\x03"])))
+    store.write(b, sync=True)
+    assert problems(store, repair=True) == {("outgoing", "e:gone", "3 message(s) no subscriber is owed")}
+    letters = dict(store.deadletters())
+    assert sorted(letters) == IDS[:3] and store.stream_ids("e:gone") == []
+    for n, mid in enumerate(IDS[:3]):  # each a segment of one, as replay puts it back
+        assert letters[mid]["reason"] == "no_subscriber"
+        assert letters[mid]["record"][6:] == [[mid], make_blob([bytes([n + 1])])]
+    assert problems(store) == set()
+
+
+def test_journal_events_naming_a_segment_are_read_as_one_event_per_id(tmp_path):
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    line = {"role": "sender", "topic": "t", "kind": "event", "peer": SUB}
+    events = [{**line, "event": "published", "id": IDS[0], "ids": IDS},
+              {**line, "event": "acked", "id": IDS[0], "ids": IDS[:2]},
+              {**line, "event": "received", "role": "receiver", "id": IDS[2], "ids": IDS[2:]},
+              {**line, "event": "handled", "role": "receiver", "id": IDS[3]}]
+    (journal / "n-000000000001.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    owed = journal_owed(tmp_path)
+    assert sorted(owed.sent) == [(IDS[2], SUB), (IDS[3], SUB)]
+    assert owed.received == {IDS[2]} and owed.keys[IDS[3]] == IDS[2]
+
+
+def test_no_message_of_a_segment_still_stored_or_passed_by_its_cursor_is_reported_lost(store):
+    # The journal names every message of each segment; the store and the cursors know the
+    # segments by their keys: a message that is not a segment's first is found by its key.
+    later = [f"{n:024x}" for n in range(0xB0, 0xB3)]
+    write(store, [(SUB, "t", {"since": "0001"})], [(SUB, "e:t", cursor(IDS[0]))])
+    b = store.batch()
+    b.put_outgoing("e:t", later[0], pack_outgoing(Kind.EVENT, "t", 1, later, make_blob([b"\x01"] * 3)))
+    store.write(b, sync=True)
+    owed = Owed()
+    for ids in (IDS, later):  # IDS acked (the cursor's floor is its key), ``later`` stored
+        for mid in ids:
+            owed.sent[(mid, SUB)] = "e:t"
+            owed.keys[mid] = ids[0]
+    assert lost_in_repair(store, owed) == []
+    del owed.keys[later[1]]  # without its segment's key, it would be "lost"
+    b = store.batch()
+    b.delete_outgoing("e:t", later[0])
+    store.write(b, sync=True)
+    assert {p.key for p in lost_in_repair(store, owed)} == set(later)
+
+
+def test_received_messages_of_a_handled_segment_are_not_reported_lost(store):
+    b = store.batch()
+    b.put_handled(IDS[0], 5)  # the segment completed: its key is remembered
+    b.put_journal(1, msgpack.packb([["received", 1, IDS[0], "t", "event", SUB, 1, None, IDS],
+                                    ["received", 1, "c" * 24, "t", "event", SUB, 1, None]]))
+    store.write(b, sync=True)
+    assert [p.key for p in lost_in_repair(store, Owed())] == ["c" * 24]
+
+
+def test_a_store_of_an_older_format_is_told_by_its_records_when_its_format_record_is_damaged(store):
+    assert older_format(store) is None
+    b = store.batch()
+    b.put_raw(b"o/e:t\x00" + IDS[0].encode(), msgpack.packb([1, "t", 1, None, None, None, b"\x01"]))
+    b.put_meta("format", b"junk")
+    store.write(b, sync=True)
+    assert older_format(store) == (2, "its format record is damaged")
+    b = store.batch()
+    b.put_meta("format", b"2")
+    store.write(b, sync=True)
+    assert older_format(store) == (2, "")
