@@ -150,11 +150,11 @@ def test_migrating_again_changes_nothing_and_a_half_done_migration_is_finished(t
     try:
         before = raw(store)
         # o1 is format 3 already: the others (o2, i1, x1, x2) are rewritten, nothing else.
-        assert upgrade(store, 2, FORMAT_VERSION) == 4
+        assert upgrade(store, 2, FORMAT_VERSION).total == 4
         after = raw(store)
         assert {k for k in before if before[k] != after[k]} == {
             b"o/c:tcp://127.0.0.1:9\x00o2", b"n/i1", b"x/x1", b"x/x2"}
-        assert upgrade(store, 2, FORMAT_VERSION) == 0  # idempotent
+        assert upgrade(store, 2, FORMAT_VERSION).total == 0  # idempotent
         assert raw(store) == after
     finally:
         store.close()
