@@ -22,6 +22,9 @@ atomic. Keys (``\\0`` separates parts; topics and addresses cannot contain it)::
     y/<command id>                 replies of handled requests, not yet queued for sending
     j/<seq, 8 bytes>               delivery journal records not yet moved to segment files
     g/<segment file name>          when (bus-clock ms) a journal segment was written (retention)
+    p/<dedupe key>, q/<when><key>  publish(dedupe_key=): the id it made, and the same by time
+    v/<key>                        bus.kv / message.kv values
+    u/<handled id>\0<seq>          commands a handler sent, committed with its run (the outbox)
 
 Beside the store, ``DATADIR/store.hwm`` holds its high-water mark (``mark.py``): a store
 found holding less than it had made durable (a lost or cut log) is refused.
