@@ -10,6 +10,9 @@ per run, from what the processes wrote down (nothing is taken from the buses' wo
 
 - acknowledged: publishes that returned (the bus promised these);
 - handled: acknowledged messages a handler ran for;
+- handled, publish never returned: messages a handler ran for whose publish did not return
+  (its process was killed or lost its power while the fsync ran: the bus may send a message
+  during its fsync; README, Guarantees); not counted as lost or duplicated;
 - lost: acknowledged, never handled, not a dead letter and not reported lost by a repair;
 - duplicated: handled more than once, other than the one rerun the README documents (a
   handler whose process was killed with SIGKILL after it ran and before its completion
@@ -202,6 +205,7 @@ class Run:
     faults: int = 0
     acknowledged: int = 0
     handled: int = 0
+    unacknowledged_handled: int = 0  # handled, though its publish never returned (killed, power cut)
     lost: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     reruns_after_kill: int = 0
@@ -440,6 +444,7 @@ class Chaos:
         run = self.run
         run.acknowledged = len(acked)
         run.handled = sum(1 for mid in acked if mid in handlings)
+        run.unacknowledged_handled = len(set(handlings) - set(acked))
         for node in (self.pub, self.sub):
             listed = subprocess.run([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
                                     capture_output=True, text=True)
@@ -656,20 +661,21 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
 
 
 def table(runs: list[Run]) -> str:
-    head = ("fault", "injected", "acknowledged", "handled", "lost", "duplicated",
+    head = ("fault", "injected", "acknowledged", "handled", "handled, publish never returned", "lost", "duplicated",
             "reruns after kill -9", "reruns after power cut", "group handovers after kill -9", "out of order",
             "reported lost by repair", "state errors", "dead letters", "seconds")
     rows = []
     for r in runs:
         if r.skipped:
-            rows.append((r.kind, "skipped: " + r.skipped, "", "", "", "", "", "", "", "", "", "", "", ""))
+            rows.append((r.kind, "skipped: " + r.skipped, *[""] * (len(head) - 2)))
             continue
-        rows.append((r.kind, r.faults, r.acknowledged, r.handled, len(r.lost), len(r.duplicated),
+        rows.append((r.kind, r.faults, r.acknowledged, r.handled, r.unacknowledged_handled, len(r.lost), len(r.duplicated),
                      r.reruns_after_kill, r.reruns_after_power_cut, r.handovers_after_kill, r.out_of_order,
                      len(r.reported_lost), len(r.state_errors), len(r.deadletters), f"{r.seconds:.0f}"))
     done = [r for r in runs if not r.skipped]
     rows.append(("total", sum(r.faults for r in done), sum(r.acknowledged for r in done),
-                 sum(r.handled for r in done), sum(len(r.lost) for r in done),
+                 sum(r.handled for r in done), sum(r.unacknowledged_handled for r in done),
+                 sum(len(r.lost) for r in done),
                  sum(len(r.duplicated) for r in done), sum(r.reruns_after_kill for r in done),
                  sum(r.reruns_after_power_cut for r in done), sum(r.handovers_after_kill for r in done), sum(r.out_of_order for r in done),
                  sum(len(r.reported_lost) for r in done), sum(len(r.state_errors) for r in done),
