@@ -81,11 +81,11 @@ def test_a_clock_jumping_past_the_dedupe_window_does_not_make_a_resend_handled_t
     sub.start(env=env)
     for _ in range(2):  # a live answer comes from the engine loop: its first timers ran
         status = query_live(sub.datadir, "status", {})[0]
-    assert status["handled"] == 50
+    assert status["handled"] == 1  # the key of the one segment publish_many made, remembered
     pub = make_bus("pub", address)
     assert pub.drain(20), "the resends were not acknowledged"
     assert sub.done_counts() == Counter({n: 1 for n in range(50)})
-    assert query_live(sub.datadir, "status", {})[0]["handled"] == 50
+    assert query_live(sub.datadir, "status", {})[0]["handled"] == 1
 
 
 @pytest.mark.parametrize("offset, expires", [("-1h", False), ("+1h", True)])

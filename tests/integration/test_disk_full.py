@@ -60,7 +60,9 @@ def test_publish_on_a_full_disk_raises_and_the_bus_resumes_by_itself_when_space_
     returned += pub.publish_many(TOPIC, [{"n": n} for n in range(20_000, 20_100)])
     expected = set(range(100)) | set(range(100, failed_at)) | set(range(20_000, 20_100))
     wait_until(lambda: set(got) >= expected, 20, message=lambda: f"{len(set(got) & expected)} of {len(expected)}")
-    assert set(got) == expected and set(got.values()) == {1}
+    # The publish that raised may still be delivered (README, Guarantees: its write reached
+    # LevelDB, and the engine may send it while the fsync runs; the fsync failed), once.
+    assert expected <= set(got) <= expected | {failed_at} and set(got.values()) == {1}
     assert pub.drain(10)
 
 
