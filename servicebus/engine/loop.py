@@ -214,13 +214,24 @@ class Engine(threading.Thread):
             self.hooks.events(batch, out.events)
         if not batch.sync and self.store.unsynced_for(now) >= SYNC_INTERVAL:
             batch.sync = True  # idle turns come every TICK (0.1 s): the bound holds when idle
+        handed = False
         if batch.ops or batch.sync:
             if out.handoff:
                 self.dispatcher.reserve([item.id for item in out.handoff])
             try:
-                self.store.write(batch, sync=batch.sync)
+                if batch.sync and out.handoff:
+                    # What was received is in LevelDB before a handler runs, and durable
+                    # before it is acked; the handlers may start while the fsync runs (their
+                    # writes queue behind it in LevelDB). A crash before the fsync ends
+                    # leaves it unacked: resent, run again (README: the rerun bound).
+                    self.store.write(batch, sync=False)
+                    handed = True
+                    self._hand_off(out.handoff)
+                    self.store.sync()
+                else:
+                    self.store.write(batch, sync=batch.sync)
             except StoreError as exc:
-                self._degrade(exc)  # nothing of this turn happened: no ack, no release
+                self._degrade(exc)  # nothing of this turn was released or acked
                 return
             if batch.sync:
                 self.fsyncs += 1
@@ -238,11 +249,8 @@ class Engine(threading.Thread):
             # Several callers were waiting on this commit: let them run and queue their next
             # call before the next turn, so that it commits them together (group commit).
             os.sched_yield()  # releases the GIL (see commit.py)
-        if done.handoff:
-            # Before the acks: a worker takes a while to wake up, the acks go meanwhile.
-            self.dispatcher.submit(done.handoff)
-            if self.hooks.handing_off:
-                self.hooks.handed_off(done.handoff)
+        if done.handoff and not handed:
+            self._hand_off(done.handoff)  # before the acks: a worker takes a while to wake up
         for ident, ids in done.acks.items():
             self.io.send_router(ident, P.encode_ack(ids))
 
@@ -261,6 +269,11 @@ class Engine(threading.Thread):
                 self.store.mark()  # what synced writes made durable, outside the store too
             except StoreError:
                 pass  # the store refuses writes now: the next turn degrades (as for any write)
+
+    def _hand_off(self, items: list[Any]) -> None:
+        self.dispatcher.submit(items)
+        if self.hooks.handing_off:
+            self.hooks.handed_off(items)
 
     def _swap_routes(self) -> None:
         """Hand the publishers the core's routes if it made new ones (model/routes.py)."""
@@ -288,7 +301,9 @@ class Engine(threading.Thread):
 
     def _degrade(self, exc: BaseException) -> None:
         """A write failed (a full disk, an I/O error). What this turn would have done did
-        not happen: nobody is released, nothing acked, nothing handed to handlers. Until
+        not happen: nobody is released, nothing acked (what was handed to the handlers
+        before a failed fsync is in LevelDB and runs as any stored message: if the reopen
+        finds it gone, the sender resends it, and the dedupe set knows it if it ran). Until
         the store can be written again the engine neither receives (peers see it down and
         keep their messages) nor sends; every RECOVER_INTERVAL it tries to reopen the
         store, then reloads its delivery state from it, exactly as after a restart."""
