@@ -197,6 +197,11 @@ class Journal(Hook):
                     os.close(dir_fd)
                 moved += lines
                 self._moved(name, seqs)
+                if len(seqs) < FLUSH_CHUNK:
+                    # Everything there was when this segment was read. What came since waits
+                    # for the next flush: under a steady stream this loop would otherwise go on
+                    # writing a segment of a few records, with three fsyncs, after every one.
+                    return moved
 
     def _pending(self) -> tuple[str, list[int]] | None:
         """The segment being moved when the bus stopped, if its delete did not happen."""

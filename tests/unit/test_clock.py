@@ -157,3 +157,32 @@ def test_journal_events_round_trip_through_a_segment(store, tmp_path):
     (segment,) = (tmp_path / "journal").glob("*.jsonl")
     line = segment.read_text()
     assert '"id":"000000000000000000000007"' in line and '"role":"sender"' in line
+
+
+def test_a_flush_under_a_steady_stream_moves_what_was_there_and_leaves_the_rest_for_the_next(
+        store, tmp_path, monkeypatch):
+    """Records keep coming while a flush runs (a bus under load): it must not go on writing a
+    segment of the few that came meanwhile, with its three fsyncs, after every one."""
+    journal = Journal(store, tmp_path, "node", "tcp://127.0.0.1:9", clock=FakeClock())
+    for n in range(10):
+        batch = store.batch()
+        journal.record(batch, [("published", 1, f"{n:024x}", "t", "event", "tcp://127.0.0.1:1", 0, None)])
+        store.write(batch, sync=False)
+    write = store.write
+    more = iter(range(10, 60))
+
+    def write_while_the_stream_goes_on(batch, sync):
+        write(batch, sync=sync)
+        n = next(more, None) if sync else None
+        if n is not None:  # a record arrives during each of the flush's fsyncs
+            extra = store.batch()
+            journal.record(extra, [("published", 1, f"{n:024x}", "t", "event", "tcp://127.0.0.1:1", 0, None)])
+            write(extra, sync=False)
+
+    monkeypatch.setattr(store, "write", write_while_the_stream_goes_on)
+    journal.flush()
+    assert len(list((tmp_path / "journal").glob("*.jsonl"))) == 1
+    monkeypatch.undo()
+    journal.flush()  # the next flush takes the rest
+    lines = [line for p in (tmp_path / "journal").glob("*.jsonl") for line in p.read_text().splitlines()]
+    assert len(lines) == len({line for line in lines}) and store.journal_records(100, 1 << 20) == []
