@@ -5,7 +5,7 @@ import time
 from servicebus.model.clock import BusClock
 from servicebus.model.ids import IdGenerator, id_millis
 from servicebus.hooks.journal import Journal
-from servicebus.store import Store
+from servicebus.store import FORMAT_VERSION, Store
 from servicebus.testing import FakeClock
 
 
