@@ -67,6 +67,53 @@ def test_injected_faults_are_reported_exactly(spark, tmp_path):
     assert all(r["latency_p50_ms"] is not None for r in by_topic.values())
 
 
+def journal_counts(root: Path) -> tuple[int, int, int]:
+    """(lines, lines with ``ids``, events: one per message a line names) of the journals."""
+    lines = with_ids = events = 0
+    for path in root.rglob("*.jsonl"):
+        for text in path.read_text().splitlines():
+            ids = json.loads(text).get("ids")
+            lines += 1
+            with_ids += ids is not None
+            events += len(ids) if ids else 1
+    return lines, with_ids, events
+
+
+def test_a_segment_journaled_fleet_is_audited_per_message_exactly(spark, tmp_path):
+    # Store format 3: 100 messages per publish, each event about a segment one line naming
+    # them in "ids". Faults hit single messages inside segments (one lost, the rest of its
+    # line handled; a failed handler's message split off on lines of its own), so a line
+    # read as one event, or its "ids" ignored, would show as lost or miscounted messages.
+    faults = {"lost": 4, "duplicate": 3, "deadletter": 2, "in_flight": 3, "expired": 3, "retried": 2}
+    injected = write_journals(tmp_path / "fleet", messages=3000, receivers=2, rate=10, faults=faults,
+                              segment=100)
+    lines, with_ids, events = journal_counts(tmp_path / "fleet")
+    assert with_ids > 0 and lines < events / 20  # mostly lines of ~100 ids
+    out = tmp_path / "audit"
+    summary = job.run(spark, [str(tmp_path / "fleet")], str(out), grace_ms=60_000)
+    found = classes_of(spark, out)
+    assert found["lost"] == set(injected["lost"])
+    assert found["handled_more_than_once"] == set(injected["duplicate"])
+    assert found["deadlettered"] == set(injected["deadletter"]) | set(injected["expired"])
+    assert found["in_flight"] == set(injected["in_flight"])
+    assert set(injected["retried"]) <= found["handled"]
+    assert len(found["handled"]) == 6000 - sum(faults.values()) + faults["retried"]
+    assert summary["events"] == events  # each line counted once per message it names
+    assert summary["messages"] == 6000
+    assert summary["deadletter_reasons"] == {"ValueError: bad order": 2, "expired": 3}
+    assert summary["retries"] == 2 * 2 + 2  # two per dead letter, one per retried message
+    assert {(p["id"], p["receiver"]) for p in summary["problems"]["lost"]} == set(injected["lost"])
+
+    # The same fleet journaled one line per event (as before store format 3) is the same audit.
+    flat = write_journals(tmp_path / "flat", messages=3000, receivers=2, rate=10, faults=faults)
+    assert {k: set(v) for k, v in flat.items()} == {k: set(v) for k, v in injected.items()}
+    assert journal_counts(tmp_path / "flat")[1:] == (0, events)
+    summary_flat = job.run(spark, [str(tmp_path / "flat")], str(tmp_path / "audit-flat"), grace_ms=60_000)
+    assert classes_of(spark, tmp_path / "audit-flat") == found
+    for key in ("events", "classes", "retries", "attempts", "deadletter_reasons"):
+        assert summary_flat[key] == summary[key], key
+
+
 def test_a_grace_longer_than_the_run_makes_unreceived_messages_in_flight(spark, tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=500, rate=10, faults={"lost": 2})
     summary = job.run(spark, [str(tmp_path / "fleet")], str(tmp_path / "audit"),
