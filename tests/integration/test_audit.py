@@ -142,6 +142,46 @@ def test_real_buses_with_a_subscriber_killed_mid_run_lose_and_duplicate_nothing(
     assert summary["ok"]
 
 
+def test_real_buses_publishing_segments_journal_lines_with_ids_that_the_audit_reads(spark, make_bus, tmp_path):
+    # publish_many of 100: one segment per publish, journaled as lines naming its messages
+    # in "ids" on both buses. Some messages fail once: split off their segment, journaled
+    # on their own (handler_failed, retried, handled), the rest by the segment's "handled".
+    pub, sub = make_bus("pub"), make_bus("sub", retry_initial=0.01)
+    failed, handled = set(), []
+
+    def handle(payload, message):
+        if payload % 97 == 13 and payload not in failed:
+            failed.add(payload)
+            raise ValueError("once")
+        handled.append(payload)
+
+    sub.every(TOPIC, handle)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    for start in range(0, 1000, 100):
+        pub.publish_many(TOPIC, list(range(start, start + 100)))
+    wait_until(lambda: len(handled) == 1000, 30, message=lambda: f"{len(handled)} of 1000")
+    assert pub.drain(10) and sub.drain(10)
+    sub.close()  # each journal moves what it holds to its segment files at close
+    pub.close()
+    lines = {name: [json.loads(text) for path in (tmp_path / name / "journal").glob("*.jsonl")
+                    for text in path.read_text().splitlines()] for name in ("pub", "sub")}
+    for name, side in lines.items():
+        with_ids = [line for line in side if "ids" in line]
+        assert with_ids, f"no line of {name}'s journal names a segment's messages"
+        assert all(line["id"] == line["ids"][0] and len(line["ids"]) > 1 for line in with_ids)
+    assert {e["event"] for e in lines["pub"] if "ids" in e} >= {"published", "sent", "acked"}
+    assert {e["event"] for e in lines["sub"] if "ids" in e} >= {"received", "handled"}
+    published = [mid for e in lines["pub"] if e["event"] == "published" for mid in e.get("ids", [e["id"]])]
+    assert len(published) == len(set(published)) == 1000
+    events = sum(len(e.get("ids", [e["id"]])) for side in lines.values() for e in side)
+    summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
+    assert summary["events"] == events
+    assert summary["classes"]["handled"] == 1000, summary["classes"]
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
+    assert summary["retries"] == len(failed) == 11  # 13, 110, ..., 983
+    assert summary["ok"]
+
+
 def test_the_cli_prints_the_table_and_exits_1_naming_the_problem_ids(tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=2000, rate=10, faults={"lost": 1, "duplicate": 1})
     private_tmp = tmp_path / "tmp"  # where the JVM's own output goes: a new file, removed after
