@@ -18,6 +18,7 @@ from ..model.delivery import is_command_stream, pack_outgoing, stream_target, un
 from ..model.ids import IdGenerator
 from ..hooks.journal import Journal
 from ..model.letters import outgoing_letter
+from ..model.segments import bodies_of, make_blob
 from ..model.stored import event
 from ..wire.protocol import Kind
 from ..store import Store
@@ -144,8 +145,23 @@ def _journal_owed(store: Store, writer: "_Writer", peer: str | None, name: str, 
         kind = "command" if is_command_stream(c.stream) else "event"
         topic = None if kind == "command" else stream_target(c.stream)
         for mid in c.pending_ids(store):
-            journal.record(writer.batch, [event(name, wall_ms(), mid, topic, kind, c.peer, 0, why)])
+            # A segment's key names its first message only: the event names them all, or
+            # the audit would find the others never ended (lost).
+            journal.record(writer.batch, [event(name, wall_ms(), mid, topic, kind, c.peer, 0, why,
+                                                _segment_ids(store, c.stream, mid))])
             writer.step()
+
+
+def _segment_ids(store: Store, stream: str, key: str) -> list[str] | None:
+    """The message ids of the segment stored under ``key``; None if it is gone or damaged
+    (the event names the key alone, as before segments)."""
+    data = store.get_outgoing(stream, key)
+    if data is None:
+        return None
+    try:
+        return unpack_outgoing(data).ids
+    except Exception:  # noqa: BLE001 - damaged: check/repair says what it is
+        return None
 
 
 def _delete_keyspaces(store: Store, names: tuple[str, ...], progress: Progress) -> dict[str, int]:
@@ -195,11 +211,16 @@ def _remove_subscriber(store: Store, address: str, progress: Progress) -> dict[s
                 continue
             rec = unpack_outgoing(data)
             kind = Kind(rec.kind).name.lower()
-            writer.batch.put_deadletter(mid, outgoing_letter("subscriber_removed", None, rec, address,
-                                                             c.stream))
-            journal.record(writer.batch, [event("deadlettered_at_sender", wall_ms(), mid, rec.topic, kind,
-                                                address, 0, "subscriber_removed")])
-            moved += 1
+            # One dead letter per message, as the bus makes them (core/expiry.py): replay
+            # puts a letter back as a segment of one, and the listings count messages.
+            bodies = bodies_of(rec.blob) if len(rec.ids) > 1 else [None]
+            for mid_i, body in zip(rec.ids, bodies):
+                one = rec if body is None else rec._replace(ids=[mid_i], blob=make_blob([body]))
+                writer.batch.put_deadletter(mid_i, outgoing_letter("subscriber_removed", None, one, address,
+                                                                   c.stream))
+            journal.record(writer.batch, [event("deadlettered_at_sender", wall_ms(), rec.ids[0], rec.topic,
+                                                kind, address, 0, "subscriber_removed", rec.ids)])
+            moved += len(rec.ids)
             writer.step()
         writer.batch.delete_delivery(c.peer, c.stream)
         if is_command_stream(c.stream):
