@@ -6,6 +6,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
 
@@ -143,3 +145,28 @@ def test_every_way_a_message_stops_being_owed_is_journaled(tmp_path):
     assert {ended[(mid, leaving)]["error"] for mid in events_ids} == {"unsubscribed"}
     assert {ended[(mid, kept)]["event"] for mid in events_ids + commands} == {"deadlettered"}
     assert {ended[(mid, kept)]["error"] for mid in events_ids + commands} == {"subscriber_removed"}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug, left unfixed (store format 3, core): a segment whose first message is too large for "
+    "its receiver's max_payload is sent without it (core/expiry.py fit) but under its key, the "
+    "refused message's id; with one message left, event() drops ids of one, so sent, received "
+    "and handled are journaled for the refused message, and the handler is given the other "
+    "message under the refused one's id: the audit reports the delivered message lost"))
+def test_a_segment_cut_to_one_message_for_its_receiver_journals_and_hands_over_that_messages_id(make_bus):
+    pub = make_bus("pub", max_payload=100_000)
+    sub = make_bus("sub", max_payload=1000)
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append((m.id, p)))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    wait_until(lambda: any(p.up for p in pub.status().peers if p.address == sub.address), 10)  # its pong: max_payload
+    big, small = pub.publish_many(TOPIC, ["x" * 5000, "small"])
+    wait_until(lambda: got, 10)
+    assert pub.drain(5) and sub.drain(5)
+    pub.close()
+    sub.close()
+    assert got == [(small, "small")]
+    received = {e["id"] for e in journal_lines(sub.datadir) if e["event"] in ("received", "handled")}
+    assert received == {small}
+    sent = {e["id"] for e in journal_lines(pub.datadir) if e["event"] == "sent"}
+    assert sent == {small}
