@@ -27,6 +27,28 @@ _COMBINE = {
 }
 
 
+def one_per_message(events):
+    """The events, a line about several messages (``ids``) spread into one row per message:
+    the same columns but ``ids``, ``id`` the message's. Lines without ``event`` or message
+    are left out.
+
+    ``explode`` of the line's ``ids``, or of ``[id]`` for a line about one message (``ids``
+    null, absent, or an empty array, which no journal writes): in the JVM, inside the
+    scan's stage, before any shuffle; a Python UDF would ship every line to a Python
+    worker and back. ``id`` is filtered after the explode: an element of ``ids`` can be
+    null in a hand-written line. Events read without the column (an older schema) are each
+    about ``id``."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    ids = col("ids") if "ids" in events.columns else F.lit(None).cast("array<string>")
+    one_each = F.explode(F.coalesce(F.when(F.size(ids) > 0, ids), F.array(col("id"))))
+    return (events
+            .where(col("event").isNotNull())
+            .select(one_each.alias("id"), *[c for c in events.columns if c not in ("id", "ids")])
+            .where(col("id").isNotNull()))
+
+
 def partials(events):
     """One row per (message id, receiver): everything the classification needs.
 
@@ -42,18 +64,7 @@ def partials(events):
     is_ = lambda *names: col("event").isin(*names)  # noqa: E731
     count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
     sender_side = col("role") == "sender"
-    # One event per message a line names: ``explode`` of its ``ids``, or of ``[id]`` for a
-    # line about one message (``ids`` null, absent, or an empty array, which no journal
-    # writes). Done in the JVM, inside the scan's stage, before the one shuffle: a Python
-    # UDF would ship every line to a Python worker and back. ``id`` is filtered after the
-    # explode: an element of ``ids`` can be null in a hand-written line.
-    # (Events read by an older schema, without the column, are each about ``id``.)
-    ids = col("ids") if "ids" in events.columns else F.lit(None).cast("array<string>")
-    one_each = F.explode(F.coalesce(when(F.size(ids) > 0, ids), F.array(col("id"))))
-    e = (events
-         .where(col("event").isNotNull())
-         .select(one_each.alias("id"), *[c for c in events.columns if c not in ("id", "ids")])
-         .where(col("id").isNotNull())
+    e = (one_per_message(events)  # a line about a segment's messages: one event per message
          .withColumn("receiver", when(sender_side, col("peer")).otherwise(col("address")))
          .withColumn("sender", when(sender_side, col("address")).otherwise(col("peer")))
          .withColumn("deadletter_reason",
