@@ -8,8 +8,9 @@ PATH is a data directory, a folder of data directories, or any URI Spark reads (
 segments are found with the glob ``PATH/{journal,*/journal}/*.jsonl``).
 
 Every journal event belongs to one (message, receiver) pair: a sender-side event's
-receiver is its ``peer``, a receiver-side event's receiver is its ``address``. Each pair is
-classified, in this order:
+receiver is its ``peer``, a receiver-side event's receiver is its ``address``. A line with
+``ids`` (an event about a segment's messages, store format 3) is one event per id. Each
+pair is classified, in this order:
 
 - ``handled_more_than_once``: more than one ``handled`` event (a duplicate reached a handler)
 - ``handled``: exactly one

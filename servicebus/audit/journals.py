@@ -5,6 +5,12 @@ or any URI Spark reads; ``input_paths`` turns each into a glob of its segments (
 here for local paths, so that a typo fails before a JVM starts). ``read_events`` parses
 them with an explicit schema, the one pass over the input. ``segment_files`` lists the
 segments the globs match, for a checkpoint to know which ones it has read.
+
+A line is one event about the message ``id``, or (store format 3 and later) about every
+message of a segment: then ``ids`` names them all (``id`` is the first) and the line stands
+for one event per id, the same in every other field. reconcile.py spreads such lines out.
+A line whose ``ids`` is not an array is malformed, and dropped as any line that does not
+parse (the journal sets such a record aside instead of writing it).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 from .errors import AuditError
 
 SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
-          "kind STRING, peer STRING, attempt INT, role STRING, error STRING")
+          "kind STRING, peer STRING, attempt INT, role STRING, error STRING, ids ARRAY<STRING>")
 
 
 def input_paths(paths: list[str]) -> list[str]:

@@ -6,6 +6,10 @@ counts, attempts, the dead letter reason, each side's latest event). Those rows 
 partial aggregates that fold together (``combine``), which is what lets a checkpoint
 carry pairs from one run into the next. Each journal's "now" (``journal_clocks``) is
 taken from the pairs, so the events are read and shuffled once.
+
+A journal line about a segment names its messages in ``ids`` (journals.py): it is spread
+into one event per message before anything else, so that every later step is per message
+exactly as for a line about one.
 """
 
 from __future__ import annotations
@@ -23,6 +27,28 @@ _COMBINE = {
 }
 
 
+def one_per_message(events):
+    """The events, a line about several messages (``ids``) spread into one row per message:
+    the same columns but ``ids``, ``id`` the message's. Lines without ``event`` or message
+    are left out.
+
+    ``explode`` of the line's ``ids``, or of ``[id]`` for a line about one message (``ids``
+    null, absent, or an empty array, which no journal writes): in the JVM, inside the
+    scan's stage, before any shuffle; a Python UDF would ship every line to a Python
+    worker and back. ``id`` is filtered after the explode: an element of ``ids`` can be
+    null in a hand-written line. Events read without the column (an older schema) are each
+    about ``id``."""
+    from pyspark.sql import functions as F
+
+    col = F.col
+    ids = col("ids") if "ids" in events.columns else F.lit(None).cast("array<string>")
+    one_each = F.explode(F.coalesce(F.when(F.size(ids) > 0, ids), F.array(col("id"))))
+    return (events
+            .where(col("event").isNotNull())
+            .select(one_each.alias("id"), *[c for c in events.columns if c not in ("id", "ids")])
+            .where(col("id").isNotNull()))
+
+
 def partials(events):
     """One row per (message id, receiver): everything the classification needs.
 
@@ -38,8 +64,7 @@ def partials(events):
     is_ = lambda *names: col("event").isin(*names)  # noqa: E731
     count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
     sender_side = col("role") == "sender"
-    e = (events
-         .where(col("id").isNotNull() & col("event").isNotNull())
+    e = (one_per_message(events)  # a line about a segment's messages: one event per message
          .withColumn("receiver", when(sender_side, col("peer")).otherwise(col("address")))
          .withColumn("sender", when(sender_side, col("address")).otherwise(col("peer")))
          .withColumn("deadletter_reason",

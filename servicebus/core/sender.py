@@ -236,8 +236,8 @@ class Sender:
         s = self.s
         consumer.assign(mid, member.address)
         consumer.dirty = True
-        if old is not None:
-            s.counters["group_reassigned"] += 1
+        if old is not None:  # counted in messages, as the journal's dropped events are
+            s.counters["group_reassigned"] += len(record.ids)
         if s.events_on:
             ts = s.wall()
             if old is not None:

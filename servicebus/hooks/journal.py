@@ -1,6 +1,7 @@
 """The delivery journal: what happened to every message, as durable as the change itself.
 
-Each event is a tuple ``(event, ts_ms, message_id, topic, kind, peer, attempt, error)``.
+Each event is a tuple ``(event, ts_ms, message_id, topic, kind, peer, attempt, error, ids)``
+(model/stored.py's ``Event``; records written before store format 3 have no ``ids``).
 Events are written into the same atomic LevelDB batch as the state change they describe
 (one ``j/<seq>`` record holds all the events of one batch, so the cost is one key per
 engine turn, not one per event), and never fsynced on their own: they are exactly as
@@ -22,7 +23,10 @@ Segment lines are JSON objects with ``event, ts, node, address, id, topic, kind,
 attempt, role`` and ``error`` (absent when there is none): the audit job's input. ``role``
 says on which side of the delivery the event happened: ``sender`` (``peer`` is the
 receiver) or ``receiver`` (``peer`` is the sender); ``expired`` and ``replayed`` occur on
-either side.
+either side. An event about several messages (those of one stored segment: published,
+sent, acked, received, handled, a dead letter of several) is one line with ``ids``, the
+array of their ids (``id`` is the first): it stands for one event per id, the same in
+every other field, and the audit reads it so. A line without ``ids`` is about ``id`` alone.
 """
 
 from __future__ import annotations
@@ -169,7 +173,8 @@ class Journal(Hook):
                 return
 
     def flush(self) -> int:
-        """Move every journal record now in LevelDB to segment files; return events moved."""
+        """Move every journal record now in LevelDB to segment files; return events moved
+        (one per message a line names)."""
         moved = 0
         with self._flush_lock:
             pending = self._pending()
@@ -179,7 +184,7 @@ class Journal(Hook):
                 records = self.store.journal_records(FLUSH_CHUNK, FLUSH_BYTES)
                 if not records:
                     return moved
-                tmp, lines, seqs = self._write_segment(records)
+                tmp, events, seqs = self._write_segment(records)
                 name = tmp.name[:-len(".tmp")]
                 # Fsynced before the file has its name: the intent, and with it (the log is
                 # synced up to here) every record the file holds. A power cut may drop
@@ -195,7 +200,7 @@ class Journal(Hook):
                     os.fsync(dir_fd)  # the rename itself must survive a crash before we delete
                 finally:
                     os.close(dir_fd)
-                moved += lines
+                moved += events
                 self._moved(name, seqs)
                 if len(seqs) < FLUSH_CHUNK:
                     # Everything there was when this segment was read. What came since waits
@@ -228,10 +233,11 @@ class Journal(Hook):
         """Write one segment of up to FLUSH_CHUNK records, starting with ``records`` and
         reading on about FLUSH_BYTES at a time (one fsync per segment, and a heap that stays
         flat however far behind the flush is), to its temporary file, fsynced; return that
-        file, how many events it holds and the sequence numbers it took."""
+        file, how many events it holds (one per message a line names: a line with ``ids``
+        counts as many) and the sequence numbers it took."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl.tmp"
-        lines, seqs = 0, []
+        moved, seqs = 0, []
         with open(tmp, "w", encoding="utf-8") as fh:
             while records:
                 for seq, packed in records:
@@ -239,28 +245,36 @@ class Journal(Hook):
                     try:
                         # Unpacked directly, not through schema.py: this runs for every
                         # event, and a shape check per event cost a visible share of it.
-                        out = self._lines(msgpack.unpackb(packed, raw=False))
+                        out, events = self._lines(msgpack.unpackb(packed, raw=False))
                     except Exception:  # noqa: BLE001 - any damage: set it aside and go on
                         self._set_aside(seq, packed)
                         continue
                     fh.writelines(out)
-                    lines += len(out)
+                    moved += events
                 room = FLUSH_CHUNK - len(seqs)
                 records = self.store.journal_records(room, FLUSH_BYTES, after=seqs[-1]) if room > 0 else []
             fh.flush()
             os.fsync(fh.fileno())
-        return tmp, lines, seqs
+        return tmp, moved, seqs
 
-    def _lines(self, events: list) -> list[str]:
+    def _lines(self, events: list) -> tuple[list[str], int]:
         """JSON lines of one record's events. Everything but ts, id(s), attempt and error
         repeats from line to line: it is formatted once per (event, topic, kind, peer)
         (this thread shares the GIL with the handlers). An event about a segment of several
-        messages is one line naming them all in ``ids`` (``id`` is the first)."""
+        messages is one line naming them all in ``ids`` (``id`` is the first). Returns the
+        lines and the events they stand for (one per message named)."""
         q, roles, prefixes = _json_str, ROLES, self._prefixes
         out = []
+        count = 0
         for ev in events:
             event, ts, mid, topic, kind, peer, attempt, error = ev[:8]
             ids = ev[8] if len(ev) > 8 else None
+            if ids is not None and (type(ids) is not list or not all(type(i) is str for i in ids)):
+                # Damage that still unpacks: written as it is, ``ids`` would not be an array
+                # of strings, and the audit drops a line whose ``ids`` is not an array, with
+                # every event it stands for. Raised: the whole record is set aside (below).
+                raise ValueError(f"ids of a journal event is not a list of ids: {ids!r:.80}")
+            count += len(ids) if ids else 1
             key = (event, topic, kind, peer)
             prefix = prefixes.get(key)
             if prefix is None:
@@ -275,7 +289,7 @@ class Journal(Hook):
             else:
                 out.append(f'{prefix},"ts":{ts},"id":"{mid}"{more},"attempt":{attempt},'
                            f'"error":{json.dumps(error, ensure_ascii=False)}}}\n')
-        return out
+        return out, count
 
     def _set_aside(self, seq: int, packed: bytes) -> None:
         """A journal record that does not decode is kept, raw, beside the segments (never

@@ -67,6 +67,53 @@ def test_injected_faults_are_reported_exactly(spark, tmp_path):
     assert all(r["latency_p50_ms"] is not None for r in by_topic.values())
 
 
+def journal_counts(root: Path) -> tuple[int, int, int]:
+    """(lines, lines with ``ids``, events: one per message a line names) of the journals."""
+    lines = with_ids = events = 0
+    for path in root.rglob("*.jsonl"):
+        for text in path.read_text().splitlines():
+            ids = json.loads(text).get("ids")
+            lines += 1
+            with_ids += ids is not None
+            events += len(ids) if ids else 1
+    return lines, with_ids, events
+
+
+def test_a_segment_journaled_fleet_is_audited_per_message_exactly(spark, tmp_path):
+    # Store format 3: 100 messages per publish, each event about a segment one line naming
+    # them in "ids". Faults hit single messages inside segments (one lost, the rest of its
+    # line handled; a failed handler's message split off on lines of its own), so a line
+    # read as one event, or its "ids" ignored, would show as lost or miscounted messages.
+    faults = {"lost": 4, "duplicate": 3, "deadletter": 2, "in_flight": 3, "expired": 3, "retried": 2}
+    injected = write_journals(tmp_path / "fleet", messages=3000, receivers=2, rate=10, faults=faults,
+                              segment=100)
+    lines, with_ids, events = journal_counts(tmp_path / "fleet")
+    assert with_ids > 0 and lines < events / 20  # mostly lines of ~100 ids
+    out = tmp_path / "audit"
+    summary = job.run(spark, [str(tmp_path / "fleet")], str(out), grace_ms=60_000)
+    found = classes_of(spark, out)
+    assert found["lost"] == set(injected["lost"])
+    assert found["handled_more_than_once"] == set(injected["duplicate"])
+    assert found["deadlettered"] == set(injected["deadletter"]) | set(injected["expired"])
+    assert found["in_flight"] == set(injected["in_flight"])
+    assert set(injected["retried"]) <= found["handled"]
+    assert len(found["handled"]) == 6000 - sum(faults.values()) + faults["retried"]
+    assert summary["events"] == events  # each line counted once per message it names
+    assert summary["messages"] == 6000
+    assert summary["deadletter_reasons"] == {"ValueError: bad order": 2, "expired": 3}
+    assert summary["retries"] == 2 * 2 + 2  # two per dead letter, one per retried message
+    assert {(p["id"], p["receiver"]) for p in summary["problems"]["lost"]} == set(injected["lost"])
+
+    # The same fleet journaled one line per event (as before store format 3) is the same audit.
+    flat = write_journals(tmp_path / "flat", messages=3000, receivers=2, rate=10, faults=faults)
+    assert {k: set(v) for k, v in flat.items()} == {k: set(v) for k, v in injected.items()}
+    assert journal_counts(tmp_path / "flat")[1:] == (0, events)
+    summary_flat = job.run(spark, [str(tmp_path / "flat")], str(tmp_path / "audit-flat"), grace_ms=60_000)
+    assert classes_of(spark, tmp_path / "audit-flat") == found
+    for key in ("events", "classes", "retries", "attempts", "deadletter_reasons"):
+        assert summary_flat[key] == summary[key], key
+
+
 def test_a_grace_longer_than_the_run_makes_unreceived_messages_in_flight(spark, tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=500, rate=10, faults={"lost": 2})
     summary = job.run(spark, [str(tmp_path / "fleet")], str(tmp_path / "audit"),
@@ -92,6 +139,46 @@ def test_real_buses_with_a_subscriber_killed_mid_run_lose_and_duplicate_nothing(
     summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
     assert summary["classes"]["handled"] == 3000, summary["classes"]
     assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
+    assert summary["ok"]
+
+
+def test_real_buses_publishing_segments_journal_lines_with_ids_that_the_audit_reads(spark, make_bus, tmp_path):
+    # publish_many of 100: one segment per publish, journaled as lines naming its messages
+    # in "ids" on both buses. Some messages fail once: split off their segment, journaled
+    # on their own (handler_failed, retried, handled), the rest by the segment's "handled".
+    pub, sub = make_bus("pub"), make_bus("sub", retry_initial=0.01)
+    failed, handled = set(), []
+
+    def handle(payload, message):
+        if payload % 97 == 13 and payload not in failed:
+            failed.add(payload)
+            raise ValueError("once")
+        handled.append(payload)
+
+    sub.every(TOPIC, handle)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    for start in range(0, 1000, 100):
+        pub.publish_many(TOPIC, list(range(start, start + 100)))
+    wait_until(lambda: len(handled) == 1000, 30, message=lambda: f"{len(handled)} of 1000")
+    assert pub.drain(10) and sub.drain(10)
+    sub.close()  # each journal moves what it holds to its segment files at close
+    pub.close()
+    lines = {name: [json.loads(text) for path in (tmp_path / name / "journal").glob("*.jsonl")
+                    for text in path.read_text().splitlines()] for name in ("pub", "sub")}
+    for name, side in lines.items():
+        with_ids = [line for line in side if "ids" in line]
+        assert with_ids, f"no line of {name}'s journal names a segment's messages"
+        assert all(line["id"] == line["ids"][0] and len(line["ids"]) > 1 for line in with_ids)
+    assert {e["event"] for e in lines["pub"] if "ids" in e} >= {"published", "sent", "acked"}
+    assert {e["event"] for e in lines["sub"] if "ids" in e} >= {"received", "handled"}
+    published = [mid for e in lines["pub"] if e["event"] == "published" for mid in e.get("ids", [e["id"]])]
+    assert len(published) == len(set(published)) == 1000
+    events = sum(len(e.get("ids", [e["id"]])) for side in lines.values() for e in side)
+    summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
+    assert summary["events"] == events
+    assert summary["classes"]["handled"] == 1000, summary["classes"]
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
+    assert summary["retries"] == len(failed) == 11  # 13, 110, ..., 983
     assert summary["ok"]
 
 
@@ -166,16 +253,19 @@ def test_a_message_sent_twice_for_an_exact_and_a_pattern_subscription_is_audited
 def test_a_group_is_audited_per_member_and_a_reassigned_message_is_not_lost(spark, make_bus, tmp_path):
     # The publisher journals a group's message as published to the member it goes to, and,
     # when it goes to another one, as dropped for the first: b is closed, so what was sent to
-    # it before the publisher noticed goes to a.
+    # it before the publisher noticed goes to a. A member is given a whole segment (store
+    # format 3): eight publishes of five, so that b is given some; the journal names a
+    # segment's messages in "ids", and the counter counts messages, as the audit does.
     pub = make_bus("pub", ack_timeout=0.3, peer_timeout=1.5, heartbeat=0.3)
     a, b = make_bus("a"), make_bus("b")
     for member in (a, b):
         member.every(TOPIC, lambda p, m: None)
         member.subscribe(pub.address, TOPIC, group="welcome", wait=10)
     b.close()
-    pub.publish_many(TOPIC, list(range(40)))
+    for start in range(0, 40, 5):
+        pub.publish_many(TOPIC, list(range(start, start + 5)))
     assert pub.drain(20) and a.drain(20)
-    reassigned = pub.counters()["group_reassigned"]
+    reassigned = pub.counters().get("group_reassigned", 0)
     a.close()
     pub.close()
     summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)

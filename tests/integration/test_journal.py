@@ -14,10 +14,15 @@ CLI = str(Path(sys.executable).parent / "servicebus")
 
 
 def journal_lines(datadir: Path) -> list[dict]:
-    lines = []
+    """The journal's events, one per message: a line with ``ids`` (an event about several
+    messages of a segment) stands for one event per id, as the audit reads it."""
+    events = []
     for path in sorted((datadir / "journal").glob("*.jsonl")):
-        lines += [json.loads(line) for line in path.read_text().splitlines()]
-    return lines
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            ids = event.pop("ids", None)
+            events += [{**event, "id": mid} for mid in ids] if ids else [event]
+    return events
 
 
 def test_a_delivery_is_journaled_end_to_end_on_both_buses(make_bus, tmp_path):
@@ -138,3 +143,22 @@ def test_every_way_a_message_stops_being_owed_is_journaled(tmp_path):
     assert {ended[(mid, leaving)]["error"] for mid in events_ids} == {"unsubscribed"}
     assert {ended[(mid, kept)]["event"] for mid in events_ids + commands} == {"deadlettered"}
     assert {ended[(mid, kept)]["error"] for mid in events_ids + commands} == {"subscriber_removed"}
+
+
+def test_a_segment_cut_to_one_message_for_its_receiver_journals_and_hands_over_that_messages_id(make_bus):
+    pub = make_bus("pub", max_payload=100_000)
+    sub = make_bus("sub", max_payload=1000)
+    got = []
+    sub.every(TOPIC, lambda p, m: got.append((m.id, p)))
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    wait_until(lambda: any(p.up for p in pub.status().peers if p.address == sub.address), 10)  # its pong: max_payload
+    big, small = pub.publish_many(TOPIC, ["x" * 5000, "small"])
+    wait_until(lambda: got, 10)
+    assert pub.drain(5) and sub.drain(5)
+    pub.close()
+    sub.close()
+    assert got == [(small, "small")]
+    received = {e["id"] for e in journal_lines(sub.datadir) if e["event"] in ("received", "handled")}
+    assert received == {small}
+    sent = {e["id"] for e in journal_lines(pub.datadir) if e["event"] == "sent"}
+    assert sent == {small}
