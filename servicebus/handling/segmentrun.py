@@ -165,7 +165,8 @@ def _events(runner: Runner, item: Incoming, skipped: list[int]) -> list[Event]:
     if not ids:
         return []
     return [event("handled", runner._wall(), ids[0], record.topic, KIND_NAMES.get(record.kind, "event"),
-                  record.reply_to, record.attempt, None, ids)]
+                  record.reply_to, 1, None, ids)]  # the handler attempt (one that failed was split
+    #                                        off), not the delivery attempt; crash reruns not counted
 
 
 def _finish(runner: Runner, item: Incoming, skipped: list[int], nxt: Incoming | None,
