@@ -17,6 +17,7 @@ The state machine itself is in ``servicebus.core``; this module only does I/O.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -177,7 +178,8 @@ class Engine(threading.Thread):
                 now = time.monotonic()
                 timeout = 0 if self._queue else self.core.poll_timeout(now)
                 poller = self.sockets.poller if self._degraded is None else self.sockets.degraded_poller
-                self._turn(dict(poller.poll(int(timeout * 1000))))
+                # Rounded up: a timer due in under a millisecond is a poll(1), not a spin of poll(0).
+                self._turn(dict(poller.poll(math.ceil(timeout * 1000))))
             self.core.collect_soon()  # leave no acknowledged message behind in the store
             self._turn({})  # last commands and acks before the sockets close
             if self._degraded is None:

@@ -32,7 +32,7 @@ from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
 from .scan import quarantine, reread, stored_item
-from .segmentrun import PAUSE
+from .segmentrun import PAUSE, START
 from ..store import Store
 from ..model.stored import ReplyRecord
 
@@ -408,7 +408,10 @@ class Dispatcher:
         with self._cv:
             if self._closing:
                 return
-            if read:
+            paused = self._runner.paused.pop(item.id, None) if read else None
+            if paused is not None:  # what its run wrote last
+                item = item._replace(progress={**(item.progress or {}), START: paused})
+            elif read:
                 try:
                     item = item._replace(progress=self._store.progress(item.id))
                 except StoreError as exc:  # a refill reads it again

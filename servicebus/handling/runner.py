@@ -46,7 +46,7 @@ from ..model.letters import incoming_letter
 from ..wire.payload import decode_payload, encode_payload
 from ..model.records import Message
 from ..model.segments import bodies_of, by_message
-from ..model.stored import NO_RUNS, Event, Incoming, IncomingRecord, ReplyRecord, RunState, event
+from ..model.stored import NO_RUNS, Event, Incoming, IncomingRecord, Progress, ReplyRecord, RunState, event
 from ..wire.protocol import KIND_NAMES, Kind
 from .handlers import Handler, Handlers
 from .requests import PendingRequests
@@ -91,6 +91,9 @@ class Runner:
         # A message split off a segment (its handler failed): queued to run on its own at
         # a monotonic time (dispatch.py).
         self._spawn: Callable[[Incoming, float], None] = spawn or (lambda item, due: None)
+        # Segment key -> the progress its run paused at (segmentrun.py), taken by the worker
+        # that requeues it: one key is run by one worker at a time.
+        self.paused: dict[str, Progress] = {}
         self.writer = RunWriter(store, max_attempts=config.max_attempts, closing=closing, wall=wall,
                                 handles=lambda kind, topic: (kind, topic) in handlers)
         self.staging = Staging(store, self.writer, config.max_payload)

@@ -98,7 +98,10 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
     ran = 0
     while nxt_index < len(ids):
         if ran >= budget:
-            return PAUSE, False  # the rest later: its progress says where
+            # The rest later: its progress says where (the one the last write held, kept for
+            # the dispatcher so that it need not read it back).
+            runner.paused[key] = Progress(nxt_index, started, list(skipped))
+            return PAUSE, False
         ran += 1
         i = nxt_index
         mid = ids[i]
