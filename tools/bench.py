@@ -157,7 +157,8 @@ def role_sub(a: argparse.Namespace) -> None:
     times = [0.0, 0.0]
     if a.stages:
         stages.install("sub")
-    with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys) as bus:
+    workers = int(os.environ.get("BENCH_WORKERS", "8"))  # an experiment knob; 8 is the default
+    with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys, workers=workers) as bus:
         def handler(p, message):
             nonlocal dupes
             if a.stages:

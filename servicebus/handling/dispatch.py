@@ -25,6 +25,7 @@ from ..model.stored import Incoming
 from ..model.delivery import PRIORITY_HEADER
 from ..errors import StoreError
 from ..wire.topics import is_pattern, matches
+from .concurrency import Concurrency
 from .handlers import Handler, Handlers
 from .lanes import LaneKey, Lanes, lane_of
 from ..hooks.base import Hooks
@@ -32,7 +33,8 @@ from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
 from .scan import quarantine, reread, stored_item
-from .segmentrun import PAUSE, START
+from .segmentrun import START
+from .workers import RUN, WorkerLoop
 from ..store import Store
 from ..model.stored import ReplyRecord
 
@@ -40,13 +42,12 @@ __all__ = ["Dispatcher", "RUN"]
 
 log = logging.getLogger("servicebus")
 
-RUN = 16  # ready messages a worker takes at once, at most
 # A message of priority p is queued as if it had arrived p times this long earlier: it goes
 # before lower ones that arrived less than that before it, and after those that waited
 # longer (so a steady stream of high ones never holds a low one back for good).
 PRIORITY_STEP = 1.0
 
-class Dispatcher:
+class Dispatcher(WorkerLoop):
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
                  requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
                  hooks: Hooks, clock: BusClock) -> None:
@@ -71,6 +72,8 @@ class Dispatcher:
         self._refill_pending = False  # a refill was asked for while one ran
         self._closing = False
         self._threads: list[threading.Thread] = []
+        self._concurrency = Concurrency(config.workers, time.monotonic())  # under _cv
+        self._watchers = 0
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -192,9 +195,9 @@ class Dispatcher:
                     self._enqueue(item, due, lane)
                 added += 1
             if added:
-                # Wake as many workers as there are runs to take, not all of them: every
-                # needless wake-up is a context switch and a turn at the GIL.
-                self._cv.notify(min(self._config.workers, -(-added // RUN)))
+                # Wake as many workers as may take the runs (concurrency.py), not all of
+                # them: every needless wake-up is a context switch and a turn at the GIL.
+                self._cv.notify(self._concurrency.wake(added, RUN, now))
 
     def _wake_parked_at(self, expires_ms: int) -> None:
         """A parked message expires then: a scan at that time dead-letters it. Under _cv."""
@@ -203,13 +206,19 @@ class Dispatcher:
             self._parked_expiry = due
             self._cv.notify()
 
+    def _nudge(self) -> None:
+        """Work was queued (under _cv): wake a worker if one may take it. A worker queueing
+        it takes it next itself unless another may run beside it (concurrency.py)."""
+        if self._concurrency.may_start(time.monotonic()):
+            self._cv.notify()
+
     def _spawn(self, item: Incoming, due: float) -> None:
         """A message split off a segment (runner.py): queued to run by itself at ``due``."""
         with self._cv:
             if item.id in self._known or self._closing:
                 return
             self._enqueue(item, due, lane_of(item))
-            self._cv.notify()
+            self._nudge()
 
     def _push(self, item: Incoming, due: float) -> None:
         self._known.add(item.id)
@@ -229,7 +238,7 @@ class Dispatcher:
         if nxt is not None:
             due, ready = nxt
             heapq.heappush(self._heap, (due, next(self._seq), ready))
-            self._cv.notify()
+            self._nudge()
 
     def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
         """Read stored incoming messages that are not in memory yet (restart, overflow, a
@@ -332,75 +341,8 @@ class Dispatcher:
                 item, due = stored_item(self._store, message_id, record, strict, now_ms, now,
                                         self._config.retry_max)
                 self._enqueue(item, due, lane_of(item))
-                self._cv.notify()
+                self._nudge()
         return True
-
-    # --- workers -----------------------------------------------------------------------
-
-    def _next_run(self) -> list[tuple[float, int, Incoming]] | None:
-        """The next ready messages for one worker: a fair share of what is ready (so slow,
-        I/O-bound handlers still spread over all workers), at most RUN. An empty list when
-        a parked message's TTL passed: the worker scans the store for it."""
-        with self._cv:
-            while True:
-                if self._closing:
-                    return None
-                parked = self._parked_expiry
-                if parked is not None and parked <= time.monotonic():
-                    self._parked_expiry = None
-                    return []
-                if self._heap:
-                    now = time.monotonic()
-                    due = self._heap[0][0]
-                    if parked is not None:
-                        due = min(due, parked)
-                    if due <= now:
-                        ready = sum(1 for d, _, _ in self._heap[:RUN * 8] if d <= now)
-                        take = max(1, min(RUN, ready // self._config.workers))
-                        run = [heapq.heappop(self._heap)]
-                        while len(run) < take and self._heap and self._heap[0][0] <= now:
-                            run.append(heapq.heappop(self._heap))
-                        return run
-                    self._cv.wait(due - now)
-                elif parked is not None:
-                    self._cv.wait(parked - time.monotonic())
-                else:
-                    self._cv.wait()
-
-    def _work(self) -> None:
-        while True:
-            run = self._next_run()
-            if run is None:
-                return
-            if not run:
-                self._refill()  # a parked message expired: the scan queues it to dead-letter
-                continue
-            marked = False  # whether run[i]'s "started" marker was written with run[i-1]
-            paused = False
-            for i, (due, seq, item) in enumerate(run):
-                if paused:  # the rest of the run goes back as it was, after the paused one
-                    self._requeue(due, seq, item, read=False)
-                    continue
-                nxt = run[i + 1][2] if i + 1 < len(run) else None
-                retry_at: float | None = None
-                try:
-                    retry_at, marked = self._runner.run(item, marked, nxt)
-                except StoreError as exc:
-                    marked = False
-                    if not self._closing:
-                        log.error("handling %s: %s", item.id, exc)
-                except BaseException:  # noqa: BLE001 - a worker must never die silently
-                    marked = False
-                    log.exception("unexpected error dispatching %s", item.id)
-                finally:
-                    try:
-                        if retry_at == PAUSE:  # a segment's next part: its place in the queue kept
-                            self._requeue(due, seq, item)
-                            paused = True
-                        else:
-                            self._finish(item, retry_at)
-                    except BaseException:  # noqa: BLE001 - nor die finishing one
-                        log.exception("unexpected error finishing %s", item.id)
 
     def _requeue(self, due: float, seq: int, item: Incoming, read: bool = True) -> None:
         """Back in the queue where it was: a segment paused between two of its messages
@@ -419,7 +361,7 @@ class Dispatcher:
                     self._known.discard(item.id)
                     return
             heapq.heappush(self._heap, (due, seq, item))
-            self._cv.notify()
+            self._nudge()
 
     def _finish(self, item: Incoming, retry_at: float | None) -> None:
         refill = False
@@ -431,7 +373,7 @@ class Dispatcher:
                     log.error("reading the run state of %s: %s", item.id, exc)
                     item = item._replace(runstate=None, progress=None)
                 heapq.heappush(self._heap, (retry_at, next(self._seq), item))
-                self._cv.notify()
+                self._nudge()
             else:
                 self._known.discard(item.id)
                 self._lane_done(item)

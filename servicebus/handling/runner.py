@@ -97,6 +97,7 @@ class Runner:
         self.writer = RunWriter(store, max_attempts=config.max_attempts, closing=closing, wall=wall,
                                 handles=lambda kind, topic: (kind, topic) in handlers)
         self.staging = Staging(store, self.writer, config.max_payload)
+        self.waits = self.writer.waits  # seconds waited per worker thread (concurrency.py)
         self._count_lock = threading.Lock()
         self.requests_expired = 0  # requests dropped here unrun: past their caller's timeout
 
@@ -181,19 +182,23 @@ class Runner:
         return self._handle(item, handlers, payload, message, attempts, list(done), last_error)
 
     def _call(self, handler: Handler, payload: Any, message: Message) -> Any:
-        """Run one handler inside the hooks' before/after (metrics time it, tracing spans it)."""
+        """Run one handler inside the hooks' before/after (metrics time it, tracing spans it),
+        counting the time it waited rather than computed (concurrency.py)."""
         hooks = self._hooks
-        if not hooks.around_handle:
-            return handler(payload, message)
-        hooks.before_handle(message)
-        began = time.perf_counter()
+        began, computed = time.perf_counter(), time.thread_time()
         try:
-            result = handler(payload, message)
-        except BaseException as exc:
-            hooks.after_handle(message, exc, time.perf_counter() - began)
-            raise
-        hooks.after_handle(message, None, time.perf_counter() - began)
-        return result
+            if not hooks.around_handle:
+                return handler(payload, message)
+            hooks.before_handle(message)
+            try:
+                result = handler(payload, message)
+            except BaseException as exc:
+                hooks.after_handle(message, exc, time.perf_counter() - began)
+                raise
+            hooks.after_handle(message, None, time.perf_counter() - began)
+            return result
+        finally:
+            self.waits.seconds += max(0.0, (time.perf_counter() - began) - (time.thread_time() - computed))
 
     def _handle(self, item: Incoming, handlers: list[tuple[str, Handler]], payload: Any,
                 message: Message, attempts: int, done: list[str], last_error: str | None) -> Outcome:

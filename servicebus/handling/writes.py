@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import StoreError
+from .concurrency import Waits
 from ..model.clock import wall_ms
 from ..model.segments import by_message
 from ..model.stored import NO_RUNS, Incoming, Progress, RunState
@@ -73,6 +75,7 @@ class RunWriter:
         self._recent: OrderedDict[str, tuple[Callable[[Any], None], Callable[[], None] | None]] = OrderedDict()
         self._progress: OrderedDict[str, Progress] = OrderedDict()
         self._tls = threading.local()
+        self.waits = Waits()
 
     def scratch(self) -> Any:
         """This thread's write batch, emptied: one per message was measurable."""
@@ -131,7 +134,9 @@ class RunWriter:
                     def rest(b: Any) -> bool:
                         build(b)
                         return self.mark(b, nxt)
+                    began = time.perf_counter()
                     marked = synced(rest)
+                    self.waits.seconds += time.perf_counter() - began
                 break
             except (StoreError, RuntimeError) as exc:  # RuntimeError: plyvel's closed handle
                 if self._closing() or self._store.closed:
