@@ -82,22 +82,38 @@ def upgrade(store: Store, version: int, target: int,
     return done
 
 
+class _Chunks:
+    """Rewritten records, written synced a chunk of CHUNK at a time: a migration stopped
+    between two chunks is finished by the next open, which rewrites only what is still in
+    the old layout."""
+
+    def __init__(self, store: Store, progress: Callable[[int], None] | None) -> None:
+        self.store, self.progress, self.n = store, progress, 0
+        self.batch = store.batch()
+
+    def added(self) -> None:
+        self.n += 1
+        if self.n % CHUNK == 0:
+            self.store.write(self.batch, sync=True)
+            self.batch = self.store.batch()
+            if self.progress is not None:
+                self.progress(self.n)
+
+    def close(self) -> int:
+        self.store.write(self.batch, sync=True)
+        return self.n
+
+
 def _handled_by_time(store: Store, progress: Callable[[int], None] | None) -> int:
     """Format 1 kept the wall-clock time of handling under h/ and had no t/ index: index
     every handled id as handled now, on the bus clock (so each is remembered for one whole
     dedupe window more, never less)."""
     now = int(store.get_meta("clock") or b"0")
-    batch, n = store.batch(), 0
+    chunks = _Chunks(store, progress)
     for key, _value in store._iter(_H):
-        batch.put_handled(key[2:].decode(), now)
-        n += 1
-        if n % CHUNK == 0:
-            store.write(batch, sync=True)
-            batch = store.batch()
-            if progress is not None:
-                progress(n)
-    store.write(batch, sync=True)
-    return n
+        chunks.batch.put_handled(key[2:].decode(), now)
+        chunks.added()
+    return chunks.close()
 
 
 def _outgoing(record: list[Any], message_id: str) -> list[Any] | None:
@@ -160,8 +176,7 @@ def _message_id(prefix: bytes, key: bytes) -> str:
 
 
 def _segments_of_one(store: Store, progress: Callable[[int], None] | None, done: Upgrade) -> None:
-    n = 0
-    batch = store.batch()
+    chunks = _Chunks(store, progress)
     for keyspace, prefix, convert in (("outgoing", _O, _outgoing), ("incoming", _N, _incoming),
                                       ("deadletters", _X, _letter)):
         for key, value in store._iter(prefix):
@@ -173,14 +188,7 @@ def _segments_of_one(store: Store, progress: Callable[[int], None] | None, done:
                 if not _current(keyspace, key, value):
                     done._count(done.left, keyspace)
                 continue  # already format 3, or damaged (check reports it)
-            batch.put_raw(key, pack(new))
+            chunks.batch.put_raw(key, pack(new))
             done._count(done.rewritten, keyspace)
-            n += 1
-            if n % CHUNK == 0:
-                # Synced a chunk at a time: a migration stopped here is finished by the next
-                # open, which rewrites only what is still in the old layout.
-                store.write(batch, sync=True)
-                batch = store.batch()
-                if progress is not None:
-                    progress(n)
-    store.write(batch, sync=True)
+            chunks.added()
+    chunks.close()
