@@ -315,6 +315,60 @@ JOURNAL_BEFORE_THE_CUT = textwrap.dedent("""
 """)
 
 
+SYNC_ACROSS_A_LOG_SWITCH = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from servicebus.store import Store
+
+    store = Store.open(Path(sys.argv[1]) / "store")
+    batch = store.batch()
+    batch.put_meta("written-unsynced", b"A")
+    store.write(batch, sync=False)  # a publish or a receipt: in LevelDB, then the engine acts
+    logs = lambda: {p.name for p in (Path(sys.argv[1]) / "store").glob("*.log")}
+    first = logs()
+    n = 0
+    while logs() <= first:  # more unsynced writes, until LevelDB starts a new log
+        batch = store.batch()
+        batch.put_meta(f"filler{n}", os.urandom(64 << 10))
+        store.write(batch, sync=False)
+        n += 1
+    store.sync()  # what publish and the receiver's ack wait for: every earlier write durable
+    print("synced", flush=True)
+    time.sleep(60)  # the power goes meanwhile
+""")
+
+
+def test_a_sync_after_leveldb_switched_logs_makes_the_writes_in_the_old_log_durable(power, tmp_path):
+    """One fsync on the latency path writes a publish (or a receipt) unsynced, lets the
+    engine act on it, then makes it durable with Store.sync(). When LevelDB starts a new log
+    between the two (its memtable full), it leaves the old log without an fsync: a synced
+    LevelDB write to the new log does not make the old log's tail durable, and a power cut
+    then loses an acknowledged publish (or a receipt already acked). The table the old log
+    becomes is held back (its writes stalled), as when the cut comes before it is written."""
+    disk = power("store")
+    datadir = disk.path / "node"
+    datadir.mkdir()
+    disk.stall("*.ldb")
+    proc = subprocess.Popen([sys.executable, "-c", SYNC_ACROSS_A_LOG_SWITCH, str(datadir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "synced", proc.stderr.read() if proc.poll() is not None else line
+        os.killpg(proc.pid, signal.SIGKILL)  # the power goes: the process with it
+        assert disk.cut()["dropped_bytes"] > 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+    store = Store.open(datadir / "store", create=False)
+    try:
+        assert store.get_meta("written-unsynced") == b"A", "a write made before a sync was lost"
+    finally:
+        store.close()
+
+
 def segment_lines(datadir: Path) -> set[str]:
     return {line for path in (datadir / "journal").glob("*.jsonl") for line in path.read_text().splitlines()}
 
