@@ -86,7 +86,7 @@ class Lifecycle:
         raise NotImplementedError  # bus.py
 
     def __init__(self, bind: str, datadir: str | os.PathLike, **options: Any) -> None:
-        self.config = config = BusConfig(**options)
+        self.config = config = BusConfig.of(options)
         validate_bind(bind, config.advertise)
         self.datadir = Path(datadir)
         self._closed = False
@@ -243,7 +243,7 @@ class Lifecycle:
 
     # --- plumbing ----------------------------------------------------------------------
 
-    def orphan(self) -> None:
+    def _orphan(self) -> None:
         """In a fork()ed child (forks.py): every call raises ``BusForkedError``."""
         self._forked = True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from typing import Any
 from dataclasses import dataclass
@@ -17,6 +18,20 @@ __all__ = ["BusConfig"]
 @dataclass(frozen=True)
 class BusConfig:
     """Every option ``Bus(..., **options)`` accepts. Times are in seconds."""
+
+    @classmethod
+    def of(cls, options: dict[str, Any]) -> BusConfig:
+        """``BusConfig(**options)``, but an unknown option is a ``TypeError`` that names the
+        closest real one (``max_attempt`` -> ``max_attempts``), not the dataclass's
+        ``__init__() got an unexpected keyword argument``."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"unknown option {key!r}{hint}; the options are in BusConfig "
+                                "(servicebus/model/config.py) and the README")
+        return cls(**options)
 
     #: address other buses use to reach this one; defaults to ``bind`` (required when
     #: ``bind`` is a wildcard such as ``tcp://*:5555`` or ``tcp://0.0.0.0:5555``)

@@ -224,7 +224,7 @@ class Network:
 
     def __init__(self, clock: FakeClock | None = None, **config: Any) -> None:
         self.clock = clock or FakeClock()
-        self.config = BusConfig(**config)
+        self.config = BusConfig.of(config)
         self.nodes: dict[str, CoreNode] = {}
         self.lose: Callable[[str, str, Any], bool] = lambda src, dst, frame: False
         self.log: list[tuple[str, str, Any]] = []  # (from, to, decoded frame), all that left

@@ -256,7 +256,7 @@ class RunnerRig:
                  publisher: bool = True, **config: Any) -> None:
         self.store = store or HandlingStore()
         self.clock = clock or FakeClock()
-        self.config = BusConfig(**config)
+        self.config = BusConfig.of(config)
         self.handlers = Handlers()
         self.log = EventLog()
         self.publisher = FakePublisher(self.store) if publisher else None
