@@ -33,6 +33,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Inspect, unlock, replay and repair servicebus data directories.")
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from .. import __version__  # the package root imports no ops module: no circle
+        typer.echo(f"servicebus {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Inspect, unlock, replay and repair servicebus data directories."""
+
+
 class CliError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)

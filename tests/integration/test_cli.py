@@ -513,6 +513,13 @@ def test_exit_codes_and_one_line_errors(tmp_path):
         assert "Traceback" not in result.stderr
 
 
+def test_version_prints_the_package_version_and_exits_zero():
+    import servicebus
+
+    result = cli("--version")
+    assert result.returncode == 0 and result.stdout == f"servicebus {servicebus.__version__}\n", result
+
+
 def test_status_of_a_stopped_publisher_counts_a_groups_backlog_once_under_the_group(make_bus):
     pub = make_bus("pub")
     members = [make_bus("a"), make_bus("b")]
