@@ -392,9 +392,9 @@ class Bus(Lifecycle):
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            stable = name if name is not None else handler_name(fn)  # of the function itself
-            run = fn if timeout is None else self._watchdog.limit(fn, timeout, stable or topic)
-            self._dispatcher.register(kind, topic, run, stable)
+            derived = handler_name(fn)  # of the function itself, not of the time limit's wrapper
+            run = fn if timeout is None else self._watchdog.limit(fn, timeout, name or derived or topic)
+            self._dispatcher.register(kind, topic, run, name, derived)
             return fn
 
         return register if handler is None else register(handler)

@@ -128,10 +128,11 @@ class Dispatcher(WorkerLoop):
 
     # --- handlers ----------------------------------------------------------------------
 
-    def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None) -> None:
+    def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None,
+                 derived: str | None = None) -> None:
         """Add ``handler`` (see ``Handlers.add``) and queue its parked messages."""
         with self._cv:
-            key = self._handlers.add(kind, topic, handler, name)
+            key = self._handlers.add(kind, topic, handler, name, derived=derived)
             woken = {k for k in self._parked if k == key or (
                 k[0] == key[0] and is_pattern(topic) and matches(topic, k[1]))}
             self._parked -= woken

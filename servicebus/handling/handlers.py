@@ -59,14 +59,21 @@ class Handlers:
     def __contains__(self, key: object) -> bool:
         return self.get(key) is not None  # type: ignore[arg-type]
 
-    def add(self, kind: Kind, topic: str, handler: Handler, name: str | None = None) -> tuple[int, str]:
+    def add(self, kind: Kind, topic: str, handler: Handler, name: str | None = None, *,
+            derived: str | None = None) -> tuple[int, str]:
         """Add ``handler``. With several handlers on one topic, the names of the ones that
         finished are stored with the message so that a restart reruns only the others:
-        they must be stable across restarts and distinct, so a second handler on a topic
-        needs every handler there to have one (``name=``, or a function's qualified
-        name); ``ValueError`` otherwise. Returns the key it was added under."""
+        they must be stable across restarts and distinct. ``name`` is the caller's own and
+        must be free; without it the name is ``derived`` (the user's function's module and
+        qualified name, ``handler_name``), or that name ``@topic`` when a handler of another
+        topic or pattern has it (a lambda's always carries its topic). Only a real clash
+        raises ``ValueError``: two handlers of one topic with no stable, distinct names (two
+        lambdas, or one function twice). Returns the key it was added under."""
+        explicit = name is not None
         if name is None:
-            name = handler_name(handler)
+            name = derived if derived is not None else handler_name(handler)
+            if name is not None and name.endswith("<lambda>"):
+                name = f"{name}@{topic}"
         elif not isinstance(name, str) or not name.strip():
             raise ValueError(f"handler name must be a non-empty str, not {name!r}")
         key = (int(kind), topic)
@@ -78,8 +85,11 @@ class Handlers:
         if wildcard or self._patterns:
             # A topic's handlers and those of the patterns it matches run as one list, whose
             # finished names are stored: every name must be stable and distinct, across keys.
-            taken = {n for k, hs in self._by_key.items() if k[0] == int(kind) for n, _ in hs}
-            if name is None or name in taken:
+            here = {n for n, _ in existing}
+            elsewhere = {n for k, hs in self._by_key.items() if k[0] == int(kind) and k != key for n, _ in hs}
+            if not explicit and name is not None and name in elsewhere and name not in here:
+                name = f"{name}@{topic}" if not name.endswith(f"@{topic}") else name
+            if name is None or name in here or name in elsewhere:
                 raise ValueError(
                     f"with pattern handlers, each handler needs a stable name no other handler "
                     f"has ({name or '<no stable name>'} on {topic!r}): pass every(topic, handler, name=...)")
