@@ -13,17 +13,20 @@ the worker threads. ``async with AsyncBus(...)`` closes it when the block ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
-from collections.abc import Coroutine, Iterable
+import sys
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 from .bus import Bus
 from .handling.handlers import Handler, handler_name
 from .model.outgoing import check_seconds
-from .model.records import BusStatus, Message
+from .model.records import BusStatus, DeadLetter, Message
 from .handling.timeouts import HandlerTimeout, timeout_text
 
-__all__ = ["AsyncBus"]
+__all__ = ["AsyncBus", "AsyncKeyValue", "async_transaction"]
 
 
 class AsyncBus:
@@ -69,6 +72,42 @@ class AsyncBus:
     async def status(self) -> BusStatus:
         return await asyncio.to_thread(self.bus.status)
 
+    async def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
+        return await asyncio.to_thread(self.bus.deadletters, limit)
+
+    async def counters(self) -> dict[str, int]:
+        return await asyncio.to_thread(self.bus.counters)
+
+    async def once(self, topic: str, *, timeout: float | None = None) -> tuple[Any, Message]:
+        """As ``Bus.once``, waited for in a thread (give a ``timeout``: a cancelled await
+        leaves the thread waiting until it passes)."""
+        return await asyncio.to_thread(functools.partial(self.bus.once, topic, timeout=timeout))
+
+    async def any(self, topics: Iterable[str], *, timeout: float | None = None) -> tuple[str, Any, Message]:
+        return await asyncio.to_thread(functools.partial(self.bus.any, list(topics), timeout=timeout))
+
+    async def all(self, topics: Iterable[str], *, timeout: float | None = None) -> dict[str, tuple[Any, Message]]:
+        return await asyncio.to_thread(functools.partial(self.bus.all, list(topics), timeout=timeout))
+
+    def request_async(self, address: str, command: str, payload: Any, timeout: float = 30.0,
+                      headers: dict[str, Any] | None = None, ttl: float | None = None) -> asyncio.Future:
+        """As ``Bus.request_async``, as an asyncio future of this loop."""
+        return asyncio.wrap_future(self.bus.request_async(address, command, payload, timeout, headers, ttl))
+
+    @property
+    def kv(self) -> "AsyncKeyValue":
+        """``Bus.kv`` with each call awaited (a write waits for its fsync in a thread)."""
+        return AsyncKeyValue(self.bus.kv)
+
+    @property
+    def closed(self) -> bool:
+        return self.bus.closed
+
+    def transaction(self) -> Any:
+        """``async with bus.transaction() as tx:`` as ``Bus.transaction`` (``tx``'s calls
+        are not awaited: they only stage); the commit's fsync is awaited in a thread."""
+        return async_transaction(self.bus.transaction())
+
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
               timeout: float | None = None) -> Any:
         """As ``Bus.every``; ``handler`` may be an ``async def``."""
@@ -86,13 +125,13 @@ class AsyncBus:
             check_seconds(timeout, "timeout")
 
         def add(fn: Handler) -> Handler:
-            stable = name if name is not None else handler_name(fn)
             if not inspect.iscoroutinefunction(fn):
-                register(topic, fn, name=stable, timeout=timeout)
+                register(topic, fn, name=name, timeout=timeout)
                 return fn
             loop = self._loop
-            label = stable or topic
+            label = name or handler_name(fn) or topic
 
+            @functools.wraps(fn)  # the bus derives the handler's stable name from fn's
             def run(payload: Any, message: Message) -> Any:
                 # On a worker thread: the coroutine runs on the loop; this thread waits,
                 # so the message is done only when the coroutine returned.
@@ -104,7 +143,7 @@ class AsyncBus:
 
             # The time limit is the loop's (the coroutine is cancelled), not the worker's: an
             # exception raised in the waiting thread would land only after the coroutine ended.
-            register(topic, run, name=stable, timeout=None)
+            register(topic, run, name=name, timeout=None)
             return fn
 
         return add if handler is None else add(handler)
@@ -119,6 +158,42 @@ class AsyncBus:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class AsyncKeyValue:
+    """A ``KeyValue`` (``Bus.kv``, ``StubBus.kv``) whose calls are awaited."""
+
+    def __init__(self, kv: Any) -> None:
+        self._kv = kv
+
+    async def get(self, key: str, default: Any = None) -> Any:
+        return await asyncio.to_thread(self._kv.get, key, default)
+
+    async def items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        return await asyncio.to_thread(self._kv.items, prefix)
+
+    async def put(self, key: str, value: Any) -> None:
+        await asyncio.to_thread(self._kv.put, key, value)
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self._kv.delete, key)
+
+    async def update(self, key: str, fn: Any, default: Any = None) -> Any:
+        return await asyncio.to_thread(self._kv.update, key, fn, default)
+
+
+@contextlib.asynccontextmanager
+async def async_transaction(sync: contextlib.AbstractContextManager) -> AsyncIterator[Any]:
+    """A synchronous transaction context (``Bus.transaction()``) for ``async with``: entered
+    at once (it only makes the staging object), committed in a thread."""
+    tx = sync.__enter__()
+    try:
+        yield tx
+    except BaseException:
+        if not sync.__exit__(*sys.exc_info()):  # stores nothing
+            raise
+        return
+    await asyncio.to_thread(sync.__exit__, None, None, None)
 
 
 class _Escaped(Exception):

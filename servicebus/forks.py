@@ -24,7 +24,7 @@ __all__ = ["Forkable", "watch", "forked_error", "keep_forever"]
 
 
 class Forkable(Protocol):
-    def orphan(self) -> None:
+    def _orphan(self) -> None:
         """Called in a fork()ed child: refuse every later call, release nothing."""
 
 
@@ -32,13 +32,13 @@ _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def watch(obj: Forkable) -> None:
-    """Have ``obj.orphan()`` called in every child forked while ``obj`` lives."""
+    """Have ``obj._orphan()`` called in every child forked while ``obj`` lives."""
     _live.add(obj)
 
 
 def _in_child() -> None:
     for obj in list(_live):
-        obj.orphan()
+        obj._orphan()
 
 
 os.register_at_fork(after_in_child=_in_child)

@@ -66,7 +66,7 @@ class Staging:
         """... until now: what it staged (None: nothing)."""
         return self._txs.pop(message_id, None)
 
-    def transaction(self, message_id: str) -> Transaction:
+    def run_transaction(self, message_id: str) -> Transaction:
         """The transaction of ``message_id``'s handler, which must be running."""
         try:
             tx = self._txs[message_id]
@@ -81,11 +81,11 @@ class Staging:
         return tx
 
     def stage_event(self, message_id: str, topic: str, payload: Any, **options: Any) -> None:
-        self.transaction(message_id).publish(topic, payload, **options)
+        self.run_transaction(message_id).publish(topic, payload, **options)
 
     def stage_send(self, message_id: str, address: str, command: str, payload: Any,
                    **options: Any) -> None:
-        self.transaction(message_id).send(address, command, payload, **options)
+        self.run_transaction(message_id).send(address, command, payload, **options)
 
     # --- the run's write ----------------------------------------------------------------------
 

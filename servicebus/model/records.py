@@ -85,7 +85,7 @@ class Message(_MessageFields):
     def kv(self) -> "TransactionKeyValue":
         """The bus's key-value state (``bus.kv``) as this handler's run sees it: writes are
         stored in the same atomic write as the run's completion, or not at all."""
-        return self._transactions().transaction(self.id).kv
+        return self._transactions().run_transaction(self.id).kv
 
     def publish(self, topic: str, payload: Any, *, ttl: float | None = None,
                 headers: dict[str, Any] | None = None, key: str | None = None,

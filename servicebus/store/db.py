@@ -81,7 +81,7 @@ class Store(Reads):
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    def orphan(self) -> None:
+    def _orphan(self) -> None:
         """In a fork()ed child (forks.py): refuse every call; never close the handle."""
         self._forked = True
         if self._db is not None:

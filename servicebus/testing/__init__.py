@@ -5,7 +5,9 @@ handler side's ``Runner`` (handling.py)."""
 from .fakes import CoreNode, one_message, FakeBatch, FakeClock, FakeStore, Network, free_address, free_port, wait_until
 from .handling import EventLog, FakePublisher, HandlingBatch, HandlingStore, RunnerRig
 from .stub import Sent, StubBus
+from .stubcalls import Drained
+from .astub import AsyncStubBus
 
-__all__ = ["one_message", "StubBus", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
+__all__ = ["one_message", "StubBus", "AsyncStubBus", "Drained", "Sent", "free_port", "free_address", "wait_until", "FakeClock", "FakeStore",
            "FakeBatch", "Network", "CoreNode", "HandlingStore", "HandlingBatch", "FakePublisher",
            "EventLog", "RunnerRig"]

@@ -1,9 +1,9 @@
 """``StubBus``: a bus for testing your handlers, in memory, with no sockets, no disk and no
 threads, like dramatiq's StubBroker.
 
-It has ``Bus``'s calls (``publish``, ``publish_many``, ``send``, ``request``, ``every``,
-``handle``, ``subscribe``, ``drain``, ``deadletters``, ``close``) with the same checks on
-their arguments, and runs handlers the way a bus does (several handlers per topic, patterns,
+It has every public call of ``Bus`` (a test compares the names) with the same checks on
+their arguments (``once``/``any``/``all``, ``status``, ``counters``, ``transaction`` and
+``request_async`` in stubcalls.py), and runs handlers the way a bus does (several handlers per topic, patterns,
 retries up to ``max_attempts``, ``Retry``/``Reject``, dead letters, TTLs, delays, priorities;
 one message at a time in publish order), but all of it in the calling thread when you call
 ``drain()``, on a clock you move with ``advance()``: the same test gives the same result
@@ -17,11 +17,15 @@ What it does not model: the network, crashes and restarts, a second bus, handler
 ``timeout=``, the dedupe window (a ``dedupe_key`` dedupes for the stub's whole life;
 ``dedupe="latest"`` stores the newer one and withdraws nothing), an
 ordered lane held by a message waiting for its retry (the stub runs the next ones).
+
+``async def`` handlers are awaited: by ``drain()`` on a loop of the stub's, or, in an
+``async def`` test, by ``await stub.drain_async()`` on the test's own loop.
 """
 
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import threading
 from collections.abc import Callable, Iterable
@@ -31,7 +35,7 @@ from typing import Any
 
 from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
-from ..handling.handlers import Handler, Handlers, handler_name
+from ..handling.handlers import Handler, Handlers
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.protocol import Kind
 from ..wire.validation import validate_address
@@ -39,8 +43,9 @@ from ..model.outgoing import check_seconds, check_ttl_headers, due_ms, prepare_c
 from ..model.records import DeadLetter, Message
 from ..wire.topics import validate_pattern, validate_topic
 from ..handling.transaction import KeyValue, Transaction
+from .stubcalls import Drained, StubCalls, _StubMisuse
 
-__all__ = ["StubBus", "Sent"]
+__all__ = ["StubBus", "Sent", "Drained"]
 
 _START_MS = 1_800_000_000_000  # the stub clock's epoch: fixed, so that runs repeat
 
@@ -88,14 +93,15 @@ class _Queued:
     correlation_id: str | None
     attempts: int = 0
     done: tuple[str, ...] = ()
+    watched: bool = False  # taken by a drain once: what once/any/all see after that
 
 
-class StubBus:
+class StubBus(StubCalls):
     """See the module docstring. ``options`` are ``Bus``'s (``max_attempts``,
     ``retry_initial``, ``retry_max`` and ``max_payload`` are used)."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:1", **options: Any) -> None:
-        self.config = BusConfig(**options)
+        self.config = BusConfig.of(options)
         self.address = validate_address(address)
         self.node_id = "stub"
         self.published: list[Sent] = []
@@ -114,6 +120,7 @@ class StubBus:
                            self.config.max_payload)
         # message id -> (its run's kv transaction, publishes and sends to make if it returns)
         self._txs: dict[str, tuple[Transaction, list[Callable[[], Any]]]] = {}
+        self._init_calls()
 
     # --- time --------------------------------------------------------------------------
 
@@ -162,6 +169,7 @@ class StubBus:
             expires = None if ttl is None else due + int(ttl * 1000)
             self._enqueue(_Queued(mid, Kind.EVENT, topic, body, headers, expires, None), due, priority)
             self.published.append(Sent(mid, "event", topic, decode_payload(body), headers, None))
+            self._counts["published"] += 1
             ids.append(mid)
         return ids
 
@@ -179,6 +187,7 @@ class StubBus:
         expires = None if ttl is None else due + int(ttl * 1000)
         self._enqueue(_Queued(mid, Kind.COMMAND, command, body, headers, expires, None), due, 0)
         self.sent.append(Sent(mid, "command", command, decode_payload(body), headers, address))
+        self._counts["sent"] += 1
         return mid
 
     def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
@@ -232,25 +241,29 @@ class StubBus:
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._handlers.add(kind, topic, fn, name if name is not None else handler_name(fn))
+            self._handlers.add(kind, topic, fn, name)
             return fn
 
         return register if handler is None else register(handler)
 
     # --- running -------------------------------------------------------------------------
 
-    def drain(self, timeout: float | None = None) -> bool:
+    def drain(self, timeout: float | None = None) -> Drained:
         """Run every message that is due on the stub's clock through its handlers, in
         order (priority first, then publish order), including messages that handlers
         publish, until nothing due is left. A failed run is retried when its backoff comes
         due: ``advance`` the clock past ``retry_max`` and drain again to run the retries.
-        Returns True when nothing is left at all (delayed messages and retries not due
-        count as left)."""
+        Returns a ``Drained`` that is true when nothing is left at all; false, it says what
+        is left and why (delayed messages and retries not due, messages nothing handles)."""
         with self._lock:
             while self._queue and self._queue[0][0] <= self._now_ms:
                 _due, _prio, _seq, msg = heapq.heappop(self._queue)
-                self._run(msg)
-            return not self._queue
+                try:
+                    self._run(msg)
+                except _StubMisuse:
+                    self._enqueue(msg, self._now_ms, 0)  # not run: as it was
+                    raise
+            return self._left()
 
     def pending(self) -> int:
         """Messages not handled yet (delayed, or waiting for a retry)."""
@@ -261,6 +274,7 @@ class StubBus:
 
     def close(self) -> None:
         self._closed = True
+        self._close_calls()
 
     @property
     def closed(self) -> bool:
@@ -274,8 +288,12 @@ class StubBus:
 
     def _run(self, msg: _Queued) -> None:
         if msg.expires is not None and msg.expires < self._now_ms:
+            self._counts["expired"] += 1
             self._dead(msg, "expired", None)
             return
+        if not msg.watched:  # received now, as a bus receives it: once
+            self._saw(msg.kind, msg.topic, msg.body, lambda: self._message(msg, 0))
+            msg.watched = True
         handlers = self._handlers.get((int(msg.kind), msg.topic))
         if not handlers:
             # As on a bus: it waits for a handler (registering one and draining runs it).
@@ -292,24 +310,32 @@ class StubBus:
             try:
                 self._call(handler, payload, message)
             except Reject as exc:
+                self._counts["rejected"] += 1
                 self._dead(msg, "rejected", f"Reject: {exc}")
                 return
+            except _StubMisuse:
+                msg.attempts -= 1
+                raise
             except BaseException as exc:  # noqa: BLE001 - a failure, SystemExit too (as on a Bus)
                 failure = exc
                 after = exc.after if isinstance(exc, Retry) else None
                 continue
             msg.done += (name,)
         if failure is None:
+            self._counts["handled"] += 1
             return
+        self._counts["failed"] += 1
         if msg.attempts >= self.config.max_attempts:
             self._dead(msg, "handler_failed", f"{type(failure).__name__}: {failure}")
             return
         if after is None:
             # The bus's backoff without its jitter: deterministic.
             after = min(self.config.retry_max, self.config.retry_initial * 2 ** (msg.attempts - 1))
+        self._counts["retried"] += 1
         self._enqueue(msg, self._now_ms + int(after * 1000), 0)
 
     def _dead(self, msg: _Queued, reason: str, error: str | None) -> None:
+        self._counts["deadletters"] += 1
         self._letters.append(DeadLetter(msg.id, "incoming", reason, error, msg.topic,
                                         msg.kind.name.lower(), msg.attempts, None, self._now_ms))
 
@@ -356,6 +382,8 @@ class StubBus:
         self._txs[message.id] = (Transaction(self._state, self.config.max_payload), [])
         try:
             value = handler(payload, message)
+            if inspect.isawaitable(value):
+                value = self._await(value)
             tx, calls = self._txs[message.id]
             tx.resolve_updates()
         finally:
@@ -372,7 +400,7 @@ class StubBus:
             raise TransactionError("message.kv, message.publish and message.send work only "
                                    "while the message's handler runs") from None
 
-    def transaction(self, message_id: str) -> Transaction:
+    def run_transaction(self, message_id: str) -> Transaction:
         return self._running(message_id)[0]
 
     def stage_event(self, message_id: str, topic: str, payload: Any, **options: Any) -> None:

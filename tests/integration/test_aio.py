@@ -177,3 +177,35 @@ def test_an_async_handler_raising_system_exit_fails_its_attempt_and_leaves_the_l
             return attempts, (await sub.status()).incoming
 
     assert asyncio.run(main()) == ([1, 2], 0)
+
+
+def test_async_bus_has_the_calls_of_bus_kv_transaction_once_counters_deadletters(tmp_path):
+    async def main():
+        async with AsyncBus(free_address(), tmp_path / "pub", max_attempts=1) as pub, \
+                AsyncBus(free_address(), tmp_path / "sub", max_attempts=1) as sub:
+            sub.every("orders.bad", lambda p, m: 1 / 0)
+            sub.every("orders.placed", lambda p, m: None)
+            sub.handle("price", lambda p, m: p * 2)
+            await sub.subscribe(pub.address, "orders.>", wait=10)
+            waiting = asyncio.ensure_future(sub.once("orders.placed", timeout=10))
+            async with pub.transaction() as tx:
+                tx.kv.put("order:1", {"state": "placed"})
+                tx.publish("orders.placed", {"id": 1})
+            with pytest.raises(KeyError):
+                async with pub.transaction() as tx:
+                    tx.kv.put("order:2", {"state": "placed"})
+                    raise KeyError("nothing stored")
+            payload, message = await waiting
+            assert payload == {"id": 1} and message.topic == "orders.placed"
+            assert await pub.kv.get("order:1") == {"state": "placed"} and await pub.kv.get("order:2") is None
+            await pub.kv.put("order:2", 2)
+            assert await pub.kv.items("order:") == [("order:1", {"state": "placed"}), ("order:2", 2)]
+            assert await pub.request_async(sub.address, "price", 21, timeout=10) == 42
+            await pub.publish("orders.bad", 1)
+            assert await sub.drain(10)
+            [letter] = await sub.deadletters()
+            assert letter.topic == "orders.bad" and letter.reason == "handler_failed"
+            assert (await pub.counters())["published"] >= 2 and not pub.closed
+        assert pub.closed and sub.closed
+
+    asyncio.run(main())
