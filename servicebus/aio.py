@@ -109,24 +109,25 @@ class AsyncBus:
         return async_transaction(self.bus.transaction())
 
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
-              timeout: float | None = None) -> Any:
-        """As ``Bus.every``; ``handler`` may be an ``async def``."""
-        return self._register(self.bus.every, topic, handler, name, timeout)
+              timeout: float | None = None, **policy: Any) -> Any:
+        """As ``Bus.every`` (``policy``: its ``max_attempts``, ``backoff``, ``retry_on``,
+        ``dead_letter_on``); ``handler`` may be an ``async def``."""
+        return self._register(self.bus.every, topic, handler, name, timeout, policy)
 
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
-               timeout: float | None = None) -> Any:
+               timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.handle``; ``handler`` may be an ``async def`` (its return value is the
         reply)."""
-        return self._register(self.bus.handle, command, handler, name, timeout)
+        return self._register(self.bus.handle, command, handler, name, timeout, policy)
 
     def _register(self, register: Any, topic: str, handler: Handler | None, name: str | None,
-                  timeout: float | None) -> Any:
+                  timeout: float | None, policy: dict[str, Any]) -> Any:
         if timeout is not None:
             check_seconds(timeout, "timeout")
 
         def add(fn: Handler) -> Handler:
             if not inspect.iscoroutinefunction(fn):
-                register(topic, fn, name=name, timeout=timeout)
+                register(topic, fn, name=name, timeout=timeout, **policy)
                 return fn
             loop = self._loop
             label = name or handler_name(fn) or topic
@@ -143,7 +144,7 @@ class AsyncBus:
 
             # The time limit is the loop's (the coroutine is cancelled), not the worker's: an
             # exception raised in the waiting thread would land only after the coroutine ended.
-            register(topic, run, name=name, timeout=None)
+            register(topic, run, name=name, timeout=None, **policy)
             return fn
 
         return add if handler is None else add(handler)

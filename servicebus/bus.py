@@ -16,6 +16,8 @@ from typing import Any
 from .engine import loop as E
 from .lifecycle import Lifecycle
 from .handling.handlers import handler_name
+from .handling.policy import Backoff, Policy, make_policy
+from .model.letters import dead_letters
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout, WaitTimeout
 from .store.status import live_status
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
@@ -209,14 +211,16 @@ class Bus(Lifecycle):
                 hooks.after_publish("command", command, error)
 
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
-               timeout: float | None = None) -> Any:
+               timeout: float | None = None, max_attempts: int | None = None, backoff: Backoff | None = None,
+               retry_on: Any = None, dead_letter_on: Any = None) -> Any:
         """Handle ``command``: ``handler(payload, message)``; its return value is the reply
         to ``request``. One handler per command (``ValueError`` for a second). Also a
         decorator. For a plain ``send`` a raising handler is retried, then dead-lettered;
         for a ``request`` the exception goes back to the caller as ``RemoteError``.
-        ``timeout``: as for ``every``."""
+        ``timeout`` and the retry policy: as for ``every``."""
         validate_topic(command, "command")
-        return self._register(Kind.COMMAND, command, handler, name, timeout)
+        policy = make_policy(max_attempts, backoff, retry_on, dead_letter_on)
+        return self._register(Kind.COMMAND, command, handler, name, timeout, policy)
 
     def request_async(self, address: str, command: str, payload: Any,
                       timeout: float = 30.0, headers: dict[str, Any] | None = None,
@@ -366,24 +370,31 @@ class Bus(Lifecycle):
     # --- handlers ----------------------------------------------------------------------
 
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
-              timeout: float | None = None) -> Any:
+              timeout: float | None = None, max_attempts: int | None = None, backoff: Backoff | None = None,
+              retry_on: Any = None, dead_letter_on: Any = None) -> Any:
         """Run ``handler(payload, message)`` for each ``topic`` event (also a decorator).
 
         Returning marks the message done; raising retries it with backoff, then moves it
         to the dead letters. Several handlers on one topic: done when all returned; each
-        needs a name that is stable across restarts and distinct (``name``, by default the
-        function's module and qualified name; a ``functools.partial`` or a second lambda
-        needs ``name``), as the names of the finished ones are stored with the message.
+        needs a name that is stable across restarts and distinct (``name``; by default the
+        function's module and qualified name, ``@topic`` added for a lambda or where another
+        topic's handler has it), as the names of the finished ones are stored.
 
         ``timeout`` (seconds): a run that takes longer gets ``HandlerTimeout`` raised inside
         it (at its next Python instruction: a call blocked in C is interrupted when it
         returns) and counts as a failed attempt (timeouts.py).
+
+        This handler's own retry policy, else the bus's options (policy.py): ``max_attempts``,
+        ``backoff`` ((initial, cap) seconds, or attempt -> seconds), ``retry_on`` (only these
+        exception classes retry) and ``dead_letter_on`` (these dead-letter at once, reason
+        ``rejected``).
         """
         validate_pattern(topic)
-        return self._register(Kind.EVENT, topic, handler, name, timeout)
+        policy = make_policy(max_attempts, backoff, retry_on, dead_letter_on)
+        return self._register(Kind.EVENT, topic, handler, name, timeout, policy)
 
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None,
-                  timeout: float | None = None) -> Any:
+                  timeout: float | None = None, policy: Policy | None = None) -> Any:
         """Register now, or return a decorator that does (``every`` and ``handle``)."""
         if timeout is not None:
             check_seconds(timeout, "timeout")
@@ -394,7 +405,7 @@ class Bus(Lifecycle):
             self._check_open()
             derived = handler_name(fn)  # of the function itself, not of the time limit's wrapper
             run = fn if timeout is None else self._watchdog.limit(fn, timeout, name or derived or topic)
-            self._dispatcher.register(kind, topic, run, name, derived)
+            self._dispatcher.register(kind, topic, run, name, derived, policy)
             return fn
 
         return register if handler is None else register(handler)
@@ -430,16 +441,7 @@ class Bus(Lifecycle):
         """The dead letters in the store, oldest id first (at most ``limit``): what an
         operator would replay or purge (``servicebus deadletters`` shows the payloads)."""
         self._check_open()
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"limit must be an int >= 0, not {limit!r}")
-        out: list[DeadLetter] = []
-        for mid, rec in self._store.deadletters():
-            if limit is not None and len(out) >= limit:
-                break
-            out.append(DeadLetter(mid, rec.get("origin", "?"), rec.get("reason", "?"), rec.get("error"),
-                                  rec.get("topic"), rec.get("kind"), rec.get("attempts"),
-                                  rec.get("peer"), int(rec.get("at") or 0), rec.get("not_replayable")))
-        return out
+        return dead_letters(self._store.deadletters(), limit)
 
     def counters(self) -> dict[str, int]:
         """Engine counters since start (published, sent, received, acked, fsyncs, ...)."""

@@ -26,6 +26,7 @@ from ..model.delivery import PRIORITY_HEADER
 from ..errors import StoreError
 from ..wire.topics import is_pattern, matches
 from .concurrency import Concurrency
+from .policy import Policy
 from .handlers import Handler, Handlers
 from .lanes import LaneKey, Lanes, lane_of
 from ..hooks.base import Hooks
@@ -129,10 +130,10 @@ class Dispatcher(WorkerLoop):
     # --- handlers ----------------------------------------------------------------------
 
     def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None,
-                 derived: str | None = None) -> None:
+                 derived: str | None = None, policy: Policy | None = None) -> None:
         """Add ``handler`` (see ``Handlers.add``) and queue its parked messages."""
         with self._cv:
-            key = self._handlers.add(kind, topic, handler, name, derived=derived)
+            key = self._handlers.add(kind, topic, handler, name, derived=derived, policy=policy)
             woken = {k for k in self._parked if k == key or (
                 k[0] == key[0] and is_pattern(topic) and matches(topic, k[1]))}
             self._parked -= woken

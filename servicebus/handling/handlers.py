@@ -9,6 +9,7 @@ from typing import Any
 from ..wire.protocol import Kind
 from ..model.records import Message
 from ..wire.topics import is_pattern, matches
+from .policy import Policy
 
 __all__ = ["Handler", "Handlers", "handler_name", "UNNAMED"]
 
@@ -39,6 +40,36 @@ class Handlers:
         self._by_key: dict[tuple[int, str], list[tuple[str, Handler]]] = {}
         self._patterns: list[tuple[int, str]] = []  # keys of pattern handlers
         self._resolved: dict[tuple[int, str], list[tuple[str, Handler]] | None] = {}
+        # (kind, registered topic or pattern, name) -> its own retry policy (policy.py). A
+        # name is distinct among the handlers that run for a topic, so (kind, topic, name)
+        # finds one registration.
+        self._policies: dict[tuple[int, str, str], Policy] = {}
+
+    def policy(self, kind: int, topic: str, name: str) -> Policy | None:
+        """The policy of handler ``name`` as it runs for ``topic``, or None (the bus's)."""
+        policies = self._policies
+        if not policies:
+            return None
+        found = policies.get((kind, topic, name))
+        if found is not None:
+            return found
+        for k, pattern in self._patterns:
+            if k == kind and matches(pattern, topic):
+                found = policies.get((kind, pattern, name))
+                if found is not None:
+                    return found
+        return None
+
+    def limit(self, kind: int, topic: str, default: int) -> int:
+        """Runs a message of ``topic`` may have begun: the largest ``max_attempts`` of its
+        handlers (a crash ends every handler's run, so none is cut short of its own)."""
+        if not self._policies:
+            return default
+        limits = [default]
+        for name, _ in self.get((kind, topic)) or ():
+            policy = self.policy(kind, topic, name)
+            limits.append(default if policy is None else policy.limit(default))
+        return max(limits[1:] or limits)
 
     def get(self, key: tuple[int, str]) -> list[tuple[str, Handler]] | None:
         if not self._patterns:
@@ -60,7 +91,7 @@ class Handlers:
         return self.get(key) is not None  # type: ignore[arg-type]
 
     def add(self, kind: Kind, topic: str, handler: Handler, name: str | None = None, *,
-            derived: str | None = None) -> tuple[int, str]:
+            derived: str | None = None, policy: Policy | None = None) -> tuple[int, str]:
         """Add ``handler``. With several handlers on one topic, the names of the ones that
         finished are stored with the message so that a restart reruns only the others:
         they must be stable across restarts and distinct. ``name`` is the caller's own and
@@ -101,6 +132,8 @@ class Handlers:
                     f"several handlers on {topic!r} need stable, distinct names ({shown}): "
                     "pass every(topic, handler, name=...)")
         self._by_key = {**self._by_key, key: existing + [(name or UNNAMED, handler)]}
+        if policy is not None:
+            self._policies = {**self._policies, (int(kind), topic, name or UNNAMED): policy}
         if wildcard and key not in self._patterns:
             self._patterns = [*self._patterns, key]
         self._resolved = {}

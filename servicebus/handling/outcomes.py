@@ -23,6 +23,8 @@ class Outcome:
     events: tuple[Event, ...] = ()  # written with the outcome
     done: tuple[str, ...] = ()  # failed: the handlers that finished (not rerun)
     retry_after: float | None = None  # failed: asked for by ``Retry(after=)``
+    limit: int = 0  # failed: the runs it may have (its failed handlers' policies; 0: the bus's)
+    delay: float | None = None  # failed: their backoff before the next run (None: the bus's)
     tx: Transaction | None = None  # handled, replied: what the last handler staged
     part: str = ""  # handled: that handler's name (keeps its outbox keys apart)
     reply: dict[str, Any] | None = None  # replied: the reply to send back

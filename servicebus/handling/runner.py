@@ -94,7 +94,8 @@ class Runner:
         # Segment key -> the progress its run paused at (segmentrun.py), taken by the worker
         # that requeues it: one key is run by one worker at a time.
         self.paused: dict[str, Progress] = {}
-        self.writer = RunWriter(store, max_attempts=config.max_attempts, closing=closing, wall=wall,
+        self.writer = RunWriter(store, closing=closing, wall=wall,
+                                limit=lambda kind, topic: handlers.limit(kind, topic, config.max_attempts),
                                 handles=lambda kind, topic: (kind, topic) in handlers)
         self.staging = Staging(store, self.writer, config.max_payload)
         self.waits = self.writer.waits  # seconds waited per worker thread (concurrency.py)
@@ -155,7 +156,7 @@ class Runner:
             assert handlers
         attempts, done, last_error, _next = item.runstate or NO_RUNS
         attempts += 1
-        if attempts > self._config.max_attempts:
+        if attempts > self._handlers.limit(kind, topic, self._config.max_attempts):
             # Every run so far started and none ended, not even by raising: the handler
             # ends the process (os._exit, a segfault, the OOM killer). Checked before it
             # runs, or the service would crash-loop on this message forever.
@@ -204,8 +205,10 @@ class Runner:
                 message: Message, attempts: int, done: list[str], last_error: str | None) -> Outcome:
         """Run each handler not done yet; their outcome."""
         mid, topic, config, staging = item.id, item.record.topic, self._config, self.staging
+        kind, registry = item.record.kind, self._handlers
         error: str | None = None
         retry_after: float | None = None
+        limit, delay = 0, None  # of the handlers that failed, with a policy of their own
         final: Transaction | None = None  # what the last handler to finish staged
         final_name = handlers[-1][0]
         for name, handler in handlers:
@@ -231,8 +234,19 @@ class Runner:
             except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
                 staging.close(mid)
                 error = _failed_text(exc)
+                policy = registry.policy(kind, topic, name)
+                if policy is not None and policy.gives_up_on(exc):
+                    given_up = f"{error} (not retried: the handler's retry_on/dead_letter_on)"
+                    log.warning("handler %s failed on %s %s and does not retry it: %s", name, topic, mid, error)
+                    return Outcome("dead", attempts, "rejected", given_up,
+                                   (self._event("handler_failed", item, attempts, given_up),))
+                own = config.max_attempts if policy is None else policy.limit(config.max_attempts)
+                limit = own if not limit else min(limit, own)
+                if policy is not None and policy.backoff is not None:
+                    wait = policy.delay(attempts, config.retry_initial, config.retry_max)
+                    delay = wait if delay is None else max(delay, wait)
                 log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
-                            mid, attempts, config.max_attempts, error)
+                            mid, attempts, own, error)
                 continue
             tx = staging.close(mid)
             done.append(name)
@@ -250,7 +264,8 @@ class Runner:
                 final, final_name = tx, name
         if error is None:
             return Outcome("handled", attempts, done=tuple(done), tx=final, part=final_name)
-        return Outcome("failed", attempts, error=error, done=tuple(done), retry_after=retry_after)
+        return Outcome("failed", attempts, error=error, done=tuple(done), retry_after=retry_after,
+                       limit=limit or config.max_attempts, delay=delay)
 
     def _request(self, item: Incoming, handler: Handler, payload: Any, message: Message) -> Outcome:
         """A request: the handler's return value, or its exception, is the reply. It is not
@@ -285,10 +300,9 @@ class Runner:
     def _failed(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         mid, attempts, error, config = item.id, o.attempts, o.error, self._config
         failed = self._event("handler_failed", item, attempts, error)
-        if attempts >= config.max_attempts:
+        if attempts >= (o.limit or config.max_attempts):
             return self._dead(item, Outcome("dead", attempts, "handler_failed", error, (failed,)), nxt)
-        delay = backoff(attempts, config.retry_initial, config.retry_max) if o.retry_after is None \
-            else o.retry_after
+        delay = self.retry_delay(o)
         done = list(o.done)
 
         def retried(batch: Any) -> None:
@@ -296,6 +310,15 @@ class Runner:
             self._hooks.events(batch, [failed, self._event("retried", item, attempts, error)])
 
         return time.monotonic() + delay, self.writer.record(retried, None, nxt)
+
+    def retry_delay(self, o: Outcome) -> float:
+        """Seconds before a failed message runs again: what ``Retry(after=)`` asked for, else
+        its failed handlers' backoff, else the bus's."""
+        if o.retry_after is not None:
+            return o.retry_after
+        if o.delay is not None:
+            return o.delay
+        return backoff(o.attempts, self._config.retry_initial, self._config.retry_max)
 
     def _dead(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         record, reason = item.record, o.reason or "handler_failed"

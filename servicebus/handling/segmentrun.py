@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import StoreError
-from ..model.delivery import backoff
 from ..model.letters import incoming_letter
 from ..model.segments import bodies_of, make_blob
 from ..model.stored import NO_RUNS, Event, Incoming, IncomingRecord, Progress, RunState, event
@@ -122,12 +121,12 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
                 outcome = _failed_update(view, outcome)
             else:
                 continue
-        if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts and ordered:
+        if outcome.kind == "failed" and outcome.attempts < outcome.limit and ordered:
             # The rest of an ordered lane waits for it: the segment is retried from here.
             return _retry_here(runner, item, outcome, i, started_now=outcome.attempts, skipped=skipped)
-        if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts and mid == key:
+        if outcome.kind == "failed" and outcome.attempts < outcome.limit and mid == key:
             return _split_first(runner, item, view, one(record, i, bodies[i]), outcome, bodies)
-        if outcome.kind == "failed" and outcome.attempts < runner._config.max_attempts:
+        if outcome.kind == "failed" and outcome.attempts < outcome.limit:
             skipped.append(i)
             marked_next = _split_off(runner, item, view, one(record, i, bodies[i]), outcome, nxt_index,
                                      started, skipped, last, follow)
@@ -223,9 +222,8 @@ def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingR
                nxt: Incoming | None) -> bool:
     """Message ``view`` failed, attempts left: it goes on as a segment of one, retried
     after a backoff; the segment goes on without it."""
-    config, mid = runner._config, view.id
-    delay = backoff(o.attempts, config.retry_initial, config.retry_max) if o.retry_after is None \
-        else o.retry_after
+    mid = view.id
+    delay = runner.retry_delay(o)
     state = RunState(o.attempts, list(o.done), o.error, runner._wall() + int(delay * 1000))
     failed = runner._event("handler_failed", view, o.attempts, o.error)
     retried = runner._event("retried", view, o.attempts, o.error)
@@ -250,9 +248,8 @@ def _split_first(runner: Runner, item: Incoming, view: Incoming, single: Incomin
     it cannot be split off beside the segment: it stays under the key, by itself, retried
     after a backoff (the dispatcher reads its record again), and the rest of the segment
     goes on at once under its next message's id, as a segment of its own."""
-    config, record, key = runner._config, item.record, item.id
-    delay = backoff(o.attempts, config.retry_initial, config.retry_max) if o.retry_after is None \
-        else o.retry_after
+    record, key = item.record, item.id
+    delay = runner.retry_delay(o)
     state = RunState(o.attempts, list(o.done), o.error, runner._wall() + int(delay * 1000))
     rest = record._replace(ids=list(record.ids[1:]), blob=make_blob(bodies[1:]))
     events = [runner._event("handler_failed", view, o.attempts, o.error),
@@ -273,10 +270,9 @@ def _retry_here(runner: Runner, item: Incoming, o: Outcome, i: int, started_now:
                 skipped: list[int]) -> tuple[float | None, bool]:
     """Message ``i`` of an ordered segment failed: the segment stays at it, and runs again
     from it after a backoff (its run state keeps the error; the progress, the attempts)."""
-    config, record = runner._config, item.record
+    record = item.record
     mid = record.ids[i]
-    delay = backoff(o.attempts, config.retry_initial, config.retry_max) if o.retry_after is None \
-        else o.retry_after
+    delay = runner.retry_delay(o)
     state = RunState(o.attempts, list(o.done), o.error, runner._wall() + int(delay * 1000))
     events = [runner._event("handler_failed", _tuple(Incoming, (mid, record, None, None)), o.attempts, o.error),
               runner._event("retried", _tuple(Incoming, (mid, record, None, None)), o.attempts, o.error)]

@@ -64,10 +64,10 @@ Synced = Callable[[Callable[[Any], bool]], bool]
 
 
 class RunWriter:
-    def __init__(self, store: RunStore, *, max_attempts: int, handles: Callable[[int, str], bool],
+    def __init__(self, store: RunStore, *, limit: Callable[[int, str], int], handles: Callable[[int, str], bool],
                  closing: Callable[[], bool], wall: Callable[[], int] = wall_ms) -> None:
         self._store = store
-        self._max_attempts = max_attempts
+        self._limit = limit  # runs a message of (kind, topic) may begin (policy.py)
         self._handles = handles  # whether a handler is registered for (kind, topic)
         self._closing = closing
         self._wall = wall
@@ -210,7 +210,7 @@ class RunWriter:
         if record.expires is not None and self._wall() > record.expires:
             return None
         attempts, done, last_error, _next = item.runstate or NO_RUNS
-        if attempts >= self._max_attempts:
+        if attempts >= self._limit(kind, record.topic):
             return None  # it will not run again: the runner dead-letters it
         return _tuple(RunState, (attempts + 1, list(done), last_error, 0))
 

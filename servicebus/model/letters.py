@@ -14,15 +14,17 @@ replayed in ``not_replayable``: replay leaves such letters alone. So does a row 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .clock import wall_ms
 from .delivery import OutgoingRecord
 from ..wire.protocol import KIND_NAMES, Invalid
 from ..wire.validation import MAX_REASON_LEN
+from .records import DeadLetter
 from .stored import IncomingRecord
 
-__all__ = ["incoming_letter", "outgoing_letter", "damaged_letter", "invalid_letter", "sql_outbox_letter"]
+__all__ = ["dead_letters", "incoming_letter", "outgoing_letter", "damaged_letter", "invalid_letter", "sql_outbox_letter"]
 
 
 def incoming_letter(reason: str, error: str | None, attempts: int,
@@ -90,3 +92,17 @@ def sql_outbox_letter(table: str, row: Any, error: str) -> dict[str, Any]:
             "source": source, "body": body if isinstance(body, bytes) else None,
             "not_replayable": f"a row of the SQL outbox table {table!r} that cannot be a message: "
                               "write a corrected row to the table (its columns are in source)"}
+
+
+def dead_letters(stored: Iterable[tuple[str, dict[str, Any]]], limit: int | None = None) -> list[DeadLetter]:
+    """``Bus.deadletters``: the stored letters (id, record) as ``DeadLetter``, at most ``limit``."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be an int >= 0, not {limit!r}")
+    out: list[DeadLetter] = []
+    for mid, rec in stored:
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(DeadLetter(mid, rec.get("origin", "?"), rec.get("reason", "?"), rec.get("error"),
+                              rec.get("topic"), rec.get("kind"), rec.get("attempts"),
+                              rec.get("peer"), int(rec.get("at") or 0), rec.get("not_replayable")))
+    return out

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import BacklogFull, StoreError
+from ..handling.policy import make_policy
 from ..handling.handlers import Handler, Handlers
 from ..handling.requests import PendingRequests
 from ..handling.runner import Runner
@@ -284,8 +285,10 @@ class RunnerRig:
         self.store.restart()
         self.runner = self._runner()
 
-    def add(self, topic: str, handler: Handler, *, kind: Kind = Kind.EVENT, name: str | None = None) -> None:
-        self.handlers.add(kind, topic, handler, name)
+    def add(self, topic: str, handler: Handler, *, kind: Kind = Kind.EVENT, name: str | None = None,
+            **policy: Any) -> None:
+        """Add a handler, with ``every``'s retry policy keywords (policy.py)."""
+        self.handlers.add(kind, topic, handler, name, policy=make_policy(**policy))
 
     def receive(self, topic: str, payload: Any = None, *, kind: Kind = Kind.EVENT,
                 ttl: float | None = None, correlation_id: str | None = None,

@@ -36,6 +36,7 @@ from typing import Any
 from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
 from ..handling.handlers import Handler, Handlers
+from ..handling.policy import Policy, make_policy
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.protocol import Kind
 from ..wire.validation import validate_address
@@ -216,16 +217,16 @@ class StubBus(StubCalls):
     # --- handlers and subscriptions -------------------------------------------------------
 
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
-              timeout: float | None = None) -> Any:
-        """As ``Bus.every`` (``timeout`` is accepted and not enforced)."""
+              timeout: float | None = None, **policy: Any) -> Any:
+        """As ``Bus.every``, with its retry policy (``timeout`` is accepted, not enforced)."""
         validate_pattern(topic)
-        return self._register(Kind.EVENT, topic, handler, name)
+        return self._register(Kind.EVENT, topic, handler, name, make_policy(**policy))
 
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
-               timeout: float | None = None) -> Any:
+               timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.handle``."""
         validate_topic(command, "command")
-        return self._register(Kind.COMMAND, command, handler, name)
+        return self._register(Kind.COMMAND, command, handler, name, make_policy(**policy))
 
     def subscribe(self, address: str, topic: str, **options: Any) -> None:
         """Checked and accepted: on a stub every event goes to its own handlers anyway."""
@@ -236,12 +237,13 @@ class StubBus(StubCalls):
         validate_address(address)
         validate_pattern(topic)
 
-    def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None) -> Any:
+    def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None,
+                  policy: Policy | None) -> Any:
         def register(fn: Handler) -> Handler:
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._handlers.add(kind, topic, fn, name)
+            self._handlers.add(kind, topic, fn, name, policy=policy)
             return fn
 
         return register if handler is None else register(handler)
@@ -304,6 +306,7 @@ class StubBus(StubCalls):
         message = self._message(msg, msg.attempts)
         failure: BaseException | None = None
         after: float | None = None
+        limit, wait = 0, 0.0  # the failed handlers' policies: the fewest runs, the longest backoff
         for name, handler in handlers:
             if name in msg.done:
                 continue
@@ -317,20 +320,28 @@ class StubBus(StubCalls):
                 msg.attempts -= 1
                 raise
             except BaseException as exc:  # noqa: BLE001 - a failure, SystemExit too (as on a Bus)
+                policy = self._handlers.policy(int(msg.kind), msg.topic, name) or Policy()
+                if policy.gives_up_on(exc):
+                    self._counts["failed"] += 1
+                    self._dead(msg, "rejected", f"{type(exc).__name__}: {exc} (not retried: the "
+                               "handler's retry_on/dead_letter_on)")
+                    return
                 failure = exc
                 after = exc.after if isinstance(exc, Retry) else None
+                own = policy.limit(self.config.max_attempts)
+                limit = own if not limit else min(limit, own)
+                wait = max(wait, _stub_backoff(policy, msg.attempts, self.config))
                 continue
             msg.done += (name,)
         if failure is None:
             self._counts["handled"] += 1
             return
         self._counts["failed"] += 1
-        if msg.attempts >= self.config.max_attempts:
+        if msg.attempts >= limit:
             self._dead(msg, "handler_failed", f"{type(failure).__name__}: {failure}")
             return
         if after is None:
-            # The bus's backoff without its jitter: deterministic.
-            after = min(self.config.retry_max, self.config.retry_initial * 2 ** (msg.attempts - 1))
+            after = wait
         self._counts["retried"] += 1
         self._enqueue(msg, self._now_ms + int(after * 1000), 0)
 
@@ -414,3 +425,11 @@ class StubBus(StubCalls):
         prepare_command(address, command, payload, max_payload=self.config.max_payload,
                         ttl=options.get("ttl"), headers=options.get("headers"))
         calls.append(lambda: self.send(address, command, payload, **options))
+
+
+def _stub_backoff(policy: Policy, attempts: int, config: BusConfig) -> float:
+    """The bus's backoff (or the handler's) without its jitter: deterministic."""
+    if callable(policy.backoff):
+        return policy.delay(attempts, config.retry_initial, config.retry_max)
+    initial, cap = policy.backoff or (config.retry_initial, config.retry_max)
+    return min(cap, initial * 2 ** (attempts - 1))

@@ -227,3 +227,32 @@ def test_a_request_handler_raising_system_exit_replies_with_a_remote_error(make_
     with pytest.raises(RemoteError, match="SystemExit"):
         client.request(server.address, "quote", {}, timeout=10)
     assert server.drain(10) and server.status().incoming == 0
+
+
+def test_each_handler_follows_its_own_retry_policy_on_a_real_bus(make_bus):
+    pub, sub = pair(make_bus, max_attempts=5, retry_initial=0.01, retry_max=0.02)
+    runs: dict[str, list[int]] = {"strict": [], "patient": [], "picky": []}
+
+    @sub.every("orders.strict", max_attempts=2)
+    def strict(payload, message):
+        runs["strict"].append(message.attempt)
+        raise ValueError("always")
+
+    @sub.every("orders.patient", max_attempts=7, backoff=lambda attempt: 0.01)
+    def patient(payload, message):
+        runs["patient"].append(message.attempt)
+        if message.attempt < 7:
+            raise TimeoutError("not yet")
+
+    @sub.every("orders.picky", retry_on=TimeoutError)
+    def picky(payload, message):
+        runs["picky"].append(message.attempt)
+        raise KeyError("no such customer")
+
+    sub.subscribe(pub.address, "orders.*", wait=10)
+    for topic in ("orders.strict", "orders.patient", "orders.picky"):
+        pub.publish(topic, 1)
+    wait_until(lambda: sub.status().deadletters == 2 and sub.drain(0.1), 20)
+    assert runs == {"strict": [1, 2], "patient": [1, 2, 3, 4, 5, 6, 7], "picky": [1]}
+    letters = {d.topic: (d.reason, d.attempts) for d in sub.deadletters()}
+    assert letters == {"orders.strict": ("handler_failed", 2), "orders.picky": ("rejected", 1)}
