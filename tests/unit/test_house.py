@@ -19,7 +19,7 @@ MAX_LINES = 450
 
 # Each layer: the modules (files or folders under servicebus/) it is made of.
 PARTS = {
-    "Face": ["__init__.py", "bus.py", "aio.py", "lifecycle.py"],
+    "Face": ["__init__.py", "bus.py", "busstate.py", "aio.py", "lifecycle.py"],
     "Engine": ["engine/"],
     "Core": ["core/"],
     "Wire": ["wire/"],

@@ -1,0 +1,109 @@
+"""What ``Bus`` answers about itself: waiting for events (``once``/``any``/``all``),
+``drain``, ``status``, ``deadletters``, ``counters``. A layer of ``Bus`` (bus.py) over
+``Lifecycle`` (lifecycle.py), so that each file holds one concern."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from .engine import loop as E
+from .errors import WaitTimeout
+from .lifecycle import Lifecycle
+from .model.letters import dead_letters
+from .model.outgoing import check_seconds
+from .model.records import BusStatus, DeadLetter, Message
+from .store.status import live_status
+from .wire.topics import validate_pattern
+
+__all__ = ["BusState"]
+
+
+class BusState(Lifecycle):
+    # --- waiting for events -----------------------------------------------------------
+
+    def once(self, topic: str, *, timeout: float | None = None) -> tuple[Any, Message]:
+        """Wait for the next event on ``topic`` (a pattern too) that this bus receives;
+        return ``(payload, message)`` (``message.attempt`` is 0: not a handler run).
+
+        For scripts, tests and sagas: it sees events received after the call, whether or
+        not a handler handles them, and it handles nothing itself. Not durable: a wait in
+        memory. You still need a subscription that brings the events here. Raises
+        ``WaitTimeout`` after ``timeout`` seconds."""
+        return self._watch((topic,), False, timeout)[topic]
+
+    def any(self, topics: Iterable[str], *, timeout: float | None = None) -> tuple[str, Any, Message]:
+        """Wait for the next event on any of ``topics``; ``(topic pattern, payload,
+        message)`` of the first (see ``once``)."""
+        patterns = tuple(topics)
+        got = self._watch(patterns, False, timeout)
+        (pattern, (payload, message)), = got.items()
+        return pattern, payload, message
+
+    def all(self, topics: Iterable[str], *, timeout: float | None = None) -> dict[str, tuple[Any, Message]]:
+        """Wait until an event has arrived on each of ``topics``; ``{topic pattern:
+        (payload, message)}`` with the first of each (see ``once``)."""
+        return self._watch(tuple(topics), True, timeout)
+
+    def _watch(self, patterns: tuple[str, ...], need_all: bool,
+               timeout: float | None) -> dict[str, tuple[Any, Message]]:
+        if not patterns:
+            raise ValueError("give at least one topic")
+        for pattern in patterns:
+            validate_pattern(pattern)
+        if timeout is not None:
+            check_seconds(timeout, "timeout")
+        self._check_open()
+        watch = self._watches.add(patterns, need_all)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not watch.done.wait(0.5 if deadline is None else
+                                      min(0.5, max(0.0, deadline - time.monotonic()))):
+                self._check_open()
+                if deadline is not None and time.monotonic() >= deadline:
+                    missing = [p for p in patterns if p not in watch.got]
+                    raise WaitTimeout(f"no event on {', '.join(map(repr, missing))} within {timeout}s")
+            return dict(watch.got)
+        finally:
+            self._watches.remove(watch)
+
+    # --- state -------------------------------------------------------------------------
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending anywhere: every subscriber acknowledged, every
+        received message handled (or dead-lettered), every subscribe confirmed. Returns
+        False if that did not happen within ``timeout`` seconds."""
+        engine = self._check_open()
+        if self._dispatcher.in_worker():
+            # The running handler is itself pending work: this would wait for itself.
+            raise RuntimeError("drain() cannot be called from inside a handler")
+        future: Future = Future()
+        engine.submit(E.Drain(future))
+        try:
+            return bool(self._wait(future, timeout))
+        except FutureTimeout:
+            future.cancel()
+            return False
+
+    def status(self) -> BusStatus:
+        """A frozen snapshot of counts per store, peers and the lock owner, and
+        ``store_error`` when the store cannot be written."""
+        snap = self._call(lambda f: E.Snapshot(f))
+        return live_status(self._store, snap, node_id=self.node_id, address=self.address,
+                           datadir=str(self.datadir), running=not self._closed,
+                           lock=dict(self._lock.owner.__dict__) if self._lock else {},
+                           admin=self._admin)
+
+    def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
+        """The dead letters in the store, oldest id first (at most ``limit``): what an
+        operator would replay or purge (``servicebus deadletters`` shows the payloads)."""
+        self._check_open()
+        return dead_letters(self._store.deadletters(), limit)
+
+    def counters(self) -> dict[str, int]:
+        """Engine counters since start (published, sent, received, acked, fsyncs, ...)."""
+        snap = self._call(lambda f: E.Snapshot(f))
+        return dict(snap["counters"])
