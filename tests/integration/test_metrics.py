@@ -222,3 +222,19 @@ def test_outcomes_inside_a_segment_of_several_messages_are_counted_like_those_of
     assert outcomes(scrape(sub), sub, TOPIC, "worker") == expected(
         handled=4, failed=4, rejected=1, retried=3, deadlettered__rejected=1,
         deadlettered__handler_failed=1, runs__handled=4, runs__failed=4, runs__rejected=1)
+
+
+def test_a_message_two_handlers_share_is_retried_and_dead_lettered_under_the_one_that_failed(make_bus):
+    pub = make_bus("pub")
+    sub = make_bus("sub", metrics_port=free_port(), max_attempts=2, retry_initial=0.01, retry_max=0.02)
+    sub.every(TOPIC, lambda p, m: None, name="billing")
+    sub.every(TOPIC, lambda p, m: 1 / 0, name="stock")
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: sample(scrape(sub), "servicebus_handler_deadlettered_total",
+                              handler="stock", reason="handler_failed") == 1, 10, message=lambda: scrape(sub))
+    text = scrape(sub)
+    # billing finished on the first attempt and is not run again.
+    assert outcomes(text, sub, TOPIC, "billing") == expected(handled=1, runs__handled=1)
+    assert outcomes(text, sub, TOPIC, "stock") == expected(
+        failed=2, retried=1, deadlettered__handler_failed=1, runs__failed=2)
