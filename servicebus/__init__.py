@@ -28,7 +28,7 @@ from .errors import (
     TransportError,
     WaitTimeout,
 )
-from .hooks.base import Hook
+from .hooks.base import HandlerOutcome, Hook
 from .model.records import BusStatus, DeadLetter, Message, PeerStatus
 from .model.stored import Event
 from .handling.timeouts import HandlerTimeout
@@ -43,6 +43,7 @@ __all__ = [
     "DeadLetter",
     "Hook",
     "Event",
+    "HandlerOutcome",
     "BusError",
     "AdminUnavailable",
     "BusClosedError",

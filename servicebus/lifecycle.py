@@ -68,6 +68,9 @@ class _View:
     def store(self) -> Store:
         return self._bus._store
 
+    def handlers(self) -> list[tuple[str, str]]:
+        return self._bus._dispatcher.handlers()
+
 
 class Lifecycle:
     """The opening, closing and plumbing half of ``Bus`` (bus.py has its calls)."""

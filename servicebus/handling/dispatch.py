@@ -142,6 +142,10 @@ class Dispatcher(WorkerLoop):
         if woken:
             self._refill(only=key if woken == {key} else None)
 
+    def handlers(self) -> list[tuple[str, str]]:
+        """(topic or pattern, name) of every handler registered (hooks' ``BusView``)."""
+        return self._handlers.names()
+
     def _park(self, key: tuple[int, str], expires: int | None) -> None:
         with self._cv:
             self._parked.add(key)

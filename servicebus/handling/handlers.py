@@ -138,3 +138,17 @@ class Handlers:
             self._patterns = [*self._patterns, key]
         self._resolved = {}
         return key
+
+    def registered(self, kind: int, topic: str, name: str) -> str:
+        """The topic or pattern handler ``name`` handles ``topic`` under. A name is unique
+        among a topic's handlers and, once there are patterns, among all of a kind's."""
+        if any(n == name for n, _ in self._by_key.get((kind, topic), ())):
+            return topic
+        for key in self._patterns:
+            if key[0] == kind and any(n == name for n, _ in self._by_key[key]):
+                return key[1]
+        return topic
+
+    def names(self) -> list[tuple[str, str]]:
+        """(topic or pattern, name) of every handler, as registered."""
+        return [(topic, name) for (_kind, topic), hs in self._by_key.items() for name, _ in hs]

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Reject, Retry, StoreError
-from ..hooks.base import Hooks
+from ..hooks.base import HandlerOutcome, Hooks
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.delivery import backoff
@@ -52,7 +52,7 @@ from .handlers import Handler, Handlers
 from .requests import PendingRequests
 from .staging import Staging, UpdateFailed
 from .transaction import Transaction
-from .outcomes import Outcome
+from .outcomes import Outcome, settled
 from .segmentrun import run_segment
 from .writes import RunStore, RunWriter
 
@@ -179,25 +179,34 @@ class Runner:
         except Exception as exc:  # an older or hostile publisher's: a dead letter of its own
             return Outcome("dead", attempts, "undecodable", f"{type(exc).__name__}: {exc}")
         if kind == Kind.COMMAND and record.correlation_id is not None:
-            return self._request(item, handlers[0][1], payload, message)
+            return self._request(item, *handlers[0], payload, message)
         return self._handle(item, handlers, payload, message, attempts, list(done), last_error)
 
-    def _call(self, handler: Handler, payload: Any, message: Message) -> Any:
-        """Run one handler inside the hooks' before/after (metrics time it, tracing spans it),
-        counting the time it waited rather than computed (concurrency.py)."""
+    def _call(self, name: str, handler: Handler, payload: Any, message: Message, kind: int) -> Any:
+        """Run handler ``name`` on a ``kind`` message inside the hooks' before/after and
+        ``handler_outcome`` (metrics time and count it, tracing spans it), counting the time
+        it waited rather than computed (concurrency.py)."""
         hooks = self._hooks
         began, computed = time.perf_counter(), time.thread_time()
         try:
             if not hooks.around_handle:
                 return handler(payload, message)
             hooks.before_handle(message)
+            error: BaseException | None = None
             try:
-                result = handler(payload, message)
+                return handler(payload, message)
             except BaseException as exc:
-                hooks.after_handle(message, exc, time.perf_counter() - began)
+                error = exc
                 raise
-            hooks.after_handle(message, None, time.perf_counter() - began)
-            return result
+            finally:
+                seconds = time.perf_counter() - began
+                if hooks.reporting:
+                    topic = self._handlers.registered(kind, message.topic, name)
+                    hooks.handler_outcome(HandlerOutcome(
+                        "handled" if error is None else "rejected" if isinstance(error, Reject)
+                        else "failed", message, topic, name, seconds,
+                        error=None if error is None else f"{type(error).__name__}: {error}"))
+                hooks.after_handle(message, error, seconds)
         finally:
             self.waits.seconds += max(0.0, (time.perf_counter() - began) - (time.thread_time() - computed))
 
@@ -211,21 +220,22 @@ class Runner:
         limit, delay = 0, None  # of the handlers that failed, with a policy of their own
         final: Transaction | None = None  # what the last handler to finish staged
         final_name = handlers[-1][0]
+        culprit: str | None = None  # the last handler to fail: its error is the message's
         for name, handler in handlers:
             if name in done:
                 continue
             staging.open(mid)
             try:
-                self._call(handler, payload, message)
+                self._call(name, handler, payload, message, item.record.kind)
             except Reject as exc:
                 staging.close(mid)  # what a failed run staged is dropped
                 rejected = f"Reject: {exc}"
                 log.warning("handler %s rejected %s %s: %s", name, topic, mid, exc)
                 return Outcome("dead", attempts, "rejected", rejected,
-                               (self._event("handler_failed", item, attempts, rejected),))
+                               (self._event("handler_failed", item, attempts, rejected),), handler=name)
             except Retry as exc:
                 staging.close(mid)
-                error = f"Retry: {exc}"
+                error, culprit = f"Retry: {exc}", name
                 if exc.after is not None:
                     retry_after = max(retry_after or 0.0, exc.after)
                 log.info("handler %s asked to retry %s %s (attempt %d/%d): %s", name, topic,
@@ -233,13 +243,13 @@ class Runner:
                 continue
             except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
                 staging.close(mid)
-                error = _failed_text(exc)
+                error, culprit = _failed_text(exc), name
                 policy = registry.policy(kind, topic, name)
                 if policy is not None and policy.gives_up_on(exc):
                     given_up = f"{error} (not retried: the handler's retry_on/dead_letter_on)"
                     log.warning("handler %s failed on %s %s and does not retry it: %s", name, topic, mid, error)
                     return Outcome("dead", attempts, "rejected", given_up,
-                                   (self._event("handler_failed", item, attempts, given_up),))
+                                   (self._event("handler_failed", item, attempts, given_up),), handler=name)
                 own = config.max_attempts if policy is None else policy.limit(config.max_attempts)
                 limit = own if not limit else min(limit, own)
                 if policy is not None and policy.backoff is not None:
@@ -257,7 +267,7 @@ class Runner:
                     staging.commit(lambda b: b.put_runstate(mid, state), mid, False, None, tx, name)
                 except UpdateFailed as exc:
                     done.pop()
-                    error = f"kv update: {exc}"
+                    error, culprit = f"kv update: {exc}", name
                     log.warning("handler %s failed on %s %s (attempt %d/%d): %s", name, topic,
                                 mid, attempts, config.max_attempts, error)
             else:
@@ -265,15 +275,17 @@ class Runner:
         if error is None:
             return Outcome("handled", attempts, done=tuple(done), tx=final, part=final_name)
         return Outcome("failed", attempts, error=error, done=tuple(done), retry_after=retry_after,
-                       limit=limit or config.max_attempts, delay=delay)
+                       limit=limit or config.max_attempts, delay=delay, handler=culprit)
 
-    def _request(self, item: Incoming, handler: Handler, payload: Any, message: Message) -> Outcome:
+    def _request(self, item: Incoming, name: str, handler: Handler, payload: Any,
+                 message: Message) -> Outcome:
         """A request: the handler's return value, or its exception, is the reply. It is not
         retried here: the caller is waiting, and decides whether to ask again."""
         mid = item.id
         self.staging.open(mid)
         try:
-            reply: dict[str, Any] = {"ok": True, "value": self._call(handler, payload, message)}
+            reply: dict[str, Any] = {"ok": True, "value": self._call(name, handler, payload, message,
+                                                                     item.record.kind)}
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: see _failed_text
             log.warning("request handler for %s raised %s: %s", message.topic, type(exc).__name__, exc)
             failed = self._event("handler_failed", item, message.attempt, _failed_text(exc))
@@ -294,14 +306,16 @@ class Runner:
             log.warning("handler %s failed on %s %s (attempt %d/%d): %s", o.part, item.record.topic,
                         item.id, o.attempts, self._config.max_attempts, error)
             done = tuple(name for name in o.done if name != o.part)
-            return self._failed(item, Outcome("failed", o.attempts, error=error, done=done), nxt)
+            return self._failed(item, Outcome("failed", o.attempts, error=error, done=done,
+                                              handler=o.part), nxt)
         return None, premarked
 
     def _failed(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         mid, attempts, error, config = item.id, o.attempts, o.error, self._config
         failed = self._event("handler_failed", item, attempts, error)
         if attempts >= (o.limit or config.max_attempts):
-            return self._dead(item, Outcome("dead", attempts, "handler_failed", error, (failed,)), nxt)
+            return self._dead(item, Outcome("dead", attempts, "handler_failed", error, (failed,),
+                                            handler=o.handler), nxt)
         delay = self.retry_delay(o)
         done = list(o.done)
 
@@ -309,6 +323,7 @@ class Runner:
             batch.put_runstate(mid, RunState(attempts, done, error, self._wall() + int(delay * 1000)))
             self._hooks.events(batch, [failed, self._event("retried", item, attempts, error)])
 
+        settled(self._hooks, self._handlers, "retried", item, o)
         return time.monotonic() + delay, self.writer.record(retried, None, nxt)
 
     def retry_delay(self, o: Outcome) -> float:
@@ -330,6 +345,7 @@ class Runner:
             self._hooks.events(batch, events)
             batch.deadletter_incoming(item.id, letter)
 
+        settled(self._hooks, self._handlers, "deadlettered", item, o)
         self.writer.record(deadlettered, item.id)
         log.error("dead letter: %s %s after %d attempt(s): %s", record.topic, item.id, o.attempts,
                   o.error or reason)

@@ -30,7 +30,7 @@ from ..model.segments import bodies_of, make_blob
 from ..model.stored import NO_RUNS, Event, Incoming, IncomingRecord, Progress, RunState, event
 from ..wire.protocol import KIND_NAMES
 from .lanes import lane_of
-from .outcomes import Outcome
+from .outcomes import Outcome, settled
 from .staging import UpdateFailed
 
 # ``runner`` below is the Runner (runner.py, which calls in here: not imported back).
@@ -133,7 +133,8 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
             continue
         if outcome.kind == "failed":
             outcome = Outcome("dead", outcome.attempts, "handler_failed", outcome.error,
-                                        (runner._event("handler_failed", view, outcome.attempts, outcome.error),))
+                              (runner._event("handler_failed", view, outcome.attempts, outcome.error),),
+                              handler=outcome.handler)
         skipped.append(i)
         marked_next = _dead_one(runner, item, view, one(record, i, bodies[i]), outcome, nxt_index,
                                 started, skipped, last, follow)
@@ -214,7 +215,7 @@ def _commit_handled(runner: Runner, item: Incoming, view: Incoming, o: Outcome, 
 
 def _failed_update(view: Incoming, o: Outcome) -> Outcome:
     return Outcome("failed", o.attempts, error="kv update failed at the commit",
-                       done=tuple(name for name in o.done if name != o.part))
+                   done=tuple(name for name in o.done if name != o.part), handler=o.part)
 
 
 def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingRecord, o: Outcome,
@@ -228,6 +229,7 @@ def _split_off(runner: Runner, item: Incoming, view: Incoming, single: IncomingR
     failed = runner._event("handler_failed", view, o.attempts, o.error)
     retried = runner._event("retried", view, o.attempts, o.error)
     progress = Progress(nxt_index, started, list(skipped))
+    settled(runner._hooks, runner._handlers, "retried", view, o)
 
     def build(batch: Any) -> None:
         batch.split_off(mid, single, state)
@@ -255,6 +257,7 @@ def _split_first(runner: Runner, item: Incoming, view: Incoming, single: Incomin
     events = [runner._event("handler_failed", view, o.attempts, o.error),
               runner._event("retried", view, o.attempts, o.error)]
     starts = sorted({START, *(item.progress or {})})
+    settled(runner._hooks, runner._handlers, "retried", view, o)
 
     def build(batch: Any) -> None:
         batch.split_off(key, single, state)
@@ -274,9 +277,11 @@ def _retry_here(runner: Runner, item: Incoming, o: Outcome, i: int, started_now:
     mid = record.ids[i]
     delay = runner.retry_delay(o)
     state = RunState(o.attempts, list(o.done), o.error, runner._wall() + int(delay * 1000))
-    events = [runner._event("handler_failed", _tuple(Incoming, (mid, record, None, None)), o.attempts, o.error),
-              runner._event("retried", _tuple(Incoming, (mid, record, None, None)), o.attempts, o.error)]
+    view = _tuple(Incoming, (mid, record, None, None))
+    events = [runner._event("handler_failed", view, o.attempts, o.error),
+              runner._event("retried", view, o.attempts, o.error)]
     progress = Progress(i, started_now, list(skipped))
+    settled(runner._hooks, runner._handlers, "retried", view, o)
 
     def build(batch: Any) -> None:
         batch.put_runstate(mid, state)
@@ -296,6 +301,7 @@ def _dead_one(runner: Runner, item: Incoming, view: Incoming, single: IncomingRe
     progress = Progress(nxt_index, started, list(skipped))
     log.error("dead letter: %s %s after %d attempt(s): %s", view.record.topic, view.id, o.attempts,
               o.error or reason)
+    settled(runner._hooks, runner._handlers, "deadlettered", view, o)
 
     def build(batch: Any) -> None:
         batch.delete_runstate(view.id)
@@ -334,5 +340,7 @@ def _all_dead(runner: Runner, item: Incoming, start: int, skipped: list[int], re
         runner._hooks.events(batch, evs)
     log.error("dead letter: %s %s (%d message(s) of its segment): %s", record.topic, item.id,
               len(todo), error or reason)
+    settled(runner._hooks, runner._handlers, "deadlettered", item, Outcome("dead", attempts, reason, error),
+            [record.ids[j] for j in todo])
     _finish(runner, item, [*skipped, *todo], None, build)
     return None, False

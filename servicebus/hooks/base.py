@@ -15,6 +15,10 @@ engine thread, a handler's worker or a publishing thread, inside the write. The 
 ``events`` hands each kind to a method of its name (``failed`` for ``handler_failed``;
 ``expired``, ``dropped``, ``deadlettered`` and ``replayed`` for both sides), once per batch.
 
+What each handler's run came to, and what came of a message whose run failed, reaches
+``handler_outcome`` with the handler's name and the topic or pattern it was registered on
+(a ``HandlerOutcome``): what metrics and tracing count per handler.
+
 A hook must not raise: an exception from it is logged, and the bus goes on.
 """
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..model.records import BusStatus, Message
 from ..model.stored import Event, Incoming
@@ -31,7 +35,7 @@ from ..model.stored import Event, Incoming
 if TYPE_CHECKING:
     from ..store import Batch, Store
 
-__all__ = ["Hook", "Hooks", "BusView", "Event"]
+__all__ = ["Hook", "Hooks", "BusView", "Event", "HandlerOutcome", "RUN_OUTCOMES", "DEADLETTER_REASONS"]
 
 log = logging.getLogger("servicebus")
 
@@ -49,6 +53,29 @@ class BusView(Protocol):
     def status(self) -> BusStatus: ...
     @property
     def store(self) -> "Store": ...
+    def handlers(self) -> list[tuple[str, str]]:
+        """(topic or pattern, name) of every handler registered, as registered."""
+        ...
+
+
+# How one handler's run ends, and why a message a handler failed becomes a dead letter
+# (handling/runner.py): the label values metrics export from the start, at zero.
+RUN_OUTCOMES = ("handled", "failed", "rejected")
+DEADLETTER_REASONS = ("handler_failed", "rejected", "handler_crashed", "expired", "undecodable")
+
+
+class HandlerOutcome(NamedTuple):
+    """What ``Hook.handler_outcome`` is told: how one handler's run ended (``outcome``
+    handled, failed or rejected, with ``seconds``), or what comes of a message after a
+    failed run (retried, or deadlettered with ``reason``), put down to one handler."""
+
+    outcome: str  # handled, failed, rejected (a run); retried, deadlettered (the message)
+    message: Message  # its ``attempt``: the run's; for retried or deadlettered, the last one
+    topic: str  # the topic or pattern the handler was registered on (message.topic: the message's)
+    handler: str  # the handler's name (``every(..., name=)``, by default module.qualname)
+    seconds: float | None = None  # a run's; None for retried and deadlettered
+    reason: str | None = None  # deadlettered: one of DEADLETTER_REASONS
+    error: str | None = None  # failed, rejected, retried, deadlettered: what was raised
 
 
 # Event names -> the Hook method the default ``events`` hands them to.
@@ -142,6 +169,15 @@ class Hook:
     def after_handle(self, message: Message, error: BaseException | None, seconds: float) -> None:
         """That handler returned (``error`` None) or raised, after ``seconds``."""
 
+    def handler_outcome(self, outcome: HandlerOutcome) -> None:
+        """Per handler run, just before ``after_handle`` (its span, if traced, still open):
+        handled, failed (it raised, or asked to ``Retry``) or rejected (``Reject``). Then,
+        for a message that a run failed, before the write that records it: retried, or
+        deadlettered and why, put down to the handler whose error the message keeps (the
+        one that rejected it, the last one to fail); when no handler ran (it expired,
+        crashed the process, does not decode), to the first of its handlers it had not
+        been through. A message no handler is registered for is nobody's: not reported."""
+
     # --- on the engine thread -----------------------------------------------------------------
 
     def handed_off(self, items: Sequence[Incoming]) -> None:
@@ -181,11 +217,13 @@ class Hooks:
         self._before_handle = which("before_handle")
         self._after_handle = tuple(reversed(which("after_handle")))
         self._handed_off = which("handed_off")
+        self._handler_outcome = which("handler_outcome")
         self._all = hooks
         # Read per message by the core and the runner: build events only when wanted.
         self.wanted = bool(self._events)
         self.around_publish = bool(self._before_publish or self._after_publish or self._outgoing)
-        self.around_handle = bool(self._before_handle or self._after_handle)
+        self.reporting = bool(self._handler_outcome)  # the runner names handlers only then
+        self.around_handle = bool(self._before_handle or self._after_handle or self.reporting)
         self.committing = bool(self._committed)
         self.handing_off = bool(self._handed_off)
 
@@ -255,6 +293,10 @@ class Hooks:
     def handed_off(self, items: Sequence[Incoming]) -> None:
         for hook in self._handed_off:
             _call(hook.handed_off, items)
+
+    def handler_outcome(self, outcome: HandlerOutcome) -> None:
+        for hook in self._handler_outcome:
+            _call(hook.handler_outcome, outcome)
 
 
 def _call(method: Callable[..., Any], *args: Any) -> None:

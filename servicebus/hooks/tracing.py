@@ -7,6 +7,17 @@ headers carry, so a trace goes from the publishing service to every handler, acr
 processes; what a handler publishes or sends in its transaction carries the handler's
 span. Without the extra the headers still pass through untouched: a service that sets
 ``traceparent`` itself keeps it.
+
+A handler's span says which run it is (``servicebus.attempt``: 1, then one more each retry
+or crash rerun), which handler (``servicebus.handler``, its name) and how the run ended
+(``servicebus.outcome``: handled, failed, rejected). A message that becomes a dead letter
+gets a span of its own, ``deadletter <topic>``, in its trace beside the runs it ends (its
+parent is the context the message carries), with the reason
+(``servicebus.deadletter.reason``: handler_failed, rejected, handler_crashed, expired,
+undecodable), the last attempt, the handler it is put down to and status ERROR: a message
+that expired or crashed the process before any run ended has no other span to say so.
+Attributes are in a ``servicebus.`` namespace of their own: OpenTelemetry's
+``messaging.servicebus.*`` are Azure Service Bus's.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ except ImportError as exc:  # the extra is not installed
     raise ImportError("Bus(tracing=True) needs OpenTelemetry: pip install 'servicebus[otel]'") from exc
 
 from ..model.records import Message
-from .base import Hook
+from .base import RUN_OUTCOMES, HandlerOutcome, Hook
 
 __all__ = ["Tracing"]
 
@@ -44,7 +55,7 @@ class Tracing(Hook):
             stack = self._local.stack = []
         return stack
 
-    def _open(self, name: str, kind: trace.SpanKind, parent: Any, attributes: dict[str, str]) -> None:
+    def _open(self, name: str, kind: trace.SpanKind, parent: Any, attributes: dict[str, Any]) -> None:
         span = self.tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
         token = context.attach(trace.set_span_in_context(span))
         self._stack().append((span, token))
@@ -73,10 +84,34 @@ class Tracing(Hook):
         self._close(error)
 
     def before_handle(self, message: Message) -> None:
-        parent = propagate.extract({k: v for k, v in message.headers.items() if isinstance(v, str)})
-        self._open(f"process {message.topic}", trace.SpanKind.CONSUMER, parent,
+        self._open(f"process {message.topic}", trace.SpanKind.CONSUMER, _carried(message),
                    {"messaging.system": _SYSTEM, "messaging.operation": "process",
-                    "messaging.destination.name": message.topic, "messaging.message.id": message.id})
+                    "messaging.destination.name": message.topic, "messaging.message.id": message.id,
+                    "servicebus.attempt": message.attempt})
+
+    def handler_outcome(self, outcome: HandlerOutcome) -> None:
+        if outcome.outcome in RUN_OUTCOMES:  # called before after_handle: its span is open
+            stack = self._stack()
+            if stack:
+                stack[-1][0].set_attributes({"servicebus.handler": outcome.handler,
+                                             "servicebus.outcome": outcome.outcome})
+        elif outcome.outcome == "deadlettered":
+            message, reason = outcome.message, outcome.reason or "?"
+            span = self.tracer.start_span(
+                f"deadletter {message.topic}", context=_carried(message), kind=trace.SpanKind.INTERNAL,
+                attributes={"messaging.system": _SYSTEM, "messaging.operation": "deadletter",
+                            "messaging.destination.name": message.topic,
+                            "messaging.message.id": message.id, "servicebus.attempt": message.attempt,
+                            "servicebus.handler": outcome.handler,
+                            "servicebus.deadletter.reason": reason})
+            span.set_status(trace.Status(trace.StatusCode.ERROR,
+                                         f"{reason}: {outcome.error}" if outcome.error else reason))
+            span.end()
 
     def after_handle(self, message: Message, error: BaseException | None, seconds: float) -> None:
         self._close(error)
+
+
+def _carried(message: Message) -> Any:
+    """The trace context ``message``'s headers carry (the publisher's span), if any."""
+    return propagate.extract({k: v for k, v in message.headers.items() if isinstance(v, str)})

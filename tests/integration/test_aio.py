@@ -202,6 +202,7 @@ def test_async_bus_has_the_calls_of_bus_kv_transaction_once_counters_deadletters
             assert await pub.kv.items("order:") == [("order:1", {"state": "placed"}), ("order:2", 2)]
             assert await pub.request_async(sub.address, "price", 21, timeout=10) == 42
             await pub.publish("orders.bad", 1)
+            assert await pub.drain(10)  # acked: stored at sub, so sub's drain waits for it
             assert await sub.drain(10)
             [letter] = await sub.deadletters()
             assert letter.topic == "orders.bad" and letter.reason == "handler_failed"
