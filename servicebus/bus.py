@@ -16,6 +16,7 @@ from .engine import loop as E
 from .busstate import BusState
 from .handling.handlers import handler_name
 from .handling.policy import Backoff, Policy, make_policy
+from .model.retention import start_token
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
 from .wire.protocol import Kind
@@ -268,7 +269,8 @@ class Bus(BusState):
     # --- subscribing -------------------------------------------------------------------
 
     def subscribe(self, address: str, topic: str, *, wait: float | None = None,
-                  group: str | None = None, ordered: bool = False, limit: int | None = None) -> None:
+                  group: str | None = None, ordered: bool = False, limit: int | None = None,
+                  start: Any = None) -> None:
         """Ask the bus at ``address`` to send this bus its ``topic`` events.
 
         The request is stored durably and retried until the publisher confirms it, across
@@ -285,6 +287,14 @@ class Bus(BusState):
         ``limit``: the publisher ends the subscription once it has given this bus that many
         messages (acknowledged here; expired ones do not count), as an ``unsubscribe``
         would. Subscribing again starts a new one.
+
+        ``start``: where a new subscription begins: ``"new"`` (the default: events published
+        from now on), ``"earliest"`` (everything the publisher retains, then live), an aware
+        ``datetime`` or POSIX timestamp (retained events published from then on), or a
+        message id (that event and the ones after it). The publisher must retain the topic
+        (``Bus(retention=...)``) for there to be anything before now. It counts when the
+        publisher makes the subscription, not on repeats: calling this on every start
+        replays once.
         """
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"limit must be an int >= 1, not {limit!r}")
@@ -297,18 +307,19 @@ class Bus(BusState):
                                  "messages in parallel (subscribe ordered=True without a group)")
         if not isinstance(ordered, bool):
             raise TypeError(f"ordered must be a bool, not {type(ordered).__name__}")
-        self._intent(address, topic, "subscribe", wait, group, ordered, limit)
+        self._intent(address, topic, "subscribe", wait, group, ordered, limit, start_token(start))
 
     def unsubscribe(self, address: str, topic: str, *, wait: float | None = None) -> None:
         """Stop ``topic`` events from ``address``; durable and retried like ``subscribe``."""
         self._intent(address, topic, "unsubscribe", wait)
 
     def _intent(self, address: str, topic: str, op: str, wait: float | None,
-                group: str | None = None, ordered: bool = False, limit: int | None = None) -> None:
+                group: str | None = None, ordered: bool = False, limit: int | None = None,
+                start: str | None = None) -> None:
         validate_address(address)
         validate_pattern(topic)
         confirmed: Future | None = Future() if wait is not None else None
-        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed, group, ordered, limit))
+        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed, group, ordered, limit, start))
         if confirmed is not None:
             try:
                 self._wait(confirmed, wait)

@@ -20,6 +20,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Self
 
+import msgpack
+
 from . import forks
 from .engine import loop as E
 from .engine.keys import load_keys
@@ -156,6 +158,9 @@ class Lifecycle:
         lock.update(self.address)
         batch = store.batch()
         batch.put_meta("address", self.address.encode())  # for offline journal flushes
+        # What is retained, for the offline tools (servicebus status): empty when nothing.
+        batch.put_meta("retention", msgpack.packb(
+            [self.config.retention or {}, self.config.retention_bytes] if self.config.retention else []))
         store.write(batch, sync=False)
 
         hooks = self.hooks

@@ -77,13 +77,15 @@ def main() -> None:
     ap.add_argument("--transact", metavar="ADDRESS",
                     help="in its run, the handler counts in message.kv, publishes TOPIC.done and "
                          "sends tx.note to ADDRESS (committed with the run)")
+    ap.add_argument("--retention", type=float, help="Bus(retention=): publish without waiting for a subscriber")
+    ap.add_argument("--start", help="subscribe(start=): earliest, new or a message id")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()}] %(asctime)s %(threadName)s %(message)s")
     bus = Bus(args.bind, args.datadir, workers=args.workers, ack_timeout=args.ack_timeout,
               retry_initial=args.retry_initial, retry_max=args.retry_max,
-              max_attempts=args.max_attempts)
+              max_attempts=args.max_attempts, retention=args.retention)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -124,9 +126,9 @@ def main() -> None:
         bus.request_async(args.request[0], args.request[1], {"n": 0}, timeout=120)
 
     for address, topic in args.subscribe:
-        bus.subscribe(address, topic, wait=30, group=args.group, ordered=args.ordered)
+        bus.subscribe(address, topic, wait=30, group=args.group, ordered=args.ordered, start=args.start)
 
-    if args.publish:
+    if args.publish and not args.retention:
         wait_until(lambda: bus.status().subscriptions > 0, 30, 0.05, "a subscriber")
     # Its pid and its wall clock: a test that moved the clock checks that it really moved.
     append(args.ready, f"{os.getpid()} {time.time()}")

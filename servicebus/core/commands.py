@@ -68,6 +68,7 @@ class SubscribeCmd:
     group: str | None = None  # a subscriber group to join (competing consumers)
     ordered: bool = False  # handled one at a time, in publish order
     limit: int | None = None  # the publisher ends the subscription after this many messages
+    start: str | None = None  # where a new subscription begins (model/retention.py)
 
 
 @dataclass

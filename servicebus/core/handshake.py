@@ -14,7 +14,9 @@ import logging
 from ..wire import protocol as P
 from ..model.delivery import Consumer, base_stream, event_stream, stream_target, unpack_outgoing
 from ..errors import SubscribeRefused
+from ..model.retention import start_floor
 from ..model.stored import IntentRecord, SubscriptionRecord, subscription_options
+from ..wire.topics import is_pattern, matches
 from .commands import SubscribeCmd
 from .peers import PeerLimit, Roster
 from .state import Intent, State
@@ -59,7 +61,7 @@ class Handshake:
             return
         intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"],
                         group=record.get("group"), ordered=bool(record.get("ordered")),
-                        limit=record.get("limit"))
+                        limit=record.get("limit"), start=record.get("start"))
         try:
             self.roster.peer(publisher)
         except ValueError as exc:
@@ -80,7 +82,7 @@ class Handshake:
         if old is not None:
             s.intent_ids.pop(old.id, None)
         intent = Intent(cmd.publisher, cmd.topic, cmd.op, s.ids.next(), False,
-                        group=cmd.group, ordered=cmd.ordered, limit=cmd.limit)
+                        group=cmd.group, ordered=cmd.ordered, limit=cmd.limit, start=cmd.start)
         if old is not None and old.op == cmd.op and \
                 (old.group, old.ordered, old.limit) == (cmd.group, cmd.ordered, cmd.limit):
             intent.waiters = old.waiters
@@ -160,7 +162,7 @@ class Handshake:
             intent.next_try = now + INTENT_RETRY
             if intent.op == "subscribe":
                 frames = P.encode_subscribe(intent.id, intent.topic, s.address, s.node_id,
-                                            intent.group, intent.ordered, intent.limit)
+                                            intent.group, intent.ordered, intent.limit, intent.start)
             else:
                 frames = P.encode_unsubscribe(intent.id, intent.topic, s.address, s.node_id)
             self.roster.send(s.peers[intent.publisher], frames)
@@ -261,15 +263,22 @@ class Handshake:
         s = self.s
         key = (frame.address, frame.topic)
         if key not in s.subscriptions:
-            since = s.ids.next()
+            # A start (model/retention.py) counts only here, where the subscription is made:
+            # the subscriber's repeats of its subscribe change nothing, so it replays once.
+            start = frame.start
+            since = s.ids.next() if start is None else start_floor(start)
             record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
             record.update(subscription_options(frame.group, frame.ordered, frame.limit))  # type: ignore[typeddict-item]
+            if start is not None:
+                record["start"] = start
             stream = event_stream(frame.topic)
+            if start is not None and is_pattern(frame.topic):
+                self._backfill(frame.topic, since)
             if frame.group is not None:
                 self.roster.join_group(frame.group, stream, frame.address, None, since)
             else:
                 consumer = Consumer(frame.address, stream, since)
-                consumer.exhausted = True  # it starts at the end of the stream
+                consumer.exhausted = start is None  # else it reads what is stored after since
                 consumer.dirty = True
                 consumer.ordered = frame.ordered
                 consumer.left = frame.limit
@@ -280,6 +289,25 @@ class Handshake:
                      f" in group {frame.group}" if frame.group else "")
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
+
+    def _backfill(self, pattern: str, since: str) -> None:
+        """A pattern subscription with a start: copy the retained events of every topic it
+        matches, published after ``since``, into its stream (each priority level into the
+        pattern's same level), in the batch that makes the subscription."""
+        s = self.s
+        batch = s.out.batch
+        for source in s.store.stream_names():
+            topic = stream_target(source)
+            if not source.startswith("e:") or is_pattern(topic) or not matches(pattern, topic) \
+                    or not s.routes.retention.ms(topic):
+                continue
+            level = source[len(event_stream(topic)):]  # "" or " <priority>"
+            target = event_stream(pattern) + level
+            after: str | None = since
+            while chunk := s.store.iter_stream(source, after=after, limit=1000):
+                for mid, record in chunk:
+                    batch.put_outgoing(target, mid, record)
+                after = chunk[-1][0]
 
     def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe, source: str | None = None,
                        user: str | None = None) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 
 from ..wire import protocol as P
 from ..wire.compression import codecs
+from ..model.retention import Retention
+from ..model.routes import Routes
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
 from ..model.delivery import (Consumer, base_stream, event_stream, group_peer, is_command_stream,
@@ -81,6 +83,7 @@ class Core:
                            switch=events, out=Effects(batch), now=now,
                            policy=AddressPolicy(config.allow_peers, uid), trust=trust,
                            own=OwnAddress((address, *aliases)))
+        s.routes = Routes(retention=Retention(config.retention, config.retention_bytes))
         self.roster = Roster(s)
         self.expiry = Expiry(s)
         self.sender = Sender(s, self.expiry)
@@ -429,6 +432,7 @@ class Core:
             "malformed": dict(s.malformed),
             "counters": dict(s.counters),
             "intents_unconfirmed": sum(1 for i in s.intents.values() if not i.confirmed),
+            "retention": (s.config.retention or {}, s.config.retention_bytes),
             "backlog_full": tuple(sorted((c.peer, c.stream[2:]) for c in s.consumers.values()
                                          if c.stream in s.routes.full
                                          and c.backlog >= (s.config.max_backlog or 0))),

@@ -63,10 +63,13 @@ class Intent:
     group: str | None = None
     ordered: bool = False
     limit: int | None = None
+    start: str | None = None  # where a new subscription begins (model/retention.py)
 
     def record(self, wall: int) -> IntentRecord:
         record: IntentRecord = {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
         record.update(subscription_options(self.group, self.ordered, self.limit))  # type: ignore[typeddict-item]
+        if self.start is not None:
+            record["start"] = self.start
         return record
 
 
@@ -132,6 +135,10 @@ class State:
     parked: dict[Peer, list[tuple[Any, Envelope]]] = field(default_factory=dict)
     turn_ids: set[str] = field(default_factory=set)  # received this turn (not in the store yet)
     gc_floor: dict[str, str | None] = field(default_factory=dict)
+    # Retained streams (model/retention.py): their stored bytes, counted once at the first
+    # sweep and kept up to date as events are published and deleted; when to sweep next.
+    retained_bytes: dict[str, int] = field(default_factory=dict)
+    next_retain: float = 0.0
     # Outbox keys (handlers' commands) moved into streams by the batch being built.
     outbox_moving: set[str] = field(default_factory=set)
     # Event streams that got messages with a TTL since this start: checked for expiry while

@@ -41,12 +41,14 @@ class Streams:
             s.ttl_streams.add(cmd.stream)
         if is_priority_stream(cmd.stream):
             self.mirror_all(cmd.stream)
+        if cmd.stream in s.retained_bytes:
+            s.retained_bytes[cmd.stream] += sum(len(record) for _mid, record, _n in cmd.items)
         if cmd.stream in s.by_stream:
             s.new.setdefault(cmd.stream, []).extend(cmd.items)
             if self.backlog.on:
                 for consumer in s.by_stream[cmd.stream]:
                     self.backlog.published(consumer, cmd.items)
-        else:
+        elif not self.retained_ms(cmd.stream):
             s.orphans_due = True  # unsubscribed while they were written
 
     def mirror_all(self, stream: str) -> None:
@@ -190,15 +192,28 @@ class Streams:
 
     # --- out ---------------------------------------------------------------------------
 
+    def retained_ms(self, stream: str) -> int:
+        return self.s.routes.retention.stream_ms(stream)
+
+    def _cutoff(self, stream: str) -> str | None:
+        """Stream ids at or below this are older than the stream's retention; None: the
+        stream is not retained (everything acknowledged may go)."""
+        ms = self.retained_ms(stream)
+        return None if not ms else f"{max(0, self.s.ids.now_ms() - ms):012x}"
+
     def collect_garbage(self) -> None:
-        """Delete stream messages every consumer of the stream has acknowledged."""
+        """Delete stream messages every consumer of the stream has acknowledged (and, in a
+        retained stream, that are older than its retention)."""
         s = self.s
         batch, budget = s.out.batch, GC_BUDGET
+        if s.routes.retention and s.now >= s.next_retain:
+            s.next_retain = s.now + s.routes.retention.sweep_interval
+            budget -= self.retain(budget)
         for stream, consumers in list(s.by_stream.items()):
             floors = [c.floor for c in consumers]
             floor = min(f for f in floors if f is not None) if floors and None not in floors else None
-            if floor is None or s.gc_floor.get(stream) == floor:
-                continue
+            if floor is None or s.gc_floor.get(stream) == floor or self.retained_ms(stream):
+                continue  # (a retained stream: swept by retain)
             ids = s.store.stream_ids(stream, upto=floor, limit=budget)
             for mid in ids:
                 batch.delete_outgoing(stream, mid)
@@ -213,6 +228,8 @@ class Streams:
             for stream in s.store.stream_names():
                 if stream in s.by_stream or base_stream(stream) in s.by_stream:
                     continue  # (a priority stream written before its consumers were made)
+                if self.retained_ms(stream):
+                    continue  # kept by age and size (retain)
                 ids = s.store.stream_ids(stream, limit=budget)
                 for mid in ids:
                     batch.delete_outgoing(stream, mid)
@@ -220,3 +237,64 @@ class Streams:
                 if budget <= 0:
                     return
             s.orphans_due = False
+
+    # --- retention (model/retention.py) ---------------------------------------------------
+
+    def retain(self, budget: int) -> int:
+        """Sweep the retained streams nobody consumes: delete what is older than their
+        retention, then the oldest beyond ``retention_bytes``. Streams with consumers are
+        swept by ``collect_garbage`` (never past what a consumer is owed). Returns how many
+        it deleted."""
+        s = self.s
+        deleted = 0
+        for stream in s.store.stream_names():
+            if not self.retained_ms(stream) or budget - deleted <= 0:
+                continue
+            if stream in s.by_stream or base_stream(stream) in s.by_stream:
+                consumers = s.by_stream.get(stream, ())
+                floors = [c.floor for c in consumers]
+                if not floors or None in floors:
+                    continue
+                owed = min(f for f in floors if f is not None)
+            else:
+                owed = None
+            cutoff = self._cutoff(stream)
+            floor = cutoff if owed is None or cutoff is None else min(owed, cutoff)
+            deleted += self._delete_retained(stream, floor, budget - deleted, owed)
+        return deleted
+
+    def _delete_retained(self, stream: str, floor: str | None, budget: int,
+                         owed: str | None = None) -> int:
+        """Delete a retained stream's events up to ``floor`` (by age), then its oldest
+        beyond ``retention_bytes`` (never past ``owed``, what a consumer still needs),
+        counting its bytes. Returns how many it deleted."""
+        s = self.s
+        batch = s.out.batch
+        size = s.retained_bytes.get(stream)
+        if size is None:  # first sweep since start: count what is stored, a chunk at a time
+            size, after = 0, None
+            while chunk := s.store.iter_stream(stream, after=after, limit=1000):
+                size += sum(len(record) for _mid, record in chunk)
+                after = chunk[-1][0]
+        deleted, step = 0, 16  # most sweeps find nothing to delete: read little first
+        after = None
+        limit = s.routes.retention.max_bytes
+        while deleted < budget:
+            chunk = s.store.iter_stream(stream, after=after, limit=min(step, budget - deleted))
+            step = 500
+            if not chunk:
+                break
+            for mid, record in chunk:
+                old = floor is not None and mid <= floor
+                big = size > limit and (owed is None or mid <= owed)
+                if not (old or big):
+                    s.retained_bytes[stream] = size
+                    return deleted
+                batch.delete_outgoing(stream, mid)
+                size -= len(record)
+                deleted += 1
+            after = chunk[-1][0]
+        s.retained_bytes[stream] = size
+        if floor is not None:
+            s.gc_floor[stream] = floor
+        return deleted

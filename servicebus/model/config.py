@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..wire.policy import parse_allow
 from ..wire.compression import codecs
 from ..wire.protocol import MAX_BATCH
+from .retention import check_retention
 
 __all__ = ["BusConfig"]
 
@@ -112,11 +113,22 @@ class BusConfig:
     #: observers of this bus (``servicebus.Hook`` subclasses; hooks/base.py), called after
     #: the bus's own (journal, tracing) in this order
     hooks: tuple[Any, ...] = ()
+    #: keep published events for this long (seconds) whether or not anyone subscribes, so
+    #: that a subscriber can start from what was published before it subscribed
+    #: (``subscribe(start=...)``, model/retention.py): seconds for every topic, or a dict of
+    #: topic or pattern -> seconds (None: not retained). None: nothing retained
+    retention: Any = None
+    #: a retained topic's stored events beyond this many bytes go, oldest first (never
+    #: what a subscriber is still owed)
+    retention_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "retention":
+                object.__setattr__(self, "retention", check_retention(value))
                 continue
             if field.name == "hooks":
                 if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
@@ -164,7 +176,7 @@ class BusConfig:
             if value <= 0:
                 raise ValueError(f"option {field.name} must be > 0, got {value!r}")
         for name in ("workers", "max_attempts", "window", "max_batch", "max_payload", "dispatch_queue",
-                     "max_peers", *(("max_backlog",) if self.max_backlog is not None else ())):
+                     "max_peers", "retention_bytes", *(("max_backlog",) if self.max_backlog is not None else ())):
             if not isinstance(getattr(self, name), int):
                 raise TypeError(f"option {name} must be an int")
         if self.max_batch > MAX_BATCH:

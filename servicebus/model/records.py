@@ -147,6 +147,9 @@ class BusStatus:
     # folder was made by another user, say) and what to do.
     admin_endpoint: str | None = None
     admin_off_reason: str | None = None
+    # Retained topics (``Bus(retention=...)``): topic -> messages, bytes kept, the age of the
+    # oldest (seconds), its retention (seconds) and the bytes bound.
+    retained: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

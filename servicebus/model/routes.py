@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 from ..wire.topics import is_pattern, matches
 from .delivery import event_stream
+from .retention import NO_RETENTION, Retention
 
 __all__ = ["Routes", "NO_ROUTES"]
 
@@ -31,17 +32,21 @@ class Routes:
     # Event streams (of any priority level) with a consumer at ``max_backlog`` -> the
     # peers of those consumers (named in ``BacklogFull``).
     full: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: _EMPTY)
+    # Retained topics (retention.py): a publish to one goes into its own stream even with
+    # no consumer, kept by age and size.
+    retention: Retention = NO_RETENTION
     _targets: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     def targets(self, topic: str) -> tuple[str, ...]:
-        """The event streams a publish to ``topic`` goes into: its own, if subscribed, and
-        those of the subscribed patterns it matches (topics.py). Safe on any thread: the
+        """The event streams a publish to ``topic`` goes into: its own, if subscribed or
+        retained, and those of the subscribed patterns it matches (topics.py). Safe on any thread: the
         cache belongs to this snapshot, and a lost race only computes a topic twice."""
         found = self._targets.get(topic)
         if found is None:
             peers = self.stream_peers
             own = event_stream(topic)
-            found = tuple([own] if own in peers else []) + tuple(sorted(
+            kept = own in peers or (self.retention and self.retention.ms(topic) > 0)
+            found = tuple([own] if kept else []) + tuple(sorted(
                 stream for stream in peers if is_pattern(stream[2:]) and matches(stream[2:], topic)))
             if len(self._targets) < _CACHE_LIMIT:
                 self._targets[topic] = found

@@ -95,6 +95,7 @@ class SubscriptionRecord(TypedDict, total=False):
     group: str  # optional: a subscriber group (competing consumers) it is a member of
     ordered: bool  # optional: handled one at a time in publish order
     limit: int  # optional: the subscription ends after this many messages
+    start: str  # optional: where it began (model/retention.py), when not at the end
 
 
 class IntentRecord(TypedDict, total=False):
@@ -107,6 +108,7 @@ class IntentRecord(TypedDict, total=False):
     group: str  # optional, as in SubscriptionRecord
     ordered: bool  # optional
     limit: int  # optional
+    start: str  # optional: the start position asked for (model/retention.py)
 
 
 class DeliveryRecord(TypedDict, total=False):

@@ -54,6 +54,10 @@ def status(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
                        ("commands_waiting", "handlers' commands to queue"), ("kv_keys", "kv keys")):
         table.add_row(label, str(row[key]))
     table.add_row("store size", f"{row['store_bytes'] / 1024:.1f} KiB")
+    for topic, kept in sorted(row.get("retained", {}).items()):
+        table.add_row(_safe(f"retained {topic}"), (
+            f"{kept['messages']} messages, {kept['bytes'] / 1024:.1f} KiB of {kept['max_bytes'] / 1048576:g} MiB, "
+            f"oldest {_age(kept['oldest_age_s'])}, kept {kept['retention_s']:g} s"))
     out.print(table)
 
 

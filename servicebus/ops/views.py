@@ -22,6 +22,7 @@ from .messages import bodies
 from ..model.ids import id_millis
 from ..store.cursors import ConsumerView, consumers
 from ..store.lockfile import probe
+from ..store.status import retained_summary
 from ..wire.protocol import KIND_NAMES
 from ..model.stored import NO_RUNS, IncomingRecord, RunState
 from ..store import Store
@@ -110,7 +111,15 @@ def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> l
         "commands_waiting": store.count("outbox"),  # sent by handlers, not in a stream yet
         "kv_keys": store.count("kv"),
         "store_bytes": store.size_on_disk(),
+        "retained": _retained(store, now),
     }]
+
+
+def _retained(store: Store, now: int) -> dict[str, dict]:
+    """What the bus retains (model/retention.py), by the rules it last ran with."""
+    raw = store.get_meta("retention")
+    rules = msgpack.unpackb(raw, raw=False) if raw else []
+    return retained_summary(store, rules[0], rules[1], now) if rules else {}
 
 
 def view_keys(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:

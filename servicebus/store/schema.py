@@ -206,6 +206,13 @@ def _journal_pending(value: bytes) -> Any:
     return name, seqs
 
 
+def _retention(value: bytes) -> list[Any]:
+    rec = _unpack(value)
+    _require(type(rec) is list and (rec == [] or (len(rec) == 2 and type(rec[0]) is dict
+                                                  and _is_int(rec[1]))), "not a retention record")
+    return cast("list[Any]", rec)
+
+
 META: dict[str, Callable[[bytes], Any]] = {
     "format": _decimal,
     "clock": _decimal,
@@ -216,6 +223,7 @@ META: dict[str, Callable[[bytes], Any]] = {
     "sync": _empty,
     "hwm": _decimal,  # the high-water mark (store/mark.py)
     "epoch": _decimal,  # starts of the bus so far: in every id it makes (model/ids.py)
+    "retention": _retention,  # [rules, max bytes] the bus runs with, or [] (model/retention.py)
 }
 
 VALUES: dict[str, Callable[[bytes], Any]] = {

@@ -37,6 +37,7 @@ from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
 from ..handling.handlers import Handler, Handlers
 from ..handling.policy import Policy, make_policy
+from ..model.retention import start_token
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.protocol import Kind
 from ..wire.validation import validate_address
@@ -232,6 +233,7 @@ class StubBus(StubCalls):
         """Checked and accepted: on a stub every event goes to its own handlers anyway."""
         validate_address(address)
         validate_pattern(topic)
+        start_token(options.get("start"))  # the checks
 
     def unsubscribe(self, address: str, topic: str, **options: Any) -> None:
         validate_address(address)

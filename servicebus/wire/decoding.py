@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from ..model.retention import check_start
 from ..errors import ProtocolError
 from ..model.packer import pack
 from .compression import _decompress
@@ -110,7 +111,10 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
         limit = header.get("limit")
         if limit is not None:
             limit = _int(limit, "limit", 1)
-        return Subscribe(*fields, group, ordered, limit)
+        start = header.get("start")
+        if start is not None and check_start(start) is None:
+            raise ProtocolError("bad_field", "start must be 'earliest', 't:<ms>' or a message id")
+        return Subscribe(*fields, group, ordered, limit, start)
     _require(header, "sender", "boot")
     sender, boot = _str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN)
     if kind is Kind.PING:

@@ -170,6 +170,7 @@ class Subscribe(NamedTuple):
     group: str | None = None  # header "group", optional: a subscriber group it joins
     ordered: bool = False  # header "ordered", optional: one frame at a time, in order
     limit: int | None = None  # header "limit", optional: the subscription ends after this many
+    start: str | None = None  # header "start", optional: where a new subscription begins (retention.py)
 
 
 class Unsubscribe(NamedTuple):
@@ -251,9 +252,11 @@ def encode_nack(ids: list[str] | tuple[str, ...], reason: str, segment: str | No
 
 
 def encode_subscribe(id: str, topic: str, address: str, sender: str, group: str | None = None,
-                     ordered: bool = False, limit: int | None = None) -> list[bytes]:
+                     ordered: bool = False, limit: int | None = None, start: str | None = None) -> list[bytes]:
     header: dict[str, Any] = {"id": id, "topic": topic, "address": address, "sender": sender}
     header.update(subscription_options(group, ordered, limit))
+    if start is not None:
+        header["start"] = start
     return _control(Kind.SUBSCRIBE, header)
 
 

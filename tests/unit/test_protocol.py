@@ -78,6 +78,17 @@ def test_control_kinds_round_trip():
     assert roundtrip(P.encode_pong("n", "boot")) == P.Pong("n", "boot")
 
 
+def test_a_subscribe_carries_its_start_position_and_a_bad_one_is_refused():
+    for start in ("earliest", "t:1700000000000", "0" * 23 + "1"):
+        frames = P.encode_subscribe("i1", "t.x", ADDR, "n", start=start)
+        assert roundtrip(frames) == P.Subscribe("i1", "t.x", ADDR, "n", start=start)
+    for bad in ("latest", "t:", 5, "G" * 24):
+        header = msgpack.unpackb(P.encode_subscribe("i1", "t.x", ADDR, "n")[2])
+        header["start"] = bad
+        frames = P.encode_subscribe("i1", "t.x", ADDR, "n")
+        assert reason([*frames[:2], msgpack.packb(header), *frames[3:]]) == "bad_field"
+
+
 def test_payloads_of_every_msgpack_type_survive_encoding():
     payload = {"d": {"x": [1, 2.5, True, None]}, "s": "é", "b": b"\x00\xff", "i": -(2**63)}
     assert decode_payload(encode_payload(payload)) == payload
