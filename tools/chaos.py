@@ -94,6 +94,10 @@ KINDS = {
     "transaction-kill": (2, 10),
     # The power goes under the subscriber, the publisher or both: what was not fsynced is lost.
     "power-loss": (2, 12),
+    # A retaining publisher publishes before the subscriber exists; the subscriber starts at
+    # "earliest" and is slower than the publisher, so it replays a backlog throughout; either
+    # side is killed with SIGKILL during that replay.
+    "replay-kill": (2, 10),
 }
 # A handler may run again after a power cut only if its run ended less than this before the
 # cut: the bus syncs unsynced writes SYNC_INTERVAL (0.2 s) after they were made, plus an
@@ -138,7 +142,7 @@ class Node:
         if self.role in ("sub", "sink"):
             cmd += ["--peer", self.peer, "--handled", str(self.handled), *self.options]
         else:
-            cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet)]
+            cmd += ["--acks", str(self.acks), "--quiet", str(self.quiet), *self.options]
         with open(self.log, "ab") as out:
             # Its own process group: every signal goes to the group, so nothing the node
             # started (the netns prefix's child included) outlives it.
@@ -258,8 +262,10 @@ class Chaos:
         options: tuple[str, ...] = {
             "group-kill": ("--group", "workers"), "ordered-kill": ("--ordered",),
             "transaction-kill": ("--transact", "--kv-out", str(self.work / "kv-count")),
+            "replay-kill": ("--start", "earliest", "--handler-ms", "2.5"),
         }.get(self.kind, ())
-        self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"))
+        self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"),
+                        options=("--retention", "3600") if self.kind == "replay-kill" else ())
         self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=pub_bind, disk=disks.get("sub"),
                         options=options)
         self.subs = [self.sub]
@@ -271,7 +277,15 @@ class Chaos:
             bind3 = sub_bind.rsplit(":", 1)[0] + f":{port + 2}"
             self.sink = Node("sink", self.work, bind3, sub_prefix, peer=sub_bind, handled="sink-handled")
         stack.callback(self._stop_all)
-        self.pub.start(wait=False)
+        if self.kind == "replay-kill":  # the publisher alone first: what it retains is replayed
+            if not self.pub.start():
+                raise RuntimeError(f"the publisher did not start:\n{self.pub.tail()}")
+            time.sleep(2.0)
+            before = len(self.pub.acks.read_text().split()) if self.pub.acks.exists() else 0
+            self.run.notes.append(f"{before} acknowledged before the subscriber existed (retained, "
+                                  "replayed from earliest)")
+        if not self.pub.alive():
+            self.pub.start(wait=False)
         for sub in self.subs + ([self.sink] if self.sink else []):
             if not sub.start():
                 raise RuntimeError(f"the {sub.name} did not start:\n{sub.tail()}")
@@ -349,6 +363,11 @@ class Chaos:
 
     def fault_transaction_kill(self, i: int) -> None:
         node = self.rng.choice((self.sub, self.sub, self.sub, self.pub))  # mostly mid-transaction
+        node.kill()
+        self.restart(node)
+
+    def fault_replay_kill(self, i: int) -> None:
+        node = (self.sub, self.pub)[i % 2]
         node.kill()
         self.restart(node)
 

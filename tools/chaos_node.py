@@ -57,11 +57,15 @@ def main() -> int:
     ap.add_argument("--transact", action="store_true",
                     help="subscriber: count in message.kv and forward each event in the handler's transaction")
     ap.add_argument("--kv-out", help="subscriber with --transact: write the kv count here at a clean stop")
+    ap.add_argument("--retention", type=float,
+                    help="publisher: retain its events this long and publish before anyone subscribes")
+    ap.add_argument("--start", help="subscriber: subscribe(start=...), e.g. earliest")
+    ap.add_argument("--handler-ms", type=float, default=0.0, help="subscriber: each handler run takes this long")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()} {args.role}] %(asctime)s %(threadName)s %(message)s")
     try:
-        bus = Bus(args.bind, args.datadir, ack_timeout=1.0, resend_max=2.0)
+        bus = Bus(args.bind, args.datadir, ack_timeout=1.0, resend_max=2.0, retention=args.retention)
     except StoreError as exc:
         print(f"cannot open the bus: {exc}", file=sys.stderr, flush=True)
         return 3
@@ -94,6 +98,8 @@ def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
             if args.transact:  # both land with the completion, or neither does
                 message.kv.update("handled", lambda n: n + 1, 0)
                 message.publish(FORWARDED, {"of": message.id})
+            if args.handler_ms:
+                pause(args.handler_ms / 1000)  # slower than the publisher: always a backlog
             append(fd, f"{message.id} {pid} {time.time():.6f}\n")
             if args.transact:
                 pause(0.005)  # runs that last a moment: some kills land between staging and commit
@@ -106,7 +112,7 @@ def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
         while args.transact and bus.status().subscriptions == 0 and time.monotonic() < deadline:
             pause(0.05)
         # Stored and retried: no need to wait here.
-        bus.subscribe(args.peer, TOPIC, group=args.group, ordered=args.ordered)
+        bus.subscribe(args.peer, TOPIC, group=args.group, ordered=args.ordered, start=args.start)
     while not stop.exists():
         pause(0.2)
         bus.status()  # BusBrokenError if the engine stopped (a store damaged while running)
@@ -119,7 +125,7 @@ def run_subscriber(bus: Bus, args: argparse.Namespace, stop: Path) -> int:
 def run_publisher(bus: Bus, args: argparse.Namespace, stop: Path, quiet: Path | None) -> int:
     fd = os.open(args.acks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     deadline = time.monotonic() + 60
-    while bus.status().subscriptions == 0:  # events before a subscription go to nobody
+    while bus.status().subscriptions == 0 and not args.retention:  # else they go to nobody
         if time.monotonic() > deadline:
             print("no subscriber within 60 s", file=sys.stderr, flush=True)
             return 3
