@@ -80,6 +80,8 @@ SCENARIOS = {
                                 "batch", 200_000, 40_000, False, "cost of encryption"),
     "e2e-batch-zstd": Scenario("e2e-batch with wire_compression='zstd' (--compression)",
                                "batch", 200_000, 40_000, False, "cost of compression"),
+    "e2e-batch-retained": Scenario("e2e-batch with the publisher retaining the topic (retention=3600)",
+                                   "batch", 200_000, 40_000, False, "cost of retention"),
     "e2e-ordered": Scenario("e2e-batch with subscribe(ordered=True): one frame in flight, handled in order",
                             "batch", 100_000, 20_000, False, "cost of strict order"),
     "latency-curve": Scenario("latency with CURVE keys on both buses (--curve)",
@@ -210,8 +212,9 @@ def role_pub(a: argparse.Namespace) -> None:
         return
     if a.stages:
         stages.install("pub")
+    extra = {"retention": a.retention} if a.retention else {}  # (a --baseline tree may not know it)
     with Bus(a.bind, a.datadir, journal=not a.no_journal, keys=a.keys,
-             wire_compression="zstd" if a.zstd else None) as bus:
+             wire_compression="zstd" if a.zstd else None, **extra) as bus:
         wait_until(lambda: bus.status().subscriptions >= a.subscribers, 120, 0.01)
         before = bus.counters().get("fsyncs", 0)
         cpu = cpu_seconds()
@@ -389,6 +392,8 @@ def _run_servicebus(name: str, count: int, tmp: Path) -> dict:
     if name == "e2e-ordered":
         for f in sub_flags:
             f.append("--ordered")
+    if name == "e2e-batch-retained":
+        pub_flags += ["--retention", "3600"]
     if name.endswith("-curve"):
         pub_keys, sub_keys = curve_keys(run_dir, pub_addr, subs_addrs)
         pub_flags += ["--keys", pub_keys]
@@ -614,6 +619,7 @@ def main() -> int:
     ap.add_argument("--keys", help=argparse.SUPPRESS)
     ap.add_argument("--zstd", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ordered", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--retention", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--compression", action="store_true",
                     help="also run e2e-batch with wire_compression='zstd' on the publisher")
     ap.add_argument("--curve", action="store_true",
@@ -780,6 +786,11 @@ def print_table(summary: dict) -> None:
     if "servicebus" in t.get("e2e-batch", {}) and "servicebus" in t.get("e2e-ordered", {}):
         o, p = t["e2e-ordered"]["servicebus"]["median"], t["e2e-batch"]["servicebus"]["median"]
         print(f"order: an ordered subscription runs at {o / p:.0%} of e2e-batch")
+    if "servicebus" in t.get("e2e-batch", {}) and "servicebus" in t.get("e2e-batch-retained", {}):
+        p, r = t["e2e-batch"]["servicebus"], t["e2e-batch-retained"]["servicebus"]
+        print(f"retention: e2e-batch with the topic retained runs at {r['median'] / p['median']:.0%} of plain"
+              + (f", cpu/msg {r['cpu_us_per_msg'] - p['cpu_us_per_msg']:+.1f} us"
+                 if "cpu_us_per_msg" in r and "cpu_us_per_msg" in p else ""))
     if "servicebus" in t.get("e2e-batch", {}) and "servicebus" in t.get("e2e-batch-zstd", {}):
         p, c = t["e2e-batch"]["servicebus"], t["e2e-batch-zstd"]["servicebus"]
         print(f"compression: e2e-batch with zstd frames runs at {c['median'] / p['median']:.0%} of plain"
