@@ -3,7 +3,6 @@ bus through its admin endpoint (the engine writes), `bus.replay()`/`bus.purge()`
 `subscriptions` view, several data directories per command, and tables that wrap rather
 than drop columns. The CLI runs in a subprocess; the buses it talks to run in this one."""
 
-import json
 import os
 import subprocess
 
