@@ -1,10 +1,12 @@
 """``servicebus``: inspect, unlock, replay and repair a bus's data directory.
 
 Read-only commands work on a stopped bus (reading its store) and on a live one (asking it
-over its admin endpoint); both print the same. Commands that write refuse while a live
+over its admin endpoint); both print the same. So do replay and purge of dead letters (the
+live bus makes the change itself). The other commands that write refuse while a live
 process holds the lock. Exit codes: 0 ok, 1 usage, 2 no such / not a data directory,
 3 locked by a live process, 4 corruption found, 5 permission denied (run it as the bus's
-user). Errors are one line, never a traceback.
+user), 6 nothing matched (a replay or purge). On several data directories: the worst of
+them. Errors are one line, never a traceback.
 """
 
 from __future__ import annotations

@@ -234,3 +234,16 @@ def test_a_table_at_60_columns_shows_every_column_and_at_160_uses_the_room_for_t
     assert f"ValueError: {ERROR}" in wide.stdout, wide.stdout  # whole, on one line
     headers, cells = table_columns(wide.stdout)
     assert cells == [mid, TOPIC, "handler_failed", whole_error, '{"n":0}'], wide.stdout
+
+
+def test_an_expired_command_replayed_by_a_running_bus_is_owed_again_and_delivered(make_bus):
+    address = free_address()
+    client = make_bus("client")
+    client.send(address, "audit.record", {"n": 1}, ttl=0.1)
+    wait_until(lambda: client.status().deadletters == 1, 10)
+    got = []
+    server = make_bus("server", address)
+    server.handle("audit.record", lambda p, m: got.append(p))
+    assert client.replay(reason="expired") == 1
+    wait_until(lambda: got == [{"n": 1}], 15)
+    assert client.deadletters() == []
