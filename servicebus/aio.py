@@ -75,6 +75,14 @@ class AsyncBus:
     async def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
         return await asyncio.to_thread(self.bus.deadletters, limit)
 
+    async def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+                     reason: str | None = None) -> int:
+        return await asyncio.to_thread(self.bus.replay, ids, topic=topic, reason=reason)
+
+    async def purge(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+                    reason: str | None = None) -> int:
+        return await asyncio.to_thread(self.bus.purge, ids, topic=topic, reason=reason)
+
     async def counters(self) -> dict[str, int]:
         return await asyncio.to_thread(self.bus.counters)
 

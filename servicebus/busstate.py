@@ -1,5 +1,5 @@
 """What ``Bus`` answers about itself: waiting for events (``once``/``any``/``all``),
-``drain``, ``status``, ``deadletters``, ``counters``. A layer of ``Bus`` (bus.py) over
+``drain``, ``status``, ``deadletters`` (and ``replay``/``purge`` of them), ``counters``. A layer of ``Bus`` (bus.py) over
 ``Lifecycle`` (lifecycle.py), so that each file holds one concern."""
 
 from __future__ import annotations
@@ -103,7 +103,32 @@ class BusState(Lifecycle):
         self._check_open()
         return dead_letters(self._store.deadletters(), limit)
 
+    def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+               reason: str | None = None) -> int:
+        """Put dead letters back, as ``servicebus replay`` does, while the bus runs: received
+        ones are handled again (attempts reset), undeliverable ones are owed again under a
+        new id and without TTL; each journaled ``replayed``. Selects by ``ids``, ``topic``
+        and ``reason`` (all that are given; none: every dead letter). Returns how many were
+        put back (a letter that cannot be, ``invalid`` ones, stays). ``ValueError``, and
+        nothing done, if an id named is no dead letter."""
+        rows = self._call(lambda f: E.Maintain("replay", _selection(ids, topic, reason), f, strict=True))
+        return sum(1 for row in rows if row.get("result") == "replayed")
+
+    def purge(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+              reason: str | None = None) -> int:
+        """Delete dead letters, selected as for ``replay`` (none given: every one), each
+        journaled ``dropped``; returns how many. ``ValueError``, and nothing done, if an id
+        named is no dead letter."""
+        rows = self._call(lambda f: E.Maintain("purge", _selection(ids, topic, reason), f, strict=True))
+        return int(rows[0]["removed"]["deadletters"])
+
     def counters(self) -> dict[str, int]:
         """Engine counters since start (published, sent, received, acked, fsyncs, ...)."""
         snap = self._call(lambda f: E.Snapshot(f))
         return dict(snap["counters"])
+
+
+def _selection(ids: Iterable[str] | None, topic: str | None, reason: str | None) -> dict[str, Any]:
+    """The dead letters a replay or purge names (engine/maintain.py checks the types)."""
+    return {"ids": None if ids is None else [ids] if isinstance(ids, str) else list(ids),
+            "topic": topic, "reason": reason}

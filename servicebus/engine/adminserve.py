@@ -1,9 +1,11 @@
 """Serving the admin endpoint inside a running bus: requests are read on the engine
 thread, views run on one thread beside it (a view of a big store can take a while), and
-their replies go back through the engine's queue, since only the engine sends on sockets."""
+their replies go back through the engine's queue, since only the engine sends on sockets.
+The operations that write (replay, purge: maintain.py) are queued for the engine itself."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -16,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from .maintain import OPS, Maintain
 from ..ops import admin as A
 from ..ops.export import export_rows
 from ..ops.views import run_view
@@ -62,7 +65,22 @@ class AdminServer:
             except Exception as exc:  # noqa: BLE001 - junk on the admin socket
                 self._queue(AdminReply(ident, A.encode_reply(error=f"bad request: {exc}")))
                 continue
+            if view in OPS:  # it writes: the engine runs it, on its own thread
+                future: Future = Future()
+                future.add_done_callback(functools.partial(self._done, ident))
+                self._queue(Maintain(view, args, future))
+                continue
             self._pool.submit(self._run_view, ident, view, args)
+
+    def _done(self, ident: bytes, future: Future) -> None:
+        """Reply for an operation the engine ran (on its thread, or failed at close)."""
+        exc = future.exception()
+        data = A.encode_reply(error=f"{type(exc).__name__}: {exc}") if exc is not None else \
+            A.encode_reply(future.result())
+        try:
+            self._submit(AdminReply(ident, data))
+        except BusClosedError:
+            pass
 
     def _run_view(self, ident: bytes, view: str, args: dict) -> None:
         try:

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from ..wire import protocol as P
 from .adminserve import AdminReply, AdminServer
+from .maintain import Maintain, maintain
 from ..model.clock import BusClock
 from .peerio import PeerIO
 from .publisher import Publisher
@@ -43,7 +44,7 @@ from ..handling.requests import PendingRequests
 from .sockets import Sockets
 from ..store import MARK_INTERVAL, Batch, Store
 
-__all__ = ["Engine", "Drain", "Snapshot", "SendCmd", "QueueReply", "SubscribeCmd"]
+__all__ = ["Engine", "Drain", "Snapshot", "Maintain", "SendCmd", "QueueReply", "SubscribeCmd"]
 
 log = logging.getLogger("servicebus")
 
@@ -386,6 +387,8 @@ class Engine(threading.Thread):
             self._drains.append(cmd.future)
         elif isinstance(cmd, Snapshot):
             cmd.future.set_result(self._snapshot(now))
+        elif isinstance(cmd, Maintain):  # replay, purge: on this thread (maintain.py)
+            maintain(self, cmd, now, self._degraded)
         else:
             raise TypeError(f"unknown engine command {cmd!r}")
 

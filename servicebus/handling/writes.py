@@ -183,6 +183,14 @@ class RunWriter:
             self.record(build, message_id, after=after)
         return redo
 
+    def forget(self, message_ids: list[str]) -> None:
+        """Messages an operator put back in the incoming store (replayed dead letters): the
+        write that finished them is done with, not to be written again when a scan finds
+        them stored (which would make them dead letters again, unrun)."""
+        with self._lock:
+            for mid in message_ids:
+                self._recent.pop(mid, None)
+
     def progress_redo(self, key: str) -> Callable[[], None] | None:
         """Writes the last progress of segment ``key``'s run again, if it is among the last
         RECENT made (a scan after a reopen: its finished handlers must not run again);

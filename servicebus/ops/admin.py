@@ -8,7 +8,9 @@ why a live bus runs without one). The bus side is ``engine/adminserve.py``.
 Admin protocol (msgpack over ZeroMQ DEALER -> the bus's admin ROUTER): request
 ``{"view": name, "args": {...}}``, reply ``{"ok": true, "rows": [...], "total": n}`` (``total``:
 rows in all, more than those sent when ``args["limit"]`` cut them) or ``{"ok": false,
-"error": text}``. Only read-only views are served.
+"error": text}``. The views are read-only (``check`` reads a snapshot of the store); the
+two operations that write, ``replay`` and ``purge`` of dead letters (args ``ids``, ``topic``,
+``reason``), are run by the bus's engine on its own thread (engine/maintain.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import os
 import pwd
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,15 +19,20 @@ import typer
 
 from . import admin as A
 from . import views as V
-from ..errors import LockedError, StoreError
+from ..errors import BusError, LockedError, StoreError
 from ..store.lockfile import LOCK_NAME, DataDirLock, probe
 from ..store import OlderFormatError, Store
+from .clitable import err, out, safe
 
 __all__ = ["app", "CliError", "EXIT_OK", "EXIT_USAGE", "EXIT_NO_DATADIR", "EXIT_LOCKED", "EXIT_CORRUPT",
-           "EXIT_DENIED", "DATADIR", "JSON", "FULL", "LIMIT", "ALL"]
+           "EXIT_DENIED", "EXIT_NOTHING", "DATADIR", "DATADIRS", "JSON", "FULL", "LIMIT", "ALL"]
 
 # What each exit code means is in cli.py's docstring (and the README).
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATADIR, EXIT_LOCKED, EXIT_CORRUPT, EXIT_DENIED = 0, 1, 2, 3, 4, 5
+EXIT_NOTHING = 6  # a replay or purge that matched nothing, or named an id that is no dead letter
+# A command run on several data directories exits with the worst of their codes, in this
+# order from the least bad (a damaged store is the worst news).
+SEVERITY = (EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_LOCKED, EXIT_NO_DATADIR, EXIT_DENIED, EXIT_CORRUPT)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Inspect, unlock, replay and repair servicebus data directories.")
@@ -54,6 +59,8 @@ class CliError(Exception):
 
 # readable=False: whether this user may read it is ours to check, to say what to do.
 DATADIR = typer.Argument(Path("."), help="the bus's data directory", show_default=True, readable=False)
+DATADIRS = typer.Argument(None, help="the buses' data directories (default: .)", show_default=False,
+                          readable=False, metavar="DATADIR...")
 JSON = typer.Option(False, "--json", help="one JSON object per line")
 FULL = typer.Option(False, "--full", help="show payloads whole")
 LIMIT = typer.Option(100, "--limit", min=0, help="at most this many rows (0: all); a cut listing says how many there are")
@@ -164,16 +171,76 @@ def _open_store(path: Path, *, as_it_is: bool = False) -> Iterator[Store]:
         store.close()
 
 
+def _alive(path: Path) -> bool:
+    """Whether a live bus holds ``path`` (a checked data directory)."""
+    return probe(path)[1]
+
+
+def _ask_live(path: Path, name: str, args: dict) -> V.Rows:
+    """View or operation ``name`` of the live bus holding ``path``, over its admin endpoint."""
+    try:
+        return A.query_live(path.resolve(), name, args)
+    except A.AdminDenied as exc:
+        raise _denied(Path(exc.path), str(exc)) from None
+    except A.AdminUnavailable as exc:
+        raise CliError(str(exc), EXIT_LOCKED) from None
+
+
 def _view(path: Path, name: str, args: dict) -> V.Rows:
     """Rows of a read-only view: from the live bus if one holds the data directory."""
     path = _datadir(path)
-    _owner, alive = probe(path)
-    if alive:
-        try:
-            return A.query_live(path.resolve(), name, args)
-        except A.AdminDenied as exc:
-            raise _denied(Path(exc.path), str(exc)) from None
-        except A.AdminUnavailable as exc:
-            raise CliError(str(exc), EXIT_LOCKED) from None
+    if _alive(path):
+        return _ask_live(path, name, args)
     with _offline_store(path, writing=False) as store:
         return V.run_view(store, path, name, args)
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """An error as one line and its exit code (``main``'s, and each data directory's of a
+    command run on several)."""
+    if isinstance(exc, CliError):
+        return safe(exc), exc.code
+    if isinstance(exc, StoreError):
+        return safe(exc), EXIT_CORRUPT
+    if isinstance(exc, PermissionError):  # a file of the data directory this user may not use
+        where = Path(exc.filename) if exc.filename else Path(".")
+        denied = _denied(where, f"{exc.filename or 'a file'}: {exc.strerror}")
+        return safe(denied), denied.code
+    if isinstance(exc, (BusError, OSError)):
+        return safe(exc), EXIT_USAGE
+    raise exc
+
+
+def _worst(codes: list[int]) -> int:
+    return max(codes, key=lambda c: SEVERITY.index(c) if c in SEVERITY else len(SEVERITY), default=EXIT_OK)
+
+
+def _each(datadirs: list[Path] | None, run: Callable[[Path, str | None], None]) -> None:
+    """``run(datadir, label)`` for each data directory named (``.`` if none). One: as it
+    always was (its errors end the command). Several: each labelled (``label``: the
+    directory, for the command to print as its section's heading or add to its JSON rows),
+    an error of one is printed (one line) and the next goes on; the command exits with the
+    worst code of them (``SEVERITY``)."""
+    dirs = list(datadirs or [Path(".")])
+    if len(dirs) == 1:
+        run(dirs[0], None)
+        return
+    codes = []
+    for path in dirs:
+        try:
+            run(path, str(path))
+            codes.append(EXIT_OK)
+        except typer.Exit as exc:
+            codes.append(exc.exit_code)
+        except (CliError, StoreError, PermissionError, BusError, OSError) as exc:  # as main() tells them
+            message, code = describe(exc)
+            err.print(safe(f"servicebus: {path}: {message}"))
+            codes.append(code)
+    if _worst(codes) != EXIT_OK:
+        raise typer.Exit(_worst(codes))
+
+
+def _heading(label: str | None) -> None:
+    """A section's heading, when a command runs on several data directories."""
+    if label is not None:
+        out.print(safe(f"== {label} =="))

@@ -1,6 +1,8 @@
 """The ``servicebus`` commands that write: keygen, unlock, migrate, replay, purge, check
-[--repair], compact. Those that change a data directory refuse while a live process holds
-its lock, and hold the lock themselves while they work, so that no bus starts under them.
+[--repair], compact. Replay and purge of dead letters, and check without --repair, also work
+on a live bus: it does them itself, asked over its admin endpoint (the engine writes:
+engine/maintain.py; check reads a snapshot). The others refuse while a live process holds
+the lock, and hold the lock themselves while they work, so that no bus starts under them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from . import repair as R
 from ..hooks.journal import flush_datadir
 from ..errors import LockedError, StoreError
 from ..store.lockfile import LOCK_NAME, probe
-from .clibase import DATADIR, EXIT_CORRUPT, EXIT_LOCKED, EXIT_NO_DATADIR, EXIT_USAGE, JSON, CliError
-from .clibase import _datadir, _holding_lock, _offline_store, app
+from .clibase import DATADIR, DATADIRS, EXIT_CORRUPT, EXIT_LOCKED, EXIT_NO_DATADIR, EXIT_NOTHING, EXIT_USAGE
+from .clibase import JSON, CliError, _alive, _ask_live, _datadir, _each, _heading, _holding_lock, _offline_store
+from .clibase import app
 from .clitable import emit as _emit, err, out, progress as _progress
 from .clitable import safe as _safe
 from ..store import FORMAT_VERSION, MARK_NAME, Store
@@ -98,48 +101,148 @@ def migrate(datadir: Path = DATADIR, as_json: bool = JSON) -> None:
                         f"{datadir}` lists them"))
 
 
+TARGETS = typer.Argument(None, metavar="DATADIR... [IDS...]", show_default=False,
+                         help="data directories (the first one, and each after it that is a "
+                              "directory), then dead letter ids")
+TOPIC = typer.Option(None, "--topic", help="dead letters of this topic or command")
+REASON = typer.Option(None, "--reason", help="dead letters with this reason (handler_failed, expired, ...)")
+
+
+def _targets(args: list[str] | None) -> tuple[list[Path], list[str]]:
+    """``DATADIR... [IDS...]``: the first argument is a data directory, and so is each
+    after it that names a directory; the rest are dead letter ids."""
+    args = list(args or [])
+    dirs = [Path(args.pop(0))] if args else [Path(".")]
+    while args and Path(args[0]).is_dir():
+        dirs.append(Path(args.pop(0)))
+    return dirs, args
+
+
+def _selected(ids: list[str], topic: str | None, reason: str | None) -> str:
+    named = [f"ids {', '.join(ids)}" if ids else "", f"topic {topic}" if topic else "",
+             f"reason {reason}" if reason else ""]
+    return " and ".join(n for n in named if n) or "any"
+
+
+def _labelled(rows: list[dict], label: str | None) -> list[dict]:
+    return rows if label is None else [{"datadir": label, **row} for row in rows]
+
+
 @app.command()
-def replay(datadir: Path = DATADIR,
-           ids: Optional[list[str]] = typer.Argument(None, help="dead letter ids"),
+def replay(targets: Optional[list[str]] = TARGETS,
            all_: bool = typer.Option(False, "--all", help="every dead letter"),
-           topic: Optional[str] = typer.Option(None, "--topic", help="dead letters of this topic"),
-           as_json: bool = JSON) -> None:
-    """Move dead letters back to incoming (or outgoing, for undeliverable ones)."""
-    if not ids and not all_ and not topic:
-        raise CliError("name dead letter ids, or pass --all or --topic", EXIT_USAGE)
+           topic: Optional[str] = TOPIC, reason: Optional[str] = REASON, as_json: bool = JSON) -> None:
+    """Move dead letters back to incoming (or outgoing, for undeliverable ones), by id, by
+    topic, by reason or all; a live bus does it at once (over its admin endpoint). Exit 6
+    if nothing matched or an id named is no dead letter."""
+    dirs, ids = _targets(targets)
+    if not ids and not all_ and not topic and not reason:
+        raise CliError("name dead letter ids, or pass --all, --topic or --reason", EXIT_USAGE)
+    _each(dirs, lambda path, label: _replay(path, label, ids, topic, reason, as_json))
+
+
+def _replay(datadir: Path, label: str | None, ids: list[str], topic: str | None, reason: str | None,
+            as_json: bool) -> None:
     datadir = _datadir(datadir)
-    with _offline_store(datadir, writing=True, command="replay") as store:
-        with _progress("replaying", None) as step:
-            rows = M.replay(store, ids or None, topic, step)
-        flush_datadir(store, datadir)  # its journal events, for an audit run next
-    _emit(rows, as_json, [("id", lambda r: r["id"]), ("result", lambda r: r["result"]),
-                          ("where / why", lambda r: r.get("to") or r.get("detail", ""))], "replay")
+    if _alive(datadir):  # the bus's engine writes, on its own thread (engine/maintain.py)
+        rows = list(_ask_live(datadir, "replay", {"ids": ids or None, "topic": topic, "reason": reason}))
+    else:
+        with _offline_store(datadir, writing=True, command="replay") as store:
+            with _progress("replaying", None) as step:
+                rows = M.replay(store, ids or None, topic, step, reason=reason)
+            flush_datadir(store, datadir)  # its journal events, for an audit run next
+    _heading(None if as_json else label)
+    missing = [r["id"] for r in rows if r.get("detail") == "no such dead letter"]
+    if len(missing) < len(rows):
+        _emit(_labelled(rows, label), as_json, [("id", lambda r: r["id"]), ("result", lambda r: r["result"]),
+                                                ("where / why", lambda r: r.get("to") or r.get("detail", ""))],
+              "replay")
+    _nothing(datadir, missing, not rows, ids, topic, reason)
+
+
+def _nothing(datadir: Path, missing: list[str], none: bool, ids: list[str], topic: str | None,
+             reason: str | None) -> None:
+    """Exit 6 (EXIT_NOTHING), saying why, if an id named is no dead letter of ``datadir``
+    or nothing matched."""
+    if missing:
+        err.print(_safe(f"{datadir}: no such dead letter: {', '.join(missing)}"))
+    elif none:
+        err.print(_safe(f"{datadir}: no dead letter matched ({_selected(ids, topic, reason)})"))
+    if missing or none:
+        raise typer.Exit(EXIT_NOTHING)
 
 
 @app.command()
-def purge(datadir: Path = DATADIR,
+def purge(targets: Optional[list[str]] = TARGETS,
           outgoing_: bool = typer.Option(False, "--outgoing", help="every outgoing message and delivery state"),
           incoming_: bool = typer.Option(False, "--incoming", help="every unhandled incoming message"),
-          deadletters_: bool = typer.Option(False, "--deadletters", help="every dead letter"),
+          deadletters_: bool = typer.Option(False, "--deadletters", help="dead letters: every one, or those "
+                                            "ids, --topic and --reason select"),
           subscriber: Optional[str] = typer.Option(None, "--subscriber",
                                                    help="forget this subscriber (what it is owed becomes dead letters)"),
+          topic: Optional[str] = TOPIC, reason: Optional[str] = REASON,
           yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
           as_json: bool = JSON) -> None:
-    """Delete what is named, after a confirmation; print what was removed."""
-    if not (outgoing_ or incoming_ or deadletters_ or subscriber):
-        raise CliError("name what to purge: --outgoing, --incoming, --deadletters or --subscriber ADDR",
-                       EXIT_USAGE)
+    """Delete what is named, after a confirmation; print what was removed. Dead letters
+    (by id, --topic, --reason, or --deadletters for all) also from a live bus; the rest
+    needs the bus stopped. Exit 6 if no dead letter matched."""
+    dirs, ids = _targets(targets)
+    select = bool(ids or topic or reason)
+    whole = outgoing_ or incoming_ or bool(subscriber)
+    if not (whole or deadletters_ or select):
+        raise CliError("name what to purge: dead letter ids, --topic, --reason, --deadletters, --outgoing, "
+                       "--incoming or --subscriber ADDR", EXIT_USAGE)
+    if select and whole:
+        raise CliError("ids, --topic and --reason select dead letters; purge --outgoing, --incoming and "
+                       "--subscriber on their own", EXIT_USAGE)
+    if whole:
+        _each(dirs, lambda path, label: _purge_whole(path, outgoing_, incoming_, deadletters_, subscriber,
+                                                     yes, as_json))
+    else:
+        _each(dirs, lambda path, label: _purge_letters(path, label, ids, topic, reason, yes, as_json))
+
+
+def _confirm(yes: bool, question: str) -> None:
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise CliError("purge needs confirmation: pass --yes when not on a terminal", EXIT_USAGE)
+    if not typer.confirm(question):
+        raise CliError("nothing purged", EXIT_USAGE)
+
+
+def _purge_letters(datadir: Path, label: str | None, ids: list[str], topic: str | None,
+                   reason: str | None, yes: bool, as_json: bool) -> None:
+    datadir = _datadir(datadir)
+    selection = _selected(ids, topic, reason)
+    what = "every dead letter" if selection == "any" else f"the dead letters of {selection}"
+    if _alive(datadir):  # the bus's engine writes, on its own thread (engine/maintain.py)
+        _confirm(yes, f"Delete {what} from {datadir} (live)?")
+        done = _ask_live(datadir, "purge", {"ids": ids or None, "topic": topic, "reason": reason})[0]
+        removed, missing = done["removed"]["deadletters"], done["missing"]
+    else:
+        with _offline_store(datadir, writing=True, command="purge") as store:
+            _confirm(yes, f"Delete {what} from {datadir}?")
+            with _progress("purging", None) as step:
+                removed, missing = M.purge_letters(store, ids or None, topic, reason, step)
+            flush_datadir(store, datadir)  # its journal events, for an audit run next
+    _heading(None if as_json else label)
+    if as_json:
+        print(json.dumps({**({"datadir": label} if label else {}), "removed": {"deadletters": removed}}))
+    elif removed:
+        out.print(f"removed {removed} dead letters")
+    _nothing(datadir, missing, not removed, ids, topic, reason)
+
+
+def _purge_whole(datadir: Path, outgoing_: bool, incoming_: bool, deadletters_: bool,
+                 subscriber: str | None, yes: bool, as_json: bool) -> None:
     datadir = _datadir(datadir)
     named = [n for n, on in (("outgoing", outgoing_), ("incoming", incoming_),
                              ("deadletters", deadletters_)) if on]
     if subscriber:
         named.append(f"subscriber {subscriber}")
     with _offline_store(datadir, writing=True, command="purge") as store:
-        if not yes:
-            if not sys.stdin.isatty():
-                raise CliError("purge needs confirmation: pass --yes when not on a terminal", EXIT_USAGE)
-            if not typer.confirm(f"Delete {', '.join(named)} from {datadir}?"):
-                raise CliError("nothing purged", EXIT_USAGE)
+        _confirm(yes, f"Delete {', '.join(named)} from {datadir}?")
         with _progress("purging", None) as step:
             removed = M.purge(store, outgoing=outgoing_, incoming=incoming_,
                               deadletters=deadletters_, subscriber=subscriber, progress=step)
@@ -152,24 +255,35 @@ def purge(datadir: Path = DATADIR,
 
 
 @app.command()
-def check(datadir: Path = DATADIR,
+def check(datadirs: Optional[list[Path]] = DATADIRS,
           repair: bool = typer.Option(False, "--repair", help="repair damaged files and records; report what is lost"),
           as_json: bool = JSON) -> None:
-    """Verify every record decodes and cross-references hold; exit 4 if not. --repair runs
-    LevelDB's repair on damaged files, restores or drops damaged records, and reports by id
-    the messages that could not be recovered."""
+    """Verify every record decodes and cross-references hold; exit 4 if not. A live bus is
+    checked on a snapshot of its store (LevelDB's), read by the bus itself. --repair (the
+    bus stopped) runs LevelDB's repair on damaged files, restores or drops damaged records,
+    and reports by id the messages that could not be recovered."""
+    _each(datadirs, lambda path, label: _check_one(path, label, repair, as_json))
+
+
+def _check_one(datadir: Path, label: str | None, repair: bool, as_json: bool) -> None:
     datadir = _datadir(datadir)
-    with _holding_lock(datadir, "check"):
-        rows = [p.__dict__ for p in _check(datadir, repair)]
+    live = not repair and _alive(datadir)
+    if live:  # read-only: on a snapshot, by the bus (views.view_check)
+        rows = list(_ask_live(datadir, "check", {}))
+    else:
+        with _holding_lock(datadir, "check"):
+            rows = [p.__dict__ for p in _check(datadir, repair)]
+    _heading(None if as_json else label)
     if as_json:
         for row in rows:
-            print(json.dumps(row))
+            print(json.dumps({**({"datadir": label} if label else {}), **row}))
     elif rows:
         _emit(_grouped(rows), False, [
             ("keyspace", lambda r: r["keyspace"]), ("key", lambda r: r["key"]),
             ("problem", lambda r: r["problem"]), ("repair", lambda r: r["action"] or "-")], "problems")
     else:
-        out.print(f"{datadir}: every record decodes and every reference holds")
+        how = " (a snapshot of the live bus's store)" if live else ""
+        out.print(f"{datadir}: every record decodes and every reference holds{how}")
     if rows and not repair:
         raise typer.Exit(EXIT_CORRUPT)
 

@@ -56,7 +56,10 @@ def when(ts: float | None) -> str:
 
 
 def short(value: Any, full: bool, width: int = 30) -> str:
+    """``value`` as text, cut at ``width`` characters on an 80-column terminal; a wider one
+    gives each cut column its extra columns too (the table folds what does not fit)."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    width += max(0, out.width - 80)
     return text if full or len(text) <= width else text[: width - 1] + "…"
 
 
@@ -72,6 +75,34 @@ def cut_notice(shown: int, total: int | None, limit: int | None) -> dict | None:
                 "version, which does not say); --limit 0 (or --all) shows all")
         return {"truncated": None, "shown": shown, "total": None, "limit": limit, "note": text}
     return None
+
+
+# Every column but the id (24 characters, whole) is at least MIN_WIDTH wide: at 60 columns
+# a table of five still shows each, folded over several lines.
+MIN_WIDTH = 4
+_WHOLE = ("publisher", "address", "owed by")
+
+
+def _fit(headers: list[str], cells: list[list[str]], width: int) -> list[int | None]:
+    """Each column's width in a table ``width`` wide: None (as wide as its longest line)
+    when the table fits; else the widest columns are narrowed first, one character at a
+    time (short ones keep their width, the long ones share what is left)."""
+    want = [max([len(h)] + [len(line) for row in cells for line in (row[i].splitlines() or [""])])
+            for i, h in enumerate(headers)]
+    room = width - (3 * len(headers) + 1)  # a border and two spaces of padding per column
+    if sum(want) <= room:
+        return [None] * len(headers)
+    widths = list(want)
+    # Addresses (copied, as ids are) count half their width: narrowed once twice as wide as
+    # the widest other column.
+    weight = [0.0 if h == "id" else 0.5 if h in _WHOLE else 1.0 for h in headers]
+    while sum(widths) > room:
+        widest = max((i for i in range(len(widths)) if weight[i] and widths[i] > MIN_WIDTH),
+                     key=lambda i: widths[i] * weight[i], default=None)
+        if widest is None:
+            break
+        widths[widest] -= 1
+    return [None if h == "id" else w for h, w in zip(headers, widths)]
 
 
 def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title: str,
@@ -96,15 +127,15 @@ def emit(rows: list[dict], as_json: bool, columns: list[tuple[str, Any]], title:
         return
     shown = f"{len(rows):,} of {total:,} shown" if notice and total is not None else f"{len(rows):,}"
     table = Table(title=safe(f"{title} ({shown})"), title_justify="left", expand=False)
-    for header, _ in columns:
-        if header == "id":  # whole, always: operators copy ids into `replay`
+    cells = [[safe(fn(row)) for _, fn in columns] for row in rows]
+    widths = _fit([h for h, _ in columns], cells, out.width)
+    for (header, _), width in zip(columns, widths):
+        if header == "id":  # whole, always, on one line: operators copy ids into `replay`
             table.add_column(header, no_wrap=True, min_width=24)
-        elif header in ("topic", "reason", "age", "tries", "kind", "result"):
-            table.add_column(header, no_wrap=True, overflow="ellipsis", max_width=20)
-        else:
-            table.add_column(header, overflow="fold")
-    for row in rows:
-        table.add_row(*(safe(fn(row)) for _, fn in columns))
+        else:  # folded (never cut) where the table is too wide for the terminal
+            table.add_column(header, overflow="fold", width=width)
+    for row_cells in cells:
+        table.add_row(*row_cells)
     out.print(table)
     if notice is not None:  # under the table too: where the eye is after a long one
         out.print(notice["note"])

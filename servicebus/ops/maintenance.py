@@ -9,7 +9,9 @@ operator sees exactly what happened.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 from ..errors import StoreError
@@ -26,7 +28,7 @@ from ..store import FORMAT_VERSION, Store, schema
 from ..store.migrate import Upgrade, upgrade
 from .messages import outgoing_letters
 
-__all__ = ["migrate", "replay", "purge", "REPLAYABLE"]
+__all__ = ["migrate", "replay", "purge", "purge_letters", "select_letters", "Context", "REPLAYABLE"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -92,27 +94,60 @@ def _replayable(mid: str, rec: dict) -> str | None:
     return None
 
 
+def select_letters(store: Store, ids: list[str] | None, topic: str | None,
+                   reason: str | None) -> tuple[list[tuple[str, dict]], list[str]]:
+    """The dead letters an operation names: by ``ids`` (None: any), of ``topic``, with
+    ``reason`` (each None: any); and the ids named that are no dead letter here (one that
+    is, of another topic or reason, is left out without a word: the filter said so)."""
+    wanted = set(ids) if ids else None
+    letters, stored = [], set()
+    for mid, rec in store.deadletters():
+        if wanted is None or mid in wanted:
+            stored.add(mid)
+            if (topic is None or rec.get("topic") == topic) and (reason is None or rec.get("reason") == reason):
+                letters.append((mid, rec))
+    missing = sorted(wanted - stored) if wanted else []
+    return letters, missing
+
+
+@dataclass
+class Context:
+    """How an operation's changes reach the bus. Offline (the defaults): the journal of the
+    store's bus, ids above every one the store refers to. In a running bus the engine passes
+    its own (engine/maintain.py): its hooks record the events, its id generator makes ids,
+    its core says which command receivers it knows (``known``), and what replay put back
+    is told to it (``outgoing``: (stream, key, record); ``incoming``: the ids)."""
+
+    record: Callable[[Any, list], None]
+    ids: IdGenerator | None = None  # offline: made by replay, above every id the store names
+    known: Callable[[str, str], bool] | None = None
+    outgoing: list[tuple[str, str, bytes]] = field(default_factory=list)
+    incoming: list[str] = field(default_factory=list)
+
+    @classmethod
+    def offline(cls, store: Store) -> "Context":
+        return cls(_journal(store).record)
+
+
 def replay(store: Store, ids: list[str] | None, topic: str | None,
-           progress: Progress = None) -> list[dict]:
-    """Put dead letters back where they can be tried again; one report row per letter.
+           progress: Progress = None, *, reason: str | None = None,
+           context: Context | None = None) -> list[dict]:
+    """Put dead letters back where they can be tried again; one report row per letter
+    (and one ``skipped`` row per id named that is no dead letter).
 
     Letters of received messages go back to the incoming store (handled at the next start,
-    attempts reset). Letters of messages this bus could not deliver go back to their
-    outgoing stream under a new id (so no delivery cursor has passed it) and without TTL.
+    or at once by a running bus, attempts reset). Letters of messages this bus could not
+    deliver go back to their outgoing stream under a new id (so no delivery cursor has
+    passed it) and without TTL.
     """
-    wanted = set(ids) if ids else None
-    letters = [(mid, rec) for mid, rec in store.deadletters()
-               if (wanted is None or mid in wanted) and (topic is None or rec.get("topic") == topic)]
-    report: list[dict] = []
-    if wanted:
-        for missing in sorted(wanted - {mid for mid, _ in letters}):
-            report.append({"id": missing, "result": "skipped", "detail": "no such dead letter"})
+    ctx = context or Context.offline(store)
+    letters, missing = select_letters(store, ids, topic, reason)
+    report: list[dict] = [{"id": mid, "result": "skipped", "detail": "no such dead letter"} for mid in missing]
     views = {(c.peer, c.stream): c for c in consumers(store)}
     subscribers_of: dict[str, set[str]] = {}
     for c in views.values():
         subscribers_of.setdefault(c.stream, set()).add(c.peer)
-    gen = IdGenerator(after=store.highest_own_id(), epoch=store.next_epoch())  # above every cursor
-    journal = _journal(store)
+    gen = ctx.ids or IdGenerator(after=store.highest_own_id(), epoch=store.next_epoch())  # above every cursor
     writer = _Writer(store, progress)
     for mid, rec in letters:
         batch = writer.batch
@@ -131,7 +166,8 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
             batch.put_incoming(mid, rec["record"])
             batch.delete_deadletter(mid)
             inner = rec["record"]
-            journal.record(batch, [event("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3])])
+            ctx.record(batch, [event("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3])])
+            ctx.incoming.append(mid)
             row.update(result="replayed", to="incoming")
         elif origin == "outgoing":
             stream, peer = str(rec.get("stream") or ""), str(rec.get("peer") or "")
@@ -139,22 +175,29 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
                 row.update(result="skipped", detail="the letter names no stream or receiver")
                 report.append(row)
                 continue
-            if is_command_stream(stream):
+            if is_command_stream(stream) and ctx.known is not None:
+                if not ctx.known(peer, stream):  # the running core has no consumer for it
+                    row.update(result="skipped", detail=f"the running bus sends nothing to {peer} "
+                                                        "now; replay it with the bus stopped")
+                    report.append(row)
+                    continue
+            elif is_command_stream(stream):
                 if (peer, stream) not in views:
                     batch.put_delivery(peer, stream, {"floor": "", "acked": [], "attempts": {}})
                     views[(peer, stream)] = None  # type: ignore[assignment]
             elif subscribers_of.get(stream) != {peer}:
-                reason = ("is no longer subscribed" if peer not in subscribers_of.get(stream, ())
-                          else "shares the topic with other subscribers, who would get it again")
-                row.update(result="skipped", detail=f"subscriber {peer} {reason}")
+                why_not = ("is no longer subscribed" if peer not in subscribers_of.get(stream, ())
+                           else "shares the topic with other subscribers, who would get it again")
+                row.update(result="skipped", detail=f"subscriber {peer} {why_not}")
                 report.append(row)
                 continue
             kind, topic_, _sent, _expires, corr, headers, _ids, blob = rec["record"]
             new_id = gen.next()  # a segment of one, as the letter kept it
-            batch.put_outgoing(stream, new_id, pack_outgoing(Kind(kind), topic_, wall_ms(), [new_id], blob,
-                                                             None, corr, headers))
+            packed = pack_outgoing(Kind(kind), topic_, wall_ms(), [new_id], blob, None, corr, headers)
+            batch.put_outgoing(stream, new_id, packed)
             batch.delete_deadletter(mid)
-            journal.record(batch, [
+            ctx.outgoing.append((stream, new_id, packed))
+            ctx.record(batch, [
                 event("replayed_at_sender", wall_ms(), mid, topic_, rec.get("kind"), peer, 0, f"as {new_id}"),
                 event("published", wall_ms(), new_id, topic_, rec.get("kind"), peer)])
             row.update(result="replayed", to=f"outgoing to {peer}", new_id=new_id)
@@ -167,6 +210,27 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
 
 
 # --- purge ---------------------------------------------------------------------------------
+
+
+def purge_letters(store: Store, ids: list[str] | None, topic: str | None, reason: str | None,
+                  progress: Progress = None, *, context: Context | None = None) -> tuple[int, list[str]]:
+    """Delete the dead letters named (by ids, topic, reason: see ``select_letters``), each
+    journaled as ended by an operator (``dropped``, error ``purged``); return how many, and
+    the ids named that are no dead letter."""
+    record = (context or Context.offline(store)).record
+    letters, missing = select_letters(store, ids, topic, reason)
+    writer = _Writer(store, progress)
+    for mid, rec in letters:
+        writer.batch.delete_deadletter(mid)
+        at_sender = rec.get("origin") == "outgoing"
+        inner = rec.get("record") or []
+        peer = rec.get("peer") if at_sender else (inner[3] if len(inner) > 3 else None)
+        record(writer.batch, [event("dropped_at_sender" if at_sender else "dropped", wall_ms(), mid,
+                                    rec.get("topic"), rec.get("kind"), peer, 0, "purged")])
+        writer.step()
+    writer.close()
+    return len(letters), missing
+
 
 
 def _journal(store: Store) -> Journal:

@@ -88,7 +88,9 @@ class _Fixes:
 
     def __init__(self, store: Store, enabled: bool) -> None:
         self.store, self.enabled = store, enabled
-        self.batch, self.ops = store.batch(), 0
+        # Not enabled: no batch at all (a check of a live bus reads a snapshot, which has none).
+        self.batch: Any = store.batch() if enabled else None
+        self.ops = 0
 
     def __call__(self, change: Callable) -> None:
         if not self.enabled:

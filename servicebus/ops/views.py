@@ -22,12 +22,14 @@ from .messages import bodies
 from ..model.ids import id_millis
 from ..store.cursors import ConsumerView, consumers
 from ..store.lockfile import probe
+from ..store.snapshot import snapshot
 from ..store.status import retained_summary
-from ..wire.protocol import KIND_NAMES
+from ..wire.protocol import KIND_NAMES, Kind
+from ..wire.topics import matches
 from ..model.stored import NO_RUNS, IncomingRecord, RunState
 from ..store import Store
 
-__all__ = ["Rows", "VIEWS", "run_view", "jsonable", "payload_of", "letter_body", "incoming_row",
+__all__ = ["Rows", "VIEWS", "run_view", "view_subscriptions", "view_check", "jsonable", "payload_of", "letter_body", "incoming_row",
            "deadletter_row"]
 
 
@@ -288,6 +290,36 @@ def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None)
     return Rows(rows, total)
 
 
+def view_subscriptions(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    """What this bus subscribes to (its subscribe intents): at which publisher, confirmed or
+    not, and its backlog: messages of the topics it matches received and not handled yet
+    (``topics``: by topic). A received event matching two intents counts in each."""
+    waiting: dict[str, int] = {}
+    for key, rec in store.incoming():
+        if rec.kind == Kind.EVENT:
+            waiting[rec.topic] = waiting.get(rec.topic, 0) + len(incoming_messages(store, key, rec))
+    rows = []
+    for publisher, topic, intent in store.intents():
+        mine = {t: n for t, n in sorted(waiting.items()) if matches(topic, t)}
+        rows.append({"publisher": publisher, "topic": topic, "op": intent.get("op"),
+                     "confirmed": bool(intent.get("confirmed")), "group": intent.get("group"),
+                     "ordered": bool(intent.get("ordered")), "limit": intent.get("limit"),
+                     "since": intent.get("id"), "backlog": sum(mine.values()), "topics": mine})
+    return rows
+
+
+def view_check(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    """``servicebus check`` of a live bus (never ``--repair``): every record of a LevelDB
+    snapshot decodes and the keyspaces agree. A snapshot, so that the check reads the
+    store as one committed write left it while the bus goes on writing: read record by
+    record instead, a message moved between keyspaces meanwhile would be seen in neither
+    or in both, and reported as damage that is not there."""
+    from .repair import check  # the repair tools load only for a check
+
+    with snapshot(store) as snap:
+        return [p.__dict__ for p in check(snap, False, None, datadir)]  # type: ignore[arg-type]
+
+
 VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
     "status": view_status,
     "keys": view_keys,
@@ -295,6 +327,8 @@ VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
     "outgoing": view_outgoing,
     "incoming": view_incoming,
     "deadletters": view_deadletters,
+    "subscriptions": view_subscriptions,
+    "check": view_check,
 }
 # Every view is read-only. ``export`` (export.py) is not one of them: see admin.EXPORT_VIEW.
 

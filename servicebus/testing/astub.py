@@ -102,6 +102,14 @@ class AsyncStubBus:
     async def deadletters(self, limit: int | None = None) -> list[DeadLetter]:
         return self.stub.deadletters(limit)
 
+    async def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+                     reason: str | None = None) -> int:
+        return self.stub.replay(ids, topic=topic, reason=reason)
+
+    async def purge(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+                    reason: str | None = None) -> int:
+        return self.stub.purge(ids, topic=topic, reason=reason)
+
     async def counters(self) -> dict[str, int]:
         return self.stub.counters()
 

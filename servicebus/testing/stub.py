@@ -113,6 +113,7 @@ class StubBus(StubCalls):
         self._seq = itertools.count()
         self._ids = itertools.count(1)
         self._letters: list[DeadLetter] = []
+        self._dead_msgs: dict[str, _Queued] = {}  # a dead letter's message, for replay
         self._keys: dict[str, str] = {}  # dedupe_key -> id
         self._now_ms = _START_MS
         self._closed = False
@@ -349,6 +350,7 @@ class StubBus(StubCalls):
 
     def _dead(self, msg: _Queued, reason: str, error: str | None) -> None:
         self._counts["deadletters"] += 1
+        self._dead_msgs[msg.id] = msg
         self._letters.append(DeadLetter(msg.id, "incoming", reason, error, msg.topic,
                                         msg.kind.name.lower(), msg.attempts, None, self._now_ms))
 

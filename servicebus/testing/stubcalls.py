@@ -84,6 +84,7 @@ class StubCalls:
     kv: KeyValue
     _queue: list[Any]
     _letters: list[DeadLetter]
+    _dead_msgs: dict[str, Any]
     _handlers: Handlers
     _now_ms: int
     _closed: bool
@@ -96,6 +97,42 @@ class StubCalls:
         def request(self, address: str, command: str, payload: Any, *, timeout: float = 30.0,
                     headers: dict[str, Any] | None = None, ttl: float | None = None) -> Any: ...
         def _check_open(self) -> None: ...
+        def _enqueue(self, msg: Any, due: int, priority: int) -> None: ...
+
+    # --- dead letters, as Bus.replay/purge ---------------------------------------------------
+
+    def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+               reason: str | None = None) -> int:
+        """The letters selected (as ``Bus.replay``) run again at the next ``drain``, attempts
+        reset; returns how many."""
+        chosen = self._chosen(ids, topic, reason)
+        for letter in chosen:
+            msg = self._dead_msgs.pop(letter.id)
+            msg.attempts, msg.done = 0, ()
+            self._enqueue(msg, self._now_ms, 0)
+        return len(chosen)
+
+    def purge(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
+              reason: str | None = None) -> int:
+        """The letters selected (as ``Bus.purge``) are deleted; returns how many."""
+        chosen = self._chosen(ids, topic, reason)
+        for letter in chosen:
+            self._dead_msgs.pop(letter.id, None)
+        return len(chosen)
+
+    def _chosen(self, ids: Iterable[str] | None, topic: str | None, reason: str | None) -> list[DeadLetter]:
+        """Take the letters selected out of the list (``ValueError``, none taken, for an id
+        that is no dead letter)."""
+        self._check_open()
+        wanted = None if ids is None else {ids} if isinstance(ids, str) else set(ids)
+        missing = sorted((wanted or set()) - {d.id for d in self._letters})
+        if missing:
+            raise ValueError(f"no such dead letter: {', '.join(missing)}; nothing was done")
+        chosen = [d for d in self._letters if (wanted is None or d.id in wanted)
+                  and topic in (None, d.topic) and reason in (None, d.reason)]
+        taken = {d.id for d in chosen}
+        self._letters = [d for d in self._letters if d.id not in taken]
+        return chosen
 
     def _init_calls(self) -> None:
         self._counts: Counter[str] = Counter({name: 0 for name in STUB_COUNTERS})

@@ -179,3 +179,31 @@ def test_a_handler_raising_system_exit_fails_its_attempt_on_the_stub_as_on_a_bus
     assert runs == [1, 2]
     letter, = bus.deadletters()
     assert (letter.reason, letter.error) == ("handler_failed", "SystemExit: from a handler")
+
+
+def test_the_stub_replays_and_purges_dead_letters_by_id_topic_and_reason_as_a_bus_does():
+    bus = StubBus(max_attempts=1)
+    fail = {"on": True}
+    got = []
+
+    @bus.every("a.*")
+    def handler(payload, message):
+        if fail["on"]:
+            raise RuntimeError("down")
+        got.append((message.topic, payload))
+
+    first = bus.publish("a.one", 1)
+    bus.publish("a.two", 2)
+    bus.publish("a.three", 3)
+    bus.drain()
+    assert len(bus.deadletters()) == 3
+    fail["on"] = False
+    assert bus.replay(topic="a.none") == 0
+    assert bus.replay([first]) == 1
+    assert bus.purge(topic="a.two", reason="handler_failed") == 1
+    assert bus.replay(reason="expired") == 0
+    assert bus.replay() == 1
+    assert bus.drain() and got == [("a.one", 1), ("a.three", 3)]
+    assert bus.deadletters() == []
+    with pytest.raises(ValueError, match="no such dead letter"):
+        bus.replay(["0" * 24])
