@@ -16,6 +16,7 @@ from .engine import loop as E
 from .busstate import BusState
 from .handling.handlers import handler_name
 from .handling.policy import Backoff, Policy, make_policy
+from .handling.typed import registration, typed
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
 from .wire.protocol import Kind
@@ -207,6 +208,7 @@ class Bus(BusState):
             if hooks.around_publish:
                 hooks.after_publish("command", command, error)
 
+    @registration
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
                timeout: float | None = None, max_attempts: int | None = None, backoff: Backoff | None = None,
                retry_on: Any = None, dead_letter_on: Any = None) -> Any:
@@ -319,6 +321,7 @@ class Bus(BusState):
 
     # --- handlers ----------------------------------------------------------------------
 
+    @registration
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
               timeout: float | None = None, max_attempts: int | None = None, backoff: Backoff | None = None,
               retry_on: Any = None, dead_letter_on: Any = None) -> Any:
@@ -354,8 +357,10 @@ class Bus(BusState):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
             derived = handler_name(fn)  # of the function itself, not of the time limit's wrapper
-            run = fn if timeout is None else self._watchdog.limit(fn, timeout, name or derived or topic)
-            self._dispatcher.register(kind, topic, run, name, derived, policy)
+            run, payload = typed(fn)  # validates the payload into its annotated model, if any
+            if timeout is not None:
+                run = self._watchdog.limit(run, timeout, name or derived or topic)
+            self._dispatcher.register(kind, topic, run, name, derived, policy, payload)
             return fn
 
         return register if handler is None else register(handler)

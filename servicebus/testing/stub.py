@@ -35,7 +35,8 @@ from typing import Any
 
 from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
-from ..handling.handlers import Handler, Handlers
+from ..handling.handlers import Handler, Handlers, handler_name
+from ..handling.typed import registration, typed
 from ..handling.policy import Policy, make_policy
 from ..wire.payload import decode_payload, encode_payload
 from ..wire.protocol import Kind
@@ -216,12 +217,14 @@ class StubBus(StubCalls):
 
     # --- handlers and subscriptions -------------------------------------------------------
 
+    @registration
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
               timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.every``, with its retry policy (``timeout`` is accepted, not enforced)."""
         validate_pattern(topic)
         return self._register(Kind.EVENT, topic, handler, name, make_policy(**policy))
 
+    @registration
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
                timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.handle``."""
@@ -243,7 +246,8 @@ class StubBus(StubCalls):
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._handlers.add(kind, topic, fn, name, policy=policy)
+            run, payload = typed(fn)
+            self._handlers.add(kind, topic, run, name, derived=handler_name(fn), policy=policy, payload=payload)
             return fn
 
         return register if handler is None else register(handler)
@@ -314,7 +318,7 @@ class StubBus(StubCalls):
                 self._call(handler, payload, message)
             except Reject as exc:
                 self._counts["rejected"] += 1
-                self._dead(msg, "rejected", f"Reject: {exc}")
+                self._dead(msg, exc.reason, exc.letter_error())
                 return
             except _StubMisuse:
                 msg.attempts -= 1
