@@ -152,6 +152,10 @@ class AsyncBus:
 
         return add if handler is None else add(handler)
 
+    def asyncapi(self, **options: Any) -> dict[str, Any]:
+        """As ``Bus.asyncapi`` (in memory and a short read: not awaited)."""
+        return self.bus.asyncapi(**options)
+
     async def close(self) -> None:
         """Close the bus; handlers still running get ``close_timeout`` to finish (async ones
         need the loop running meanwhile: this awaits in a thread)."""

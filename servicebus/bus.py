@@ -14,6 +14,7 @@ from typing import Any
 
 from .engine import loop as E
 from .busstate import BusState
+from .handling.asyncapi import document
 from .handling.handlers import handler_name
 from .handling.policy import Backoff, Policy, make_policy
 from .handling.typed import registration, typed
@@ -345,6 +346,18 @@ class Bus(BusState):
         validate_pattern(topic)
         policy = make_policy(max_attempts, backoff, retry_on, dead_letter_on)
         return self._register(Kind.EVENT, topic, handler, name, timeout, policy)
+
+    def asyncapi(self, *, title: str | None = None, version: str = "1.0.0",
+                 description: str | None = None) -> dict[str, Any]:
+        """This service's AsyncAPI 3.0 document, a dict (JSON as it is): the topics and
+        patterns it handles, the commands it handles, the topics it subscribes to (stored
+        subscriptions, this run's and earlier ones') and its typed handlers' payload schemas
+        (handling/asyncapi.py). ``servicebus asyncapi MODULE:ATTR`` prints it."""
+        self._check_open()
+        subscribed = [(pub, topic) for pub, topic, intent in self._store.intents()
+                      if intent.get("op") == "subscribe"]
+        return document(self.address, self._dispatcher.registry, subscribed, title=title,
+                        version=version, description=description)
 
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None,
                   timeout: float | None = None, policy: Policy | None = None) -> Any:

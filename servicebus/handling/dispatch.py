@@ -148,6 +148,10 @@ class Dispatcher(WorkerLoop):
         """(topic or pattern, name) of every handler registered (hooks' ``BusView``)."""
         return self._handlers.names()
 
+    @property
+    def registry(self) -> Handlers:
+        return self._handlers
+
     def _park(self, key: tuple[int, str], expires: int | None) -> None:
         with self._cv:
             self._parked.add(key)

@@ -20,7 +20,7 @@ from .clibase import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, CliError, _denied, app
 from .clitable import err, safe as _safe
 # Imported for what they do: each registers its commands on ``app``, in this order, which
 # is the order ``servicebus --help`` lists them in.
-from . import cliinspect, climaintain, clijournal  # noqa: F401
+from . import cliinspect, climaintain, clijournal, cliasyncapi  # noqa: F401
 
 __all__ = ["app", "main"]
 

@@ -133,6 +133,9 @@ class AsyncStubBus:
                timeout: float | None = None, **policy: Any) -> Any:
         return self.stub.handle(command, handler, name=name, timeout=timeout, **policy)
 
+    def asyncapi(self, **options: Any) -> dict[str, Any]:
+        return self.stub.asyncapi(**options)
+
     @property
     def kv(self) -> AsyncKeyValue:
         return AsyncKeyValue(self.stub.kv)

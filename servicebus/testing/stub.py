@@ -35,6 +35,7 @@ from typing import Any
 
 from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
+from ..handling.asyncapi import document
 from ..handling.handlers import Handler, Handlers, handler_name
 from ..handling.typed import registration, typed
 from ..handling.policy import Policy, make_policy
@@ -109,6 +110,7 @@ class StubBus(StubCalls):
         self.published: list[Sent] = []
         self.sent: list[Sent] = []
         self._handlers = Handlers()
+        self._subscribed: dict[tuple[str, str], None] = {}  # (address, topic), in order
         self._queue: list[tuple[int, int, int, _Queued]] = []  # (due ms, -priority, seq, msg)
         self._seq = itertools.count()
         self._ids = itertools.count(1)
@@ -232,13 +234,17 @@ class StubBus(StubCalls):
         return self._register(Kind.COMMAND, command, handler, name, make_policy(**policy))
 
     def subscribe(self, address: str, topic: str, **options: Any) -> None:
-        """Checked and accepted: on a stub every event goes to its own handlers anyway."""
-        validate_address(address)
-        validate_pattern(topic)
+        """Checked and kept for ``asyncapi``: on a stub every event goes to its own handlers."""
+        self._subscribed[(validate_address(address), validate_pattern(topic))] = None
 
     def unsubscribe(self, address: str, topic: str, **options: Any) -> None:
-        validate_address(address)
-        validate_pattern(topic)
+        self._subscribed.pop((validate_address(address), validate_pattern(topic)), None)
+
+    def asyncapi(self, *, title: str | None = None, version: str = "1.0.0",
+                 description: str | None = None) -> dict[str, Any]:
+        """As ``Bus.asyncapi``."""
+        return document(self.address, self._handlers, list(self._subscribed), title=title,
+                        version=version, description=description)
 
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None,
                   policy: Policy | None) -> Any:
