@@ -14,6 +14,7 @@ from .errors import (
     BusForkedError,
     CorruptRecordError,
     DeliveryError,
+    InvalidPayload,
     LockedError,
     ProtocolError,
     RemoteError,
@@ -65,6 +66,7 @@ __all__ = [
     "TransactionError",
     "Retry",
     "Reject",
+    "InvalidPayload",
     "HandlerTimeout",
 ]
 

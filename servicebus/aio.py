@@ -22,6 +22,7 @@ from typing import Any
 
 from .bus import Bus
 from .handling.handlers import Handler, handler_name
+from .handling.typed import registration
 from .model.outgoing import check_seconds
 from .model.records import BusStatus, DeadLetter, Message
 from .handling.timeouts import HandlerTimeout, timeout_text
@@ -116,12 +117,14 @@ class AsyncBus:
         are not awaited: they only stage); the commit's fsync is awaited in a thread."""
         return async_transaction(self.bus.transaction())
 
+    @registration
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
               timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.every`` (``policy``: its ``max_attempts``, ``backoff``, ``retry_on``,
         ``dead_letter_on``); ``handler`` may be an ``async def``."""
         return self._register(self.bus.every, topic, handler, name, timeout, policy)
 
+    @registration
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
                timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.handle``; ``handler`` may be an ``async def`` (its return value is the
@@ -156,6 +159,10 @@ class AsyncBus:
             return fn
 
         return add if handler is None else add(handler)
+
+    def asyncapi(self, **options: Any) -> dict[str, Any]:
+        """As ``Bus.asyncapi`` (in memory and a short read: not awaited)."""
+        return self.bus.asyncapi(**options)
 
     async def close(self) -> None:
         """Close the bus; handlers still running get ``close_timeout`` to finish (async ones

@@ -14,8 +14,10 @@ from typing import Any
 
 from .engine import loop as E
 from .busstate import BusState
+from .handling.asyncapi import document
 from .handling.handlers import handler_name
 from .handling.policy import Backoff, Policy, make_policy
+from .handling.typed import registration, typed
 from .model.retention import start_token
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
@@ -208,6 +210,7 @@ class Bus(BusState):
             if hooks.around_publish:
                 hooks.after_publish("command", command, error)
 
+    @registration
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
                timeout: float | None = None, max_attempts: int | None = None, backoff: Backoff | None = None,
                retry_on: Any = None, dead_letter_on: Any = None) -> Any:
@@ -330,6 +333,7 @@ class Bus(BusState):
 
     # --- handlers ----------------------------------------------------------------------
 
+    @registration
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
               timeout: float | None = None, max_attempts: int | None = None, backoff: Backoff | None = None,
               retry_on: Any = None, dead_letter_on: Any = None) -> Any:
@@ -354,6 +358,18 @@ class Bus(BusState):
         policy = make_policy(max_attempts, backoff, retry_on, dead_letter_on)
         return self._register(Kind.EVENT, topic, handler, name, timeout, policy)
 
+    def asyncapi(self, *, title: str | None = None, version: str = "1.0.0",
+                 description: str | None = None) -> dict[str, Any]:
+        """This service's AsyncAPI 3.0 document, a dict (JSON as it is): the topics and
+        patterns it handles, the commands it handles, the topics it subscribes to (stored
+        subscriptions, this run's and earlier ones') and its typed handlers' payload schemas
+        (handling/asyncapi.py). ``servicebus asyncapi MODULE:ATTR`` prints it."""
+        self._check_open()
+        subscribed = [(pub, topic) for pub, topic, intent in self._store.intents()
+                      if intent.get("op") == "subscribe"]
+        return document(self.address, self._dispatcher.registry, subscribed, title=title,
+                        version=version, description=description)
+
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None = None,
                   timeout: float | None = None, policy: Policy | None = None) -> Any:
         """Register now, or return a decorator that does (``every`` and ``handle``)."""
@@ -365,8 +381,10 @@ class Bus(BusState):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
             derived = handler_name(fn)  # of the function itself, not of the time limit's wrapper
-            run = fn if timeout is None else self._watchdog.limit(fn, timeout, name or derived or topic)
-            self._dispatcher.register(kind, topic, run, name, derived, policy)
+            run, payload = typed(fn)  # validates the payload into its annotated model, if any
+            if timeout is not None:
+                run = self._watchdog.limit(run, timeout, name or derived or topic)
+            self._dispatcher.register(kind, topic, run, name, derived, policy, payload)
             return fn
 
         return register if handler is None else register(handler)

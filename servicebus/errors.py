@@ -27,6 +27,7 @@ __all__ = [
     "TransactionError",
     "Retry",
     "Reject",
+    "InvalidPayload",
 ]
 
 
@@ -166,3 +167,20 @@ class Retry(Exception):
 class Reject(Exception):
     """Raise in a handler to make the message a dead letter at once (reason ``rejected``,
     with this text), without further attempts: input no retry will fix."""
+
+    reason = "rejected"  # the dead letter's
+
+    def letter_error(self) -> str:
+        """The dead letter's error text."""
+        return f"Reject: {self}"
+
+
+class InvalidPayload(Reject):
+    """A payload that does not validate against the type a handler's payload parameter is
+    annotated with (a msgspec Struct, a dataclass, a pydantic model): a dead letter at once,
+    reason ``invalid``, with the validation error. A handler may raise it too."""
+
+    reason = "invalid"
+
+    def letter_error(self) -> str:
+        return str(self)

@@ -130,10 +130,12 @@ class Dispatcher(WorkerLoop):
     # --- handlers ----------------------------------------------------------------------
 
     def register(self, kind: Kind, topic: str, handler: Handler, name: str | None = None,
-                 derived: str | None = None, policy: Policy | None = None) -> None:
+                 derived: str | None = None, policy: Policy | None = None,
+                 payload: type | None = None) -> None:
         """Add ``handler`` (see ``Handlers.add``) and queue its parked messages."""
         with self._cv:
-            key = self._handlers.add(kind, topic, handler, name, derived=derived, policy=policy)
+            key = self._handlers.add(kind, topic, handler, name, derived=derived, policy=policy,
+                                     payload=payload)
             woken = {k for k in self._parked if k == key or (
                 k[0] == key[0] and is_pattern(topic) and matches(topic, k[1]))}
             self._parked -= woken
@@ -145,6 +147,10 @@ class Dispatcher(WorkerLoop):
     def handlers(self) -> list[tuple[str, str]]:
         """(topic or pattern, name) of every handler registered (hooks' ``BusView``)."""
         return self._handlers.names()
+
+    @property
+    def registry(self) -> Handlers:
+        return self._handlers
 
     def _park(self, key: tuple[int, str], expires: int | None) -> None:
         with self._cv:

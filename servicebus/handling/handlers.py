@@ -44,6 +44,8 @@ class Handlers:
         # name is distinct among the handlers that run for a topic, so (kind, topic, name)
         # finds one registration.
         self._policies: dict[tuple[int, str, str], Policy] = {}
+        # (kind, topic or pattern, name) -> the model its payload is validated into (typed.py)
+        self._types: dict[tuple[int, str, str], type] = {}
 
     def policy(self, kind: int, topic: str, name: str) -> Policy | None:
         """The policy of handler ``name`` as it runs for ``topic``, or None (the bus's)."""
@@ -91,7 +93,8 @@ class Handlers:
         return self.get(key) is not None  # type: ignore[arg-type]
 
     def add(self, kind: Kind, topic: str, handler: Handler, name: str | None = None, *,
-            derived: str | None = None, policy: Policy | None = None) -> tuple[int, str]:
+            derived: str | None = None, policy: Policy | None = None,
+            payload: type | None = None) -> tuple[int, str]:
         """Add ``handler``. With several handlers on one topic, the names of the ones that
         finished are stored with the message so that a restart reruns only the others:
         they must be stable across restarts and distinct. ``name`` is the caller's own and
@@ -99,7 +102,8 @@ class Handlers:
         qualified name, ``handler_name``), or that name ``@topic`` when a handler of another
         topic or pattern has it (a lambda's always carries its topic). Only a real clash
         raises ``ValueError``: two handlers of one topic with no stable, distinct names (two
-        lambdas, or one function twice). Returns the key it was added under."""
+        lambdas, or one function twice). ``payload``: the model it validates payloads into
+        (typed.py; for ``described``). Returns the key it was added under."""
         explicit = name is not None
         if name is None:
             name = derived if derived is not None else handler_name(handler)
@@ -134,6 +138,8 @@ class Handlers:
         self._by_key = {**self._by_key, key: existing + [(name or UNNAMED, handler)]}
         if policy is not None:
             self._policies = {**self._policies, (int(kind), topic, name or UNNAMED): policy}
+        if payload is not None:
+            self._types = {**self._types, (int(kind), topic, name or UNNAMED): payload}
         if wildcard and key not in self._patterns:
             self._patterns = [*self._patterns, key]
         self._resolved = {}
@@ -148,6 +154,11 @@ class Handlers:
             if key[0] == kind and any(n == name for n, _ in self._by_key[key]):
                 return key[1]
         return topic
+
+    def described(self) -> list[tuple[int, str, str, type | None]]:
+        """(kind, topic or pattern, name, payload model or None) of every handler."""
+        return [(kind, topic, name, self._types.get((kind, topic, name)))
+                for (kind, topic), hs in self._by_key.items() for name, _ in hs]
 
     def names(self) -> list[tuple[str, str]]:
         """(topic or pattern, name) of every handler, as registered."""

@@ -11,7 +11,8 @@ handled    every handler returned                      incoming -> handled, with
 failed     a handler raised (or asked to ``Retry``)    attempts left: the run state, next
                                                        try after a backoff; else as dead
 dead       out of attempts, ``Reject``, expired, a     incoming -> dead letters, with the
-           payload that does not decode, or every      reason and the error text
+           payload that does not decode or validate    reason and the error text
+           (``invalid``: a typed handler's), or every
            run so far ended the process (crashed)
 replied    a request's handler returned or raised      incoming -> handled + its reply
 dropped    a request that expired before it ran (its   incoming -> handled (no dead
@@ -227,11 +228,11 @@ class Runner:
             staging.open(mid)
             try:
                 self._call(name, handler, payload, message, item.record.kind)
-            except Reject as exc:
+            except Reject as exc:  # InvalidPayload too (typed.py): reason invalid
                 staging.close(mid)  # what a failed run staged is dropped
-                rejected = f"Reject: {exc}"
-                log.warning("handler %s rejected %s %s: %s", name, topic, mid, exc)
-                return Outcome("dead", attempts, "rejected", rejected,
+                rejected = exc.letter_error()
+                log.warning("handler %s rejected %s %s: %s", name, topic, mid, rejected)
+                return Outcome("dead", attempts, exc.reason, rejected,
                                (self._event("handler_failed", item, attempts, rejected),), handler=name)
             except Retry as exc:
                 staging.close(mid)

@@ -61,7 +61,7 @@ class BusView(Protocol):
 # How one handler's run ends, and why a message a handler failed becomes a dead letter
 # (handling/runner.py): the label values metrics export from the start, at zero.
 RUN_OUTCOMES = ("handled", "failed", "rejected")
-DEADLETTER_REASONS = ("handler_failed", "rejected", "handler_crashed", "expired", "undecodable")
+DEADLETTER_REASONS = ("handler_failed", "rejected", "handler_crashed", "expired", "undecodable", "invalid")
 
 
 class HandlerOutcome(NamedTuple):

@@ -18,7 +18,7 @@ What is exported (every series labelled with ``bus``, the bus's address):
   ``handler`` (its name): counters ``servicebus_handler_handled_total``, ``_failed_total``
   (it raised, or asked to ``Retry``), ``_rejected_total`` (``Reject``), ``_retried_total``
   (retries scheduled after it failed) and ``servicebus_handler_deadlettered_total{reason}``
-  (handler_failed, rejected, handler_crashed, expired, undecodable: hooks/base.py's
+  (handler_failed, rejected, handler_crashed, expired, undecodable, invalid: hooks/base.py's
   ``handler_outcome`` says which handler a dead letter is put down to), and
   ``servicebus_handler_run_seconds{outcome}``, its run times by how the run ended (handled,
   failed, rejected). Every one of these exists at zero from the first scrape after its

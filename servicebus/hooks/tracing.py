@@ -14,7 +14,7 @@ or crash rerun), which handler (``servicebus.handler``, its name) and how the ru
 gets a span of its own, ``deadletter <topic>``, in its trace beside the runs it ends (its
 parent is the context the message carries), with the reason
 (``servicebus.deadletter.reason``: handler_failed, rejected, handler_crashed, expired,
-undecodable), the last attempt, the handler it is put down to and status ERROR: a message
+undecodable, invalid), the last attempt, the handler it is put down to and status ERROR: a message
 that expired or crashed the process before any run ended has no other span to say so.
 Attributes are in a ``servicebus.`` namespace of their own: OpenTelemetry's
 ``messaging.servicebus.*`` are Azure Service Bus's.

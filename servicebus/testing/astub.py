@@ -17,6 +17,7 @@ import asyncio
 
 from ..aio import AsyncKeyValue, async_transaction
 from ..handling.handlers import Handler
+from ..handling.typed import registration
 from ..model.records import BusStatus, DeadLetter, Message
 from .stub import Sent, StubBus
 from .stubcalls import Drained
@@ -130,13 +131,18 @@ class AsyncStubBus:
         finally:
             self.stub._loop = None
 
+    @registration
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
-              timeout: float | None = None) -> Any:
-        return self.stub.every(topic, handler, name=name, timeout=timeout)
+              timeout: float | None = None, **policy: Any) -> Any:
+        return self.stub.every(topic, handler, name=name, timeout=timeout, **policy)
 
+    @registration
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
-               timeout: float | None = None) -> Any:
-        return self.stub.handle(command, handler, name=name, timeout=timeout)
+               timeout: float | None = None, **policy: Any) -> Any:
+        return self.stub.handle(command, handler, name=name, timeout=timeout, **policy)
+
+    def asyncapi(self, **options: Any) -> dict[str, Any]:
+        return self.stub.asyncapi(**options)
 
     @property
     def kv(self) -> AsyncKeyValue:

@@ -35,7 +35,9 @@ from typing import Any
 
 from ..model.config import BusConfig
 from ..errors import BusClosedError, Reject, RemoteError, Retry, TransactionError
-from ..handling.handlers import Handler, Handlers
+from ..handling.asyncapi import document
+from ..handling.handlers import Handler, Handlers, handler_name
+from ..handling.typed import registration, typed
 from ..handling.policy import Policy, make_policy
 from ..model.retention import start_token
 from ..wire.payload import decode_payload, encode_payload
@@ -109,6 +111,7 @@ class StubBus(StubCalls):
         self.published: list[Sent] = []
         self.sent: list[Sent] = []
         self._handlers = Handlers()
+        self._subscribed: dict[tuple[str, str], None] = {}  # (address, topic), in order
         self._queue: list[tuple[int, int, int, _Queued]] = []  # (due ms, -priority, seq, msg)
         self._seq = itertools.count()
         self._ids = itertools.count(1)
@@ -218,12 +221,14 @@ class StubBus(StubCalls):
 
     # --- handlers and subscriptions -------------------------------------------------------
 
+    @registration
     def every(self, topic: str, handler: Handler | None = None, *, name: str | None = None,
               timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.every``, with its retry policy (``timeout`` is accepted, not enforced)."""
         validate_pattern(topic)
         return self._register(Kind.EVENT, topic, handler, name, make_policy(**policy))
 
+    @registration
     def handle(self, command: str, handler: Handler | None = None, *, name: str | None = None,
                timeout: float | None = None, **policy: Any) -> Any:
         """As ``Bus.handle``."""
@@ -231,14 +236,18 @@ class StubBus(StubCalls):
         return self._register(Kind.COMMAND, command, handler, name, make_policy(**policy))
 
     def subscribe(self, address: str, topic: str, **options: Any) -> None:
-        """Checked and accepted: on a stub every event goes to its own handlers anyway."""
-        validate_address(address)
-        validate_pattern(topic)
+        """Checked and kept for ``asyncapi``: on a stub every event goes to its own handlers."""
         start_token(options.get("start"))  # the checks
+        self._subscribed[(validate_address(address), validate_pattern(topic))] = None
 
     def unsubscribe(self, address: str, topic: str, **options: Any) -> None:
-        validate_address(address)
-        validate_pattern(topic)
+        self._subscribed.pop((validate_address(address), validate_pattern(topic)), None)
+
+    def asyncapi(self, *, title: str | None = None, version: str = "1.0.0",
+                 description: str | None = None) -> dict[str, Any]:
+        """As ``Bus.asyncapi``."""
+        return document(self.address, self._handlers, list(self._subscribed), title=title,
+                        version=version, description=description)
 
     def _register(self, kind: Kind, topic: str, handler: Handler | None, name: str | None,
                   policy: Policy | None) -> Any:
@@ -246,7 +255,8 @@ class StubBus(StubCalls):
             if not callable(fn):
                 raise TypeError(f"handler must be callable, not {type(fn).__name__}")
             self._check_open()
-            self._handlers.add(kind, topic, fn, name, policy=policy)
+            run, payload = typed(fn)
+            self._handlers.add(kind, topic, run, name, derived=handler_name(fn), policy=policy, payload=payload)
             return fn
 
         return register if handler is None else register(handler)
@@ -317,7 +327,7 @@ class StubBus(StubCalls):
                 self._call(handler, payload, message)
             except Reject as exc:
                 self._counts["rejected"] += 1
-                self._dead(msg, "rejected", f"Reject: {exc}")
+                self._dead(msg, exc.reason, exc.letter_error())
                 return
             except _StubMisuse:
                 msg.attempts -= 1

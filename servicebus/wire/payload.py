@@ -1,5 +1,9 @@
 """Payloads and user headers as every receiver decodes them, sans I/O: what publish accepts.
 
+A payload may hold what services send besides msgpack's own types (datetime, Decimal,
+UUID, enums, dataclasses, msgspec Structs, pydantic models): typed.py lowers them, as the
+packer meets them, to the plain values every receiver decodes.
+
 ``encode_payload`` and ``encode_headers`` check what they encode with the receiver's own
 decode, so that nothing a receiver would refuse is ever sent (DESIGN rule 11); what they
 refuse, a walk through the value explains (where in it, and why). ``decode_payload`` is
@@ -8,16 +12,30 @@ that decode, used wherever a payload is read back.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
 
 from ..model.packer import pack
+from .typed import lower, lowerable
 
 __all__ = ["encode_payload", "encode_headers", "header_bytes", "decode_payload"]
 
 _unpackb = msgpack.unpackb
 _CHECKED = (TypeError, ValueError, OverflowError)  # what msgpack raises on what it refuses
+_local = threading.local()
+
+
+def _pack_payload(payload: Any) -> bytes:
+    """``pack`` with typed.py's ``lower`` for what msgpack does not pack itself (a thread's
+    own ``Packer``: see packer.py). A plain payload never calls it."""
+    try:
+        packer = _local.packer
+    except AttributeError:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True, default=lower)
+    data: bytes = packer.pack(payload)
+    return data
 
 
 def encode_payload(payload: Any, what: str = "payload") -> bytes:
@@ -27,7 +45,7 @@ def encode_payload(payload: Any, what: str = "payload") -> bytes:
     receiver would refuse, e.g. a map keyed by a tuple (an array, unhashable once
     decoded). A walk through the payload, in Python, runs only to explain a refusal."""
     try:
-        body = pack(payload)
+        body = _pack_payload(payload)
         _unpackb(body, raw=False, strict_map_key=False)
     except _CHECKED as exc:
         raise TypeError(_refusal(payload, what, exc, strict_keys=False)) from exc
@@ -109,6 +127,8 @@ def _scalar_problem(value: Any, key: bool) -> str | None:
         return None
     if isinstance(value, msgpack.ExtType) or type(value) is msgpack.Timestamp:
         return None
+    if lowerable(value) and not key:  # typed.py's; a model's fields are walked (_first_problem)
+        return None
     kind = _a(type(value).__name__)
     return f"is {kind}, which cannot be encoded with msgpack" if key else \
         f"{kind} cannot be encoded with msgpack"
@@ -141,6 +161,14 @@ def _first_problem(value: Any, root: str, strict_keys: bool) -> str | None:
                 children.append((child, path + _step(key)))
         elif isinstance(item, (list, tuple)) and not isinstance(item, msgpack.ExtType):
             children = [(child, f"{path}[{i}]") for i, child in enumerate(item)]
+        elif lowerable(item) and not isinstance(item, (str, int, float)):
+            try:
+                lowered = lower(item)
+            except TypeError as exc:
+                return f"{path}: {_a(type(item).__name__)} cannot be encoded: {exc}"
+            if isinstance(lowered, (dict, list)):
+                stack.append((lowered, path, depth))
+            continue
         else:
             problem = _scalar_problem(item, False)
             if problem is None:

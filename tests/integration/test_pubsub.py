@@ -71,8 +71,8 @@ def test_bad_payloads_and_topics_are_refused_before_anything_is_stored(make_bus)
     pub, sub = pair(make_bus)
     with pytest.raises(TypeError, match="set"):
         pub.publish("user.signup", {1, 2})
-    with pytest.raises(TypeError, match="datetime"):
-        pub.publish_many("user.signup", [1, __import__("datetime").datetime.now()])
+    with pytest.raises(TypeError, match="object"):
+        pub.publish_many("user.signup", [1, object()])
     with pytest.raises(ValueError):
         pub.publish("", 1)
     with pytest.raises(ValueError):
