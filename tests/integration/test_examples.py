@@ -46,3 +46,14 @@ def test_the_hooks_example_counts_failures_and_alerts_on_the_dead_letter():
     # nine first runs; 3 and 9 fail once and run again, 6 is rejected: 3 failures, 11 runs
     assert "handler failures by topic: {'order.placed': 3}" in ran.stdout
     assert "handler runs: 11," in ran.stdout
+
+
+def test_the_late_joiner_example_replays_what_billing_missed_once_with_typed_orders():
+    pytest.importorskip("msgspec", reason="msgspec not installed (pip install -e '.[dev]')")
+    ran = subprocess.run([sys.executable, str(ROOT / "examples" / "late_joiner" / "main.py")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "orders: 4 orders published before billing existed, retained" in ran.stdout
+    assert re.findall(r"charged order (\d)", ran.stdout) == ["1", "2", "3", "5", "6"]
+    assert "the malformed order is a dead letter invalid: ValidationError" in ran.stdout
+    assert "billed orders [1, 2, 3, 5, 6], each once" in ran.stdout
