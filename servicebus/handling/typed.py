@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import typing
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, overload
@@ -25,6 +26,7 @@ from .policy import Backoff
 __all__ = ["payload_type", "typed", "Registration", "registration"]
 
 H = TypeVar("H", bound=Callable[[Any, Message], Any])
+log = logging.getLogger("servicebus")
 
 
 def payload_type(fn: Callable[..., Any]) -> type | None:
@@ -40,7 +42,9 @@ def payload_type(fn: Callable[..., Any]) -> type | None:
         target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
         try:
             annotation = typing.get_type_hints(target).get(params[0].name, annotation)
-        except Exception:  # noqa: BLE001 - unresolvable (a name defined later): untyped
+        except Exception as exc:  # noqa: BLE001 - unresolvable (a name defined later): untyped
+            log.warning("the payload annotation %r of handler %s cannot be resolved (%s): it gets "
+                        "the payload untyped", annotation, getattr(fn, "__qualname__", fn), exc)
             return None
     return annotation if model_kind(annotation) is not None else None
 
@@ -56,8 +60,10 @@ def typed(fn: Callable[..., Any]) -> tuple[Callable[..., Any], type | None]:
     def run(payload: Any, message: Message) -> Any:
         try:
             value = convert(payload)
-        except Exception as exc:  # noqa: BLE001 - msgspec's and pydantic's ValidationError
+        except ValueError as exc:  # msgspec's and pydantic's ValidationError: the payload's fault
             raise InvalidPayload(f"ValidationError: {exc}") from exc
+        # Anything else (a bug in a model's __post_init__ or validator) fails the run as the
+        # handler's own exception would: retried, then a dead letter handler_failed.
         return fn(value, message)
 
     return run, tp

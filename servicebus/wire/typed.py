@@ -42,6 +42,7 @@ def _msgspec(what: str) -> ModuleType:
         return _loaded[0]
     try:
         import msgspec
+        import msgspec.inspect  # noqa: F401 - converter() resolves a type's fields with it
     except ImportError:  # pragma: no cover - the typed extra is not installed
         raise TypeError(f"{what} needs msgspec: {HINT}") from None
     _loaded.append(msgspec)
@@ -94,11 +95,24 @@ def model_kind(tp: Any) -> str | None:
 
 def converter(tp: type) -> Callable[[Any], Any]:
     """The call that makes a ``tp`` of a decoded payload, raising the library's validation
-    error (a ``ValueError``: msgspec's ``ValidationError``, pydantic's)."""
+    error (a ``ValueError``: msgspec's ``ValidationError``, pydantic's). ``TypeError`` now if
+    ``tp`` cannot be built at all (a field typed with a name nothing resolves): found at
+    registration, not as every message dead-lettered ``invalid``."""
     if model_kind(tp) == "pydantic":
+        try:
+            if not getattr(tp, "__pydantic_complete__", True):
+                getattr(tp, "model_rebuild")(raise_errors=True)
+        except Exception as exc:  # noqa: BLE001 - pydantic's PydanticUndefinedAnnotation and the like
+            raise TypeError(f"{tp.__name__} cannot be a payload type: {exc}") from exc
         validate: Callable[[Any], Any] = getattr(tp, "model_validate")
         return validate
-    convert = _msgspec(f"a handler of {tp.__name__}").convert
+    msgspec = _msgspec(f"a handler of {tp.__name__}")
+    try:
+        msgspec.inspect.type_info(tp)  # resolves every field's type, as convert would later
+    except Exception as exc:  # noqa: BLE001 - NameError, or msgspec's own for an odd type
+        raise TypeError(f"{tp.__name__} cannot be a payload type: {type(exc).__name__}: {exc} "
+                        "(are its fields' types importable where it is defined?)") from exc
+    convert = msgspec.convert
 
     def to_type(payload: Any) -> Any:
         return convert(payload, type=tp, strict=False)

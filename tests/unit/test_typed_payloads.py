@@ -208,3 +208,58 @@ def test_the_async_stub_gives_an_async_def_handler_a_validated_instance():
     letters = asyncio.run(main())
     assert got == [an_order()] and [d.reason for d in letters] == ["invalid"]
 
+
+
+def _local_models() -> tuple[type, type]:
+    # Under ``from __future__ import annotations`` a field typed with a class local to a
+    # function is a name nothing can resolve later.
+    class Part(msgspec.Struct):
+        sku: str
+
+    class Kit(msgspec.Struct):
+        part: Part
+
+    @dataclasses.dataclass
+    class Box:
+        part: Part
+
+    return Kit, Box
+
+
+@pytest.mark.parametrize("model", _local_models())
+def test_a_model_whose_field_types_cannot_be_resolved_is_refused_at_registration_not_per_message(model):
+    stub = StubBus()
+
+    def handle(payload, message):
+        return None
+
+    handle.__annotations__["payload"] = model
+    with pytest.raises(TypeError, match=rf"{model.__name__}.*name 'Part' is not defined"):
+        stub.every("kits.made", handle)
+    stub.publish("kits.made", {"part": {"sku": "a"}})
+    assert stub.deadletters() == []  # nothing was ever dead-lettered "invalid" for it
+
+
+def test_a_failure_to_convert_that_is_not_the_payloads_fault_is_retried_not_invalid():
+    class Odd(msgspec.Struct):
+        n: int
+
+        def __post_init__(self) -> None:
+            if self.n == 2:
+                raise RuntimeError("a bug in the model, not a bad payload")
+
+    stub = StubBus(max_attempts=2)
+    seen = []
+
+    def handle(payload: Odd, message: Message) -> None:
+        seen.append(payload.n)
+
+    handle.__annotations__["payload"] = Odd
+    stub.every("odd", handle)
+    stub.publish("odd", {"n": 1})
+    stub.publish("odd", {"n": 2})
+    stub.drain()
+    stub.advance(60)
+    stub.drain()
+    assert seen == [1]
+    assert [(d.reason, d.attempts) for d in stub.deadletters()] == [("handler_failed", 2)]
