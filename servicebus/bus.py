@@ -294,8 +294,9 @@ class Bus(BusState):
         ``start``: where a new subscription begins: ``"new"`` (the default: events published
         from now on), ``"earliest"`` (everything the publisher retains, then live), an aware
         ``datetime`` or POSIX timestamp (retained events published from then on), or a
-        message id (that event and the ones after it). The publisher must retain the topic
-        (``Bus(retention=...)``) for there to be anything before now. It counts when the
+        message id (that event and the ones after it; inside a ``publish_many``, from that
+        publish). The publisher must retain the topic (``Bus(retention=...)``) for there to
+        be anything before now. It counts when the
         publisher makes the subscription, not on repeats: calling this on every start
         replays once.
         """

@@ -14,7 +14,7 @@ import logging
 from ..wire import protocol as P
 from ..model.delivery import Consumer, base_stream, event_stream, stream_target, unpack_outgoing
 from ..errors import SubscribeRefused
-from ..model.retention import start_floor
+from ..model.retention import ID_RE, start_floor
 from ..model.stored import IntentRecord, SubscriptionRecord, subscription_options
 from ..wire.topics import is_pattern, matches
 from .commands import SubscribeCmd
@@ -266,14 +266,15 @@ class Handshake:
             # A start (model/retention.py) counts only here, where the subscription is made:
             # the subscriber's repeats of its subscribe change nothing, so it replays once.
             start = frame.start
-            since = s.ids.next() if start is None else start_floor(start)
+            since = s.ids.next() if start is None else self._floor(event_stream(frame.topic), start)
             record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
             record.update(subscription_options(frame.group, frame.ordered, frame.limit))  # type: ignore[typeddict-item]
             if start is not None:
                 record["start"] = start
             stream = event_stream(frame.topic)
             if start is not None and is_pattern(frame.topic):
-                self._backfill(frame.topic, since)
+                since = min(since, self._backfill(frame.topic, start))
+                record["since"] = since
             if frame.group is not None:
                 self.roster.join_group(frame.group, stream, frame.address, None, since)
             else:
@@ -290,12 +291,31 @@ class Handshake:
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
 
-    def _backfill(self, pattern: str, since: str) -> None:
+    def _floor(self, stream: str, start: str) -> str:
+        """The cursor floor of a subscription starting at ``start`` on ``stream``. A start id
+        inside a segment (a ``publish_many`` of several) starts at that segment: a stream
+        goes by segment keys, and the segment's earlier messages come too, never a gap."""
+        floor = start_floor(start)
+        if ID_RE.fullmatch(start) is None:
+            return floor
+        key = self.s.store.key_at_or_before(stream, start)
+        if key is None or key == start:
+            return floor
+        data = self.s.store.get_outgoing(stream, key)
+        try:
+            holds = data is not None and start in unpack_outgoing(data).ids
+        except ValueError:
+            holds = False
+        return start_floor(key) if holds else floor
+
+    def _backfill(self, pattern: str, start: str) -> str:
         """A pattern subscription with a start: copy the retained events of every topic it
-        matches, published after ``since``, into its stream (each priority level into the
-        pattern's same level), in the batch that makes the subscription."""
+        matches, from ``start`` on, into its stream (each priority level into the pattern's
+        same level), in the batch that makes the subscription. Returns the lowest floor it
+        copied from (a start id inside a segment: that segment's key)."""
         s = self.s
         batch = s.out.batch
+        lowest = start_floor(start)
         for source in s.store.stream_names():
             topic = stream_target(source)
             if not source.startswith("e:") or is_pattern(topic) or not matches(pattern, topic) \
@@ -303,11 +323,13 @@ class Handshake:
                 continue
             level = source[len(event_stream(topic)):]  # "" or " <priority>"
             target = event_stream(pattern) + level
-            after: str | None = since
+            after: str | None = self._floor(source, start)
+            lowest = min(lowest, after or "")
             while chunk := s.store.iter_stream(source, after=after, limit=1000):
                 for mid, record in chunk:
                     batch.put_outgoing(target, mid, record)
                 after = chunk[-1][0]
+        return lowest
 
     def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe, source: str | None = None,
                        user: str | None = None) -> None:

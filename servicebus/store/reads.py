@@ -213,6 +213,16 @@ class Reads:
             total += n
         return total
 
+    def key_at_or_before(self, stream: str, message_id: str) -> str | None:
+        """The greatest key of ``stream`` at or before ``message_id`` (the segment that may
+        hold it: a segment is keyed by its first message's id), or None."""
+        prefix = _O + stream.encode() + SEP
+        with self._op():
+            with self._db.iterator(start=prefix, stop=prefix + message_id.encode(), include_stop=True,
+                                   reverse=True, include_value=False) as it:
+                key = next(it, None)
+        return None if key is None else key[len(prefix):].decode()
+
     def get_outgoing(self, stream: str, message_id: str) -> bytes | None:
         with self._op():
             value: bytes | None = self._db.get(_pair(_O, stream, message_id))

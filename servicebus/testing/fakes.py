@@ -204,6 +204,9 @@ class FakeStore:
                     limit: int | None = None) -> list[tuple[str, bytes]]:
         return [(mid, self.streams[stream][mid]) for mid in self.stream_ids(stream, after, limit=limit)]
 
+    def key_at_or_before(self, stream: str, message_id: str) -> str | None:
+        return max((k for k in self.streams.get(stream, {}) if k <= message_id), default=None)
+
     def get_outgoing(self, stream: str, message_id: str) -> bytes | None:
         return self.streams.get(stream, {}).get(message_id)
 

@@ -196,3 +196,17 @@ def test_a_replay_from_earliest_survives_kill_9_of_either_side_exactly_once(bus_
     # A run killed after "done" and before its completion was written is the one rerun allowed.
     assert len(twice) <= 2 * sub.out.read_text().count("start ") - 2 * len(done) + 2, twice
     assert all(started[n] <= 2 for n in started)
+
+
+@pytest.mark.parametrize("topic", [TOPIC, "orders.*"])
+def test_a_start_id_inside_a_publish_many_starts_at_that_publish_and_misses_nothing_after_it(make_bus, topic):
+    pub = make_bus("pub", retention=3600)
+    pub.publish(TOPIC, {"n": -1})
+    ids = pub.publish_many(TOPIC, [{"n": n} for n in range(10)])  # one segment, keyed by ids[0]
+    pub.publish(TOPIC, {"n": 10})
+    sub = make_bus("sub")
+    got = collector(sub, topic)
+    sub.subscribe(pub.address, topic, wait=10, start=ids[4])
+    wait_until(lambda: {p["n"] for p in got} >= set(range(4, 11)), 10)
+    assert pub.drain(10) and sub.drain(10)
+    assert sorted(p["n"] for p in got) == list(range(0, 11))  # the whole publish, nothing before it
