@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 
 from ..wire import protocol as P
-from ..model.delivery import Consumer, base_stream, event_stream, stream_target, unpack_outgoing
+from ..model.delivery import Consumer, base_stream, event_stream, group_peer, stream_target, unpack_outgoing
 from ..errors import SubscribeRefused
-from ..model.retention import ID_RE, start_floor
 from ..model.stored import IntentRecord, SubscriptionRecord, subscription_options
-from ..wire.topics import is_pattern, matches
+from ..wire.topics import is_pattern
 from .commands import SubscribeCmd
 from .peers import PeerLimit, Roster
+from .starts import Begin, plan
 from .state import Intent, State
 
 __all__ = ["Handshake", "INTENT_RETRY"]
@@ -259,77 +259,62 @@ class Handshake:
             self.roster.ping(peer, s.now)
         pending.frames[frame.topic] = (ident, frame)
 
-    def _store_subscription(self, ident: bytes, frame: P.Subscribe) -> None:
+    def _store_subscription(self, ident: bytes, frame: P.Subscribe, exclusive: bool = False) -> None:
         s = self.s
         key = (frame.address, frame.topic)
         if key not in s.subscriptions:
             # A start (model/retention.py) counts only here, where the subscription is made:
             # the subscriber's repeats of its subscribe change nothing, so it replays once.
             start = frame.start
-            since = s.ids.next() if start is None else self._floor(event_stream(frame.topic), start)
+            if start is not None and is_pattern(frame.topic) and not exclusive:
+                s.backfills.append((ident, frame))  # made under the publishers' lock (starts.py)
+                return
+            begins = None if start is None else plan(s, frame.topic, start)
+            stream = event_stream(frame.topic)
+            since = s.ids.next() if begins is None else begins[stream].floor
             record: SubscriptionRecord = {"since": since, "created": s.wall(), "node": frame.sender}
             record.update(subscription_options(frame.group, frame.ordered, frame.limit))  # type: ignore[typeddict-item]
-            if start is not None:
+            if begins is not None and start is not None:
                 record["start"] = start
-            stream = event_stream(frame.topic)
-            if start is not None and is_pattern(frame.topic):
-                since = min(since, self._backfill(frame.topic, start))
-                record["since"] = since
-            if frame.group is not None:
-                self.roster.join_group(frame.group, stream, frame.address, None, since)
-            else:
-                consumer = Consumer(frame.address, stream, since)
-                consumer.exhausted = start is None  # else it reads what is stored after since
-                consumer.dirty = True
-                consumer.ordered = frame.ordered
-                consumer.left = frame.limit
-                self.roster.add_consumer(consumer)
             s.subscriptions[key] = record
+            for level, begin in (begins or {stream: None}).items():  # type: ignore[dict-item]
+                self._consumer(frame, level, since if begin is None else begin.floor, begin)
             s.out.batch.put_subscription(frame.address, frame.topic, record)
-            log.info("%s subscribed to %s%s", frame.address, frame.topic,
-                     f" in group {frame.group}" if frame.group else "")
+            log.info("%s subscribed to %s%s%s", frame.address, frame.topic,
+                     f" in group {frame.group}" if frame.group else "", f" from {start}" if begins else "")
         s.out.batch.sync = True
         s.out.acks.setdefault(ident, []).append(frame.id)
 
-    def _floor(self, stream: str, start: str) -> str:
-        """The cursor floor of a subscription starting at ``start`` on ``stream``. A start id
-        inside a segment (a ``publish_many`` of several) starts at that segment: a stream
-        goes by segment keys, and the segment's earlier messages come too, never a gap."""
-        floor = start_floor(start)
-        if ID_RE.fullmatch(start) is None:
-            return floor
-        key = self.s.store.key_at_or_before(stream, start)
-        if key is None or key == start:
-            return floor
-        data = self.s.store.get_outgoing(stream, key)
-        try:
-            holds = data is not None and start in unpack_outgoing(data).ids
-        except ValueError:
-            holds = False
-        return start_floor(key) if holds else floor
-
-    def _backfill(self, pattern: str, start: str) -> str:
-        """A pattern subscription with a start: copy the retained events of every topic it
-        matches, from ``start`` on, into its stream (each priority level into the pattern's
-        same level), in the batch that makes the subscription. Returns the lowest floor it
-        copied from (a start id inside a segment: that segment's key)."""
+    def _consumer(self, frame: P.Subscribe, stream: str, floor: str, begin: Begin | None) -> None:
+        """The new subscription's consumer of ``stream`` (its topic's, or a priority level's
+        that holds what it starts from)."""
         s = self.s
-        batch = s.out.batch
-        lowest = start_floor(start)
-        for source in s.store.stream_names():
-            topic = stream_target(source)
-            if not source.startswith("e:") or is_pattern(topic) or not matches(pattern, topic) \
-                    or not s.routes.retention.ms(topic):
-                continue
-            level = source[len(event_stream(topic)):]  # "" or " <priority>"
-            target = event_stream(pattern) + level
-            after: str | None = self._floor(source, start)
-            lowest = min(lowest, after or "")
-            while chunk := s.store.iter_stream(source, after=after, limit=1000):
-                for mid, record in chunk:
-                    batch.put_outgoing(target, mid, record)
-                after = chunk[-1][0]
-        return lowest
+        if frame.group is not None:
+            members = s.consumers.get((group_peer(frame.group), stream))
+            consumer = self.roster.join_group(frame.group, stream, frame.address, None, floor)
+            if members is not None:
+                return  # a group's cursor is shared: a start counts when the group is made
+        else:
+            consumer = Consumer(frame.address, stream, floor)
+            consumer.dirty = True
+            consumer.ordered = frame.ordered
+            if stream == event_stream(frame.topic):
+                consumer.left = frame.limit
+            self.roster.add_consumer(consumer)
+        if begin is None:
+            consumer.exhausted = True  # it starts at the end of the stream
+            return
+        consumer.exhausted = False  # it reads what is stored after its floor
+        consumer.skip |= begin.skip
+        consumer.backlog = begin.owed
+
+    def backfill(self) -> None:
+        """Make the pattern subscriptions with a start deferred to now (the engine holds the
+        publishers' exclusive lock: nothing is half published)."""
+        s = self.s
+        pending, s.backfills = s.backfills, []
+        for ident, frame in pending:
+            self._store_subscription(ident, frame, exclusive=True)
 
     def on_unsubscribe(self, ident: bytes, frame: P.Unsubscribe, source: str | None = None,
                        user: str | None = None) -> None:

@@ -274,6 +274,11 @@ class Core:
         else:
             raise TypeError(f"unknown core command {cmd!r}")
 
+    def backfill(self) -> None:
+        """Make the pattern subscriptions with a start waiting in ``s.backfills``: the caller
+        holds the publishers' exclusive lock and swaps the routes before releasing it."""
+        self.handshake.backfill()
+
     def unreachable(self, address: str, now: float) -> None:
         """A send to ``address`` failed: it is down until it answers a ping again."""
         self.roster.unreachable(address, now)

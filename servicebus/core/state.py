@@ -138,6 +138,9 @@ class State:
     # Retained streams (model/retention.py): their stored bytes, counted once at the first
     # sweep and kept up to date as events are published and deleted; when to sweep next.
     retained_bytes: dict[str, int] = field(default_factory=dict)
+    # Pattern subscriptions with a start, made by the engine under the publishers' lock
+    # (core/starts.py): (router identity, SUBSCRIBE frame).
+    backfills: list[tuple[bytes, Any]] = field(default_factory=list)
     next_retain: float = 0.0
     # Outbox keys (handlers' commands) moved into streams by the batch being built.
     outbox_moving: set[str] = field(default_factory=set)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from ..model.delivery import (Consumer, base_stream, command_stream, is_priority_stream, pack_outgoing, stream_target)
+from ..model.delivery import (Consumer, base_stream, command_stream, event_stream, is_priority_stream, pack_outgoing,
+                              stream_target)
 from ..model.segments import make_blob
 from ..model.stored import DeliveryRecord
 from ..wire.protocol import Kind
@@ -90,6 +91,7 @@ class Streams:
         were sent it keep it: they get both."""
         s = self.s
         old = cmd.message_id
+        self._withdraw_retained(cmd.topic, old)
         bases = set(s.routes.targets(cmd.topic))
         for stream in [st for st in list(s.by_stream) if base_stream(st) in bases]:  # every level
             pending = s.new.get(stream)
@@ -110,6 +112,14 @@ class Streams:
                 if len(c.skip) < SUPERSEDE_SKIPS:
                     c.settle(old)
                     self._superseded(c, old, cmd.topic)
+
+    def _withdraw_retained(self, topic: str, old: str) -> None:
+        """A retained topic's own stream with no consumer yet: the older message goes, as
+        from any stream nobody read it from."""
+        s, own = self.s, event_stream(topic)
+        if own not in s.by_stream and self.retained_ms(own) and s.store.get_outgoing(own, old) is not None:
+            s.out.batch.delete_outgoing(own, old)
+            s.counters["superseded"] += 1
 
     def _superseded(self, consumer: Consumer, mid: str, topic: str) -> None:
         s = self.s

@@ -61,6 +61,8 @@ class GroupCommit:
         self._store = store
         self._on_commit = on_commit  # called with the results of one group, in order
         self._mutex = threading.Lock()
+        self._idle = threading.Condition(self._mutex)  # quiet(): no leader, no build
+        self._quieting = False
         self._queue: list[_Entry[Any]] = []
         self._leading = False
         self._last_group = 0
@@ -78,6 +80,8 @@ class GroupCommit:
         KeyboardInterrupt while waiting or leading), the lead passes on or is given up, so
         a later caller never waits for a leader that is gone."""
         with self._mutex:
+            while self._quieting:
+                self._idle.wait()
             batch = self._store.batch()
             entry = _Entry(batch, build(batch), early)
             self._queue.append(entry)
@@ -155,6 +159,21 @@ class GroupCommit:
         with self._mutex:
             yield
 
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Stronger than ``exclusive``: also every batch built before is written and
+        reported, so the store holds all of them (a scan by the engine then sees every
+        publish built with routes it is about to replace). New builds wait meanwhile."""
+        with self._mutex:
+            self._quieting = True
+            try:
+                while self._leading:
+                    self._idle.wait()
+                yield
+            finally:
+                self._quieting = False
+                self._idle.notify_all()
+
     def _pass_lead(self) -> _Entry[Any] | None:
         """Under the mutex: the entry that leads next (queued during this write), marked so,
         or None and nobody leads."""
@@ -163,6 +182,7 @@ class GroupCommit:
             nxt.lead = True
             return nxt
         self._leading = False
+        self._idle.notify_all()  # quiet() waits for this
         return None
 
     def _withdraw(self, entry: _Entry[Any], leading: bool) -> None:

@@ -208,6 +208,10 @@ class Engine(threading.Thread):
         core = self.core
         self._read(events, now)
         self._run_commands(now)
+        if core.s.backfills:  # under the publishers' lock: nothing half published (starts.py)
+            with self.publisher.quiet():
+                core.backfill()
+                self._swap_routes()
         self._swap_routes()  # new subscribers count for publishes from now on
 
         # commit: one fsync for everything this turn that someone waits on
@@ -350,10 +354,10 @@ class Engine(threading.Thread):
         log.warning("the store can be written again (it had failed: %s); reloading delivery "
                     "state and going on", self._degraded)
         self._degraded = None
-        # Publishing threads (retrying since the store failed) write again from the moment
-        # it reopened. Reloading clears, then rebuilds, the subscriptions their writes go
-        # by: a publish in between would find nobody subscribed and store nothing. So no
-        # publish is built meanwhile; one reported before is in the store, read from it.
+        # Publishing threads (retrying since the store failed) write again from the moment it
+        # reopened. Reloading clears, then rebuilds, the subscriptions their writes go by: a
+        # publish in between would store nothing. So none is built meanwhile (one reported
+        # before is in the store, read from it).
         with self.publisher.exclusive():
             self._queue = deque(c for c in self._queue
                                 if not isinstance(c, (Published, QueueReply, QueueSend, Supersede)))
@@ -395,9 +399,7 @@ class Engine(threading.Thread):
     # --- drain and status --------------------------------------------------------------
 
     def idle(self) -> bool:
-        if self._degraded is not None or self._queue or not self.core.idle():
-            return False
-        if len(self.requests):
+        if self._degraded is not None or self._queue or not self.core.idle() or len(self.requests):
             return False
         return self.dispatcher.idle
 

@@ -150,6 +150,12 @@ class Publisher:
         with self.committer.exclusive():
             yield
 
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """No publish built meanwhile, and every one built before is in the store."""
+        with self.committer.quiet():
+            yield
+
     @property
     def fsyncs(self) -> int:
         return self.committer.fsyncs

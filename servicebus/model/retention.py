@@ -27,8 +27,9 @@ from .delivery import stream_target
 
 __all__ = ["Retention", "NO_RETENTION", "start_token", "start_floor", "check_retention", "ID_RE"]
 
-ID_RE = re.compile(r"[0-9a-f]{24}")
+ID_RE = re.compile(r"[0-9a-f]{24}~?")  # "~": a delayed message's (ids.py)
 _TIME_RE = re.compile(r"t:[0-9]{1,15}")
+_LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z
 
 
 def check_retention(value: Any) -> dict[str, float] | None:
@@ -116,8 +117,9 @@ def start_token(start: Any) -> str | None:
             raise ValueError("start must be an aware datetime (with tzinfo), so that it means one instant")
         return f"t:{max(0, int(start.timestamp() * 1000))}"
     if isinstance(start, (int, float)) and not isinstance(start, bool):
-        if not start >= 0 or start == float("inf"):
-            raise ValueError(f"start as a POSIX timestamp must be >= 0, got {start!r}")
+        if not 0 <= start <= _LAST_SECOND:  # milliseconds given for seconds land far past it
+            raise ValueError(f"start as a POSIX timestamp must be seconds from 0 to {_LAST_SECOND} "
+                             f"(the year 9999), got {start!r}")
         return f"t:{int(start * 1000)}"
     if isinstance(start, str) and ID_RE.fullmatch(start):
         return start  # (a time travels as "t:<ms>", but is given as a datetime)
@@ -140,4 +142,5 @@ def start_floor(token: str) -> str:
         return ""  # sorts before every id
     if token.startswith("t:"):
         return f"{int(token[2:]):012x}"  # below every id of that millisecond and later
-    return f"{int(token, 16) - 1:024x}" if int(token, 16) else ""  # that id included
+    number = int(token[:24], 16)
+    return f"{number - 1:024x}" if number else ""  # that id included

@@ -62,7 +62,7 @@ def _status(datadir: Path, as_json: bool) -> None:
     table.add_row("store size", f"{row['store_bytes'] / 1024:.1f} KiB")
     for topic, kept in sorted(row.get("retained", {}).items()):
         table.add_row(_safe(f"retained {topic}"), (
-            f"{kept['messages']} messages, {kept['bytes'] / 1024:.1f} KiB of {kept['max_bytes'] / 1048576:g} MiB, "
+            f"{kept['messages']} messages, {_size(kept['bytes'])} of {_size(kept['max_bytes'])}, "
             f"oldest {_age(kept['oldest_age_s'])}, kept {kept['retention_s']:g} s"))
     out.print(table)
 
@@ -81,6 +81,10 @@ def _listing(datadirs: Optional[list[Path]], view: str, args: dict, as_json: boo
 
 
 _CUT = ("outgoing", "incoming", "deadletters")  # listings a --limit cuts
+
+
+def _size(n: int) -> str:
+    return f"{n / 1048576:.1f} MiB" if n >= 1048576 else f"{n / 1024:.1f} KiB"
 
 
 @app.command()

@@ -220,3 +220,39 @@ def test_a_transaction_is_reported_only_once_durable_even_behind_an_early_publis
     for t in threads:
         t.join(10)
     assert groups == [[0], [1], [2]]
+
+
+def test_quiet_waits_until_every_batch_built_before_it_is_in_the_store_and_holds_new_builds(store, monkeypatch):
+    committer, groups, build = _committer(store)
+    writing, release = threading.Event(), threading.Event()
+    real = store.write_many
+
+    def slow(batches, *, sync):
+        writing.set()
+        release.wait(10)  # built (under the lock) and not written yet
+        real(batches, sync=sync)
+
+    monkeypatch.setattr(store, "write_many", slow)
+    first = threading.Thread(target=committer.commit, args=(build,))
+    first.start()
+    writing.wait(10)
+    seen: list[list[str]] = []
+
+    def engine():
+        with committer.quiet():
+            seen.append(store.stream_ids("e:t", limit=10))
+            second.start()  # a build asked for meanwhile waits for quiet() to end
+            seen.append(store.stream_ids("e:t", limit=10))
+
+    second = threading.Thread(target=committer.commit, args=(build,))
+    quiet = threading.Thread(target=engine)
+    quiet.start()
+    wait_until(lambda: quiet.is_alive(), 5)
+    assert not seen  # quiet() waits for the batch being written
+    monkeypatch.setattr(store, "write_many", real)
+    release.set()
+    quiet.join(10)
+    first.join(10)
+    second.join(10)
+    assert seen == [["00000000"], ["00000000"]]  # the first in the store; the second not built
+    assert store.stream_ids("e:t", limit=10) == ["00000000", "00000001"]

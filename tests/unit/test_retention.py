@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -47,7 +48,7 @@ def test_start_positions_become_floors_that_include_what_they_name():
 
 
 @pytest.mark.parametrize("bad", ["latest", "0198A2B3C4D5000001ABCDEF", "t:1", datetime.now(),
-                                 -1, timedelta(1), ["earliest"]])
+                                 -1, timedelta(1), ["earliest"], time.time() * 1000])
 def test_a_bad_start_is_refused(bad):
     with pytest.raises((TypeError, ValueError)):
         start_token(bad)
