@@ -108,9 +108,11 @@ class BusState(Lifecycle):
         """Put dead letters back, as ``servicebus replay`` does, while the bus runs: received
         ones are handled again (attempts reset), undeliverable ones are owed again under a
         new id and without TTL; each journaled ``replayed``. Selects by ``ids``, ``topic``
-        and ``reason`` (all that are given; none: every dead letter). Returns how many were
-        put back (a letter that cannot be, ``invalid`` ones, stays). ``ValueError``, and
-        nothing done, if an id named is no dead letter."""
+        and ``reason`` (all that are given; none: every dead letter; ``ids=[]``: none).
+        Returns how many were put back: a letter that cannot be as it is (a message whose
+        own fields were not valid) stays, and so does the first message of a publish still
+        being handled here, until it is done. ``ValueError``, and nothing done, if an id
+        named is no dead letter."""
         rows = self._call(lambda f: E.Maintain("replay", _selection(ids, topic, reason), f, strict=True))
         return sum(1 for row in rows if row.get("result") == "replayed")
 

@@ -47,7 +47,7 @@ def _selection(args: dict) -> tuple[list[str] | None, str | None, str | None]:
     for name, value in (("topic", topic), ("reason", reason)):
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{name} must be a str, not {value!r}")
-    return ids or None, topic, reason
+    return ids, topic, reason  # ids []: no letter (None: any)
 
 
 def maintain(engine: Any, cmd: Maintain, now: float, degraded: str | None) -> None:

@@ -99,15 +99,16 @@ class Handlers:
         finished are stored with the message so that a restart reruns only the others:
         they must be stable across restarts and distinct. ``name`` is the caller's own and
         must be free; without it the name is ``derived`` (the user's function's module and
-        qualified name, ``handler_name``), or that name ``@topic`` when a handler of another
-        topic or pattern has it (a lambda's always carries its topic). Only a real clash
+        qualified name, ``handler_name``) ``@topic``: the same whatever else is registered,
+        and distinct across topics and patterns. Only a real clash
         raises ``ValueError``: two handlers of one topic with no stable, distinct names (two
         lambdas, or one function twice). ``payload``: the model it validates payloads into
         (typed.py; for ``described``). Returns the key it was added under."""
-        explicit = name is not None
         if name is None:
+            # Always with its topic: a derived name must not depend on what else is
+            # registered (a deploy that adds a handler elsewhere would rename this one).
             name = derived if derived is not None else handler_name(handler)
-            if name is not None and name.endswith("<lambda>"):
+            if name is not None:
                 name = f"{name}@{topic}"
         elif not isinstance(name, str) or not name.strip():
             raise ValueError(f"handler name must be a non-empty str, not {name!r}")
@@ -122,8 +123,6 @@ class Handlers:
             # finished names are stored: every name must be stable and distinct, across keys.
             here = {n for n, _ in existing}
             elsewhere = {n for k, hs in self._by_key.items() if k[0] == int(kind) and k != key for n, _ in hs}
-            if not explicit and name is not None and name in elsewhere and name not in here:
-                name = f"{name}@{topic}" if not name.endswith(f"@{topic}") else name
             if name is None or name in here or name in elsewhere:
                 raise ValueError(
                     f"with pattern handlers, each handler needs a stable name no other handler "

@@ -6,10 +6,11 @@ dead_letter_on=)``, as dramatiq's ``max_retries``/``min_backoff`` and Celery's
 With several handlers on a topic the message is one: its attempts are counted once. A run in
 which some handlers failed is judged by the failed ones: the smallest ``max_attempts`` of
 them, the longest backoff; an exception one of them gives up on dead-letters the message at
-once (what the others finished is not rerun by a replay)."""
+once (the handlers after it do not run for it; a replay runs them all again)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,9 @@ from typing import Any
 from ..model.delivery import backoff as default_backoff
 
 __all__ = ["Policy", "make_policy", "Backoff"]
+
+MAX_DELAY = 30 * 86400.0  # seconds: the longest retry delay a backoff function gets
+log = logging.getLogger("servicebus")
 
 # (initial, cap) seconds, doubled per attempt with the bus's jitter; or attempt -> seconds.
 Backoff = tuple[float, float] | Callable[[int], float]
@@ -37,11 +41,15 @@ class Policy:
         if self.backoff is None:
             return default_backoff(attempts, initial, cap)
         if callable(self.backoff):
-            seconds = self.backoff(attempts)
+            try:
+                seconds = self.backoff(attempts)
+            except Exception:  # noqa: BLE001 - the user's function: a retry must still be made
+                log.exception("backoff function %r raised: the bus's backoff instead", self.backoff)
+                return default_backoff(attempts, initial, cap)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
                 # A bad value from the user's function must not stall the message for ever.
                 return default_backoff(attempts, initial, cap)
-            return float(seconds)
+            return min(float(seconds), MAX_DELAY)  # inf or 1e12: a wait a thread can make
         return default_backoff(attempts, self.backoff[0], self.backoff[1])
 
     def gives_up_on(self, exc: BaseException) -> bool:

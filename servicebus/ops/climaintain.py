@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from ..model.retention import ID_RE
 from . import maintenance as M
 from . import repair as R
 from ..hooks.journal import flush_datadir
@@ -113,7 +114,9 @@ def _targets(args: list[str] | None) -> tuple[list[Path], list[str]]:
     after it that names a directory; the rest are dead letter ids."""
     args = list(args or [])
     dirs = [Path(args.pop(0))] if args else [Path(".")]
-    while args and Path(args[0]).is_dir():
+    # A directory, or anything that is no message id (a data directory that is missing
+    # must be said so, not taken for an id that matches nothing).
+    while args and (Path(args[0]).is_dir() or not ID_RE.fullmatch(args[0])):
         dirs.append(Path(args.pop(0)))
     return dirs, args
 

@@ -99,7 +99,7 @@ def select_letters(store: Store, ids: list[str] | None, topic: str | None,
     """The dead letters an operation names: by ``ids`` (None: any), of ``topic``, with
     ``reason`` (each None: any); and the ids named that are no dead letter here (one that
     is, of another topic or reason, is left out without a word: the filter said so)."""
-    wanted = set(ids) if ids else None
+    wanted = None if ids is None else set(ids)  # [] names no letter: nothing, not every one
     letters, stored = [], set()
     for mid, rec in store.deadletters():
         if wanted is None or mid in wanted:
@@ -162,7 +162,16 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
                                                 "servicebus export shows what is left of it")
         elif origin in REPLAYABLE and (why := _replayable(mid, rec)) is not None:
             row.update(result="skipped", detail=why)
+        elif origin == "incoming" and store.has_incoming(mid):
+            # The first message of a publish (a segment, keyed by that message's id) that
+            # is still being handled here: put back, it would overwrite the rest of it.
+            row.update(result="skipped", detail="the rest of its publish is still being handled here "
+                                                "(it was the first of a publish_many): replay it when that is done")
         elif origin == "incoming":
+            if (at := store.handled_at(mid)) is not None:
+                # It keyed a publish handled since (its first message): that mark goes with
+                # its index entry, and comes back when the replayed message is handled.
+                batch.forget_handled(mid, at)
             batch.put_incoming(mid, rec["record"])
             batch.delete_deadletter(mid)
             inner = rec["record"]

@@ -293,6 +293,12 @@ class Reads:
                 continue
             yield key[len(_N):].decode(), IncomingRecord._make(record)
 
+    def handled_at(self, message_id: str) -> int | None:
+        """When (bus-clock ms) ``message_id`` (a segment key) was marked handled, or None."""
+        with self._op():
+            value = self._db.get(_H + message_id.encode())
+        return int.from_bytes(value, "big") if value is not None and len(value) == 8 else None
+
     def handled_before(self, cutoff: int, limit: int) -> list[tuple[str, int]]:
         """(id, handled_at) of handled ids handled before bus-clock ``cutoff``, oldest
         first, at most ``limit``. A damaged index key is deleted on the way (it could

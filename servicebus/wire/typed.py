@@ -56,7 +56,10 @@ def _is_model(value: Any) -> bool:
 
 def _dump_model(value: Any) -> Any:
     if _is_model(value):
-        return value.model_dump()  # python mode: bytes stay bytes; the rest is lowered by msgspec
+        # python mode: bytes stay bytes; the rest is lowered by msgspec. By alias and without
+        # computed fields: what the model's own model_validate takes back.
+        computed = set(getattr(type(value), "model_computed_fields", None) or ())
+        return value.model_dump(by_alias=True, exclude=computed or None)
     raise TypeError(f"can not serialize {type(value).__name__!r} object")
 
 

@@ -247,3 +247,54 @@ def test_an_expired_command_replayed_by_a_running_bus_is_owed_again_and_delivere
     assert client.replay(reason="expired") == 1
     wait_until(lambda: got == [{"n": 1}], 15)
     assert client.deadletters() == []
+
+
+# --- found by a hostile review (each failed before its fix) -------------------------------
+
+
+def test_replaying_the_first_message_of_a_publish_still_being_handled_is_refused_and_loses_nothing(make_bus):
+    import threading
+
+    pub = make_bus("pub")
+    sub = make_bus("sub", max_attempts=1)
+    gate, got = threading.Event(), []
+
+    def handler(payload, message):
+        if payload["n"] == 0 and not got:
+            raise ValueError("first fails")
+        gate.wait(10)  # the rest of the publish waits here: its segment stays stored
+        got.append(payload["n"])
+
+    sub.every(TOPIC, handler)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    pub.publish_many(TOPIC, [{"n": n} for n in range(10)])
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    assert sub.replay(reason="handler_failed") == 0  # its publish is still being handled here
+    gate.set()
+    wait_until(lambda: len(got) == 9, 10)
+    assert sub.drain(10) and sub.status().deadletters == 1
+    assert sub.replay(reason="handler_failed") == 1  # done now: it goes back
+    wait_until(lambda: len(got) == 10, 10)
+    assert sorted(got) == list(range(10))
+    assert cli("check", sub.datadir).returncode == 0
+
+
+def test_an_empty_list_of_ids_selects_no_dead_letter(make_bus):
+    pub = make_bus("pub")
+    sub, state = failing_subscriber(make_bus, pub)
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    assert sub.purge(ids=[]) == 0 and sub.replay(ids=[]) == 0
+    assert sub.status().deadletters == 1
+
+
+def test_a_missing_data_directory_among_several_is_named_not_taken_for_an_id(make_bus, tmp_path):
+    pub = make_bus("pub")
+    sub, state = failing_subscriber(make_bus, pub)
+    pub.publish(TOPIC, {"n": 1})
+    wait_until(lambda: sub.status().deadletters == 1, 10)
+    missing = tmp_path / "missing"
+    result = cli("replay", sub.datadir, missing, "--all")
+    assert result.returncode == 2 and "no such data directory" in result.stderr, result
+    assert str(missing) in result.stderr and "no such dead letter" not in result.stderr
+    assert sub.status().deadletters == 1  # a command that writes does nothing if a data directory is missing

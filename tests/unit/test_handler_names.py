@@ -29,11 +29,11 @@ def test_two_lambdas_on_disjoint_patterns_need_no_name_and_are_named_by_their_to
     assert audit.startswith(__name__) and audit.endswith(".<lambda>@audit.>")
 
 
-def test_one_function_on_two_patterns_keeps_its_name_on_the_first_and_adds_the_topic_on_the_second():
+def test_one_function_on_two_patterns_is_named_by_each_of_its_topics():
     handlers = Handlers()
     handlers.add(Kind.EVENT, "orders.*", log)
     handlers.add(Kind.EVENT, "orders.>", log)
-    assert names(handlers, "orders.placed") == [handler_name(log), f"{handler_name(log)}@orders.>"]
+    assert names(handlers, "orders.placed") == [f"{handler_name(log)}@orders.*", f"{handler_name(log)}@orders.>"]
 
 
 def test_the_same_registrations_after_a_restart_give_the_same_names():
@@ -85,4 +85,21 @@ def test_the_name_derived_from_the_users_function_wins_over_the_wrappers():
         return log(payload, message)
 
     handlers.add(Kind.EVENT, "orders.*", wrapper, derived=handler_name(log))
-    assert names(handlers, "orders.x") == [handler_name(log)]
+    assert names(handlers, "orders.x") == [f"{handler_name(log)}@orders.*"]
+
+
+def test_a_handlers_derived_name_does_not_depend_on_what_else_is_registered():
+    def v1() -> list[str]:
+        handlers = Handlers()
+        handlers.add(Kind.EVENT, "c.y", log)
+        handlers.add(Kind.EVENT, "a.x", log)
+        return names(handlers, "a.x")
+
+    def v2() -> list[str]:  # the next deploy adds a pattern handler elsewhere
+        handlers = Handlers()
+        handlers.add(Kind.EVENT, "z.*", lambda p, m: None)
+        handlers.add(Kind.EVENT, "c.y", log)
+        handlers.add(Kind.EVENT, "a.x", log)
+        return names(handlers, "a.x")
+
+    assert v1() == v2()

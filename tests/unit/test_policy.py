@@ -145,3 +145,20 @@ def test_the_stub_follows_each_handlers_policy():
     stub.advance(0.1)
     assert stub.drain() and runs == [1, 2]
     assert [d.reason for d in stub.deadletters()] == ["rejected", "handler_failed"]
+
+
+@pytest.mark.parametrize("backoff", [lambda attempt: 1e12, lambda attempt: float("inf"), lambda attempt: 1 / 0,
+                                     lambda attempt: "soon"])
+def test_a_backoff_function_that_raises_or_returns_nonsense_gives_a_bounded_delay(backoff):
+    delay = make_policy(backoff=backoff).delay(1, 0.1, 1.0)
+    assert 0 <= delay <= 30 * 86400  # never a stuck message, never a timeout a thread cannot wait
+
+
+@pytest.mark.parametrize("backoff", [lambda attempt: 1e12, lambda attempt: 1 / 0, lambda attempt: float("inf")])
+def test_on_the_runner_a_misbehaving_backoff_function_still_retries_then_dead_letters(backoff):
+    rig = RunnerRig(max_attempts=2)
+    rig.add(TOPIC, failing([], ValueError("x")), backoff=backoff)
+    mid = rig.receive(TOPIC)
+    assert rig.run(mid) is not None  # a retry is scheduled, whatever the function did
+    rig.clock.advance(31 * 86400)
+    assert rig.run(mid) is None and rig.store.letters[mid]["reason"] == "handler_failed"

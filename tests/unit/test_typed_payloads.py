@@ -263,3 +263,25 @@ def test_a_failure_to_convert_that_is_not_the_payloads_fault_is_retried_not_inva
     stub.drain()
     assert seen == [1]
     assert [(d.reason, d.attempts) for d in stub.deadletters()] == [("handler_failed", 2)]
+
+
+def test_a_pydantic_model_with_aliases_and_computed_fields_survives_the_round_trip():
+    class Aliased(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        order_id: int = pydantic.Field(alias="orderId")
+
+        @pydantic.computed_field  # type: ignore[prop-decorator]
+        @property
+        def double(self) -> int:
+            return self.order_id * 2
+
+    stub = StubBus()
+    got = []
+
+    def handle(order, message):
+        got.append(order)
+
+    handle.__annotations__["order"] = Aliased
+    stub.every("orders", handle)
+    stub.publish("orders", Aliased(orderId=7))
+    assert stub.drain() and [o.order_id for o in got] == [7] and stub.deadletters() == []
