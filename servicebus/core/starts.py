@@ -3,8 +3,9 @@ consumers begins, what it skips, and, for a pattern, the retained events copied 
 
 A start counts only for a topic the publisher retains; for any other it means "new" (what
 a stream holds for other subscribers is theirs, not retained history). A start later than
-the publisher's id clock means "new" too (a subscriber's clock ahead of the publisher's
-must not make it miss what is published meanwhile).
+the publisher's id clock means its "now" (a subscriber's clock ahead of the publisher's
+must not make it miss what is published meanwhile), delayed messages stored for later
+included.
 
 Each consumer of the subscription (the topic's stream and each of its priority levels) gets
 a floor, the keys above it it must not be given (events of topics not retained that the
@@ -87,8 +88,12 @@ def plan(s: State, topic: str, start: str) -> dict[str, Begin] | None:
     """Each stream of a new subscription to ``topic`` starting at ``start`` -> where its
     consumer begins; None if the start means "new". For a pattern, the retained events are
     copied into its streams here, in ``s.out.batch`` (the write that makes it)."""
-    if _in_future(s, start) or (not is_pattern(topic) and not s.routes.retention.ms(topic)):
+    if not is_pattern(topic) and not s.routes.retention.ms(topic):
         return None
+    if _in_future(s, start):
+        # From now on, then: what is published from now, and what is stored already for
+        # later (a delayed message, whose id is its due time: it may be the start itself).
+        start = f"t:{s.ids.now_ms()}"
     base = event_stream(topic)
     if not is_pattern(topic):
         out = {}
