@@ -22,7 +22,8 @@ from .model.retention import start_token
 from .errors import BusClosedError, RequestTimeout, StoreError, SubscribeTimeout
 from .model.outgoing import check_seconds, due_ms, prepare_command, prepare_event
 from .wire.protocol import Kind
-from .wire.validation import validate_address, validate_group
+from .wire.validation import validate_group, validate_target
+from .model.members import SERVICE, is_service
 from .model.records import Message
 from .handling.transaction import Transaction
 from .wire.topics import validate_pattern, validate_topic
@@ -320,10 +321,11 @@ class Bus(BusState):
     def _intent(self, address: str, topic: str, op: str, wait: float | None,
                 group: str | None = None, ordered: bool = False, limit: int | None = None,
                 start: str | None = None) -> None:
-        validate_address(address)
+        validate_target(address)
         validate_pattern(topic)
         confirmed: Future | None = Future() if wait is not None else None
-        self._call(lambda f: E.SubscribeCmd(address, topic, op, f, confirmed, group, ordered, limit, start))
+        target = SERVICE + address if is_service(address) else address  # every instance of it
+        self._call(lambda f: E.SubscribeCmd(target, topic, op, f, confirmed, group, ordered, limit, start))
         if confirmed is not None:
             try:
                 self._wait(confirmed, wait)

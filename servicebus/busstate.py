@@ -124,6 +124,25 @@ class BusState(Lifecycle):
         rows = self._call(lambda f: E.Maintain("purge", _selection(ids, topic, reason), f, strict=True))
         return int(rows[0]["removed"]["deadletters"])
 
+    def fleet(self) -> list[dict[str, Any]]:
+        """What discovery knows (``Bus(name=..., seeds=...)``): one row per instance, this
+        bus's own first (``self``): service ``name``, ``node``, ``address``, ``up``,
+        ``since`` (ms it went up or down), ``silent`` (seconds since its last gossip),
+        ``pub``/``sub`` topics, ``v`` version, ``kicked`` (why, if it was)."""
+        snap = self._call(lambda f: E.Snapshot(f))
+        return list(snap["fleet"])
+
+    def kick(self, target: str, *, why: str = "") -> dict[str, Any]:
+        """Remove an instance (node id or address) or a whole service (its name) from this
+        publisher's subscribers: their subscriptions end, what they were owed is dropped
+        (journaled ``dropped``, reason ``kicked: why``), and their subscribes are refused
+        (``kicked``) until ``readmit``. ``ValueError`` if this bus knows no such target."""
+        return dict(self._call(lambda f: E.Maintain("kick", {"target": target, "why": why}, f))[0])
+
+    def readmit(self, target: str) -> None:
+        """Let a kicked instance or service subscribe again."""
+        self._call(lambda f: E.Maintain("readmit", {"target": target}, f))
+
     def counters(self) -> dict[str, int]:
         """Engine counters since start (published, sent, received, acked, fsyncs, ...)."""
         snap = self._call(lambda f: E.Snapshot(f))

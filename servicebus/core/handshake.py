@@ -10,6 +10,7 @@ starting at the end of the stream, then acks after the fsync; both sides are ide
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ..wire import protocol as P
 from ..model.delivery import Consumer, base_stream, event_stream, group_peer, stream_target, unpack_outgoing
@@ -49,6 +50,7 @@ class Handshake:
         self.s = state
         self.roster = roster
         self.unverified: dict[str, _Unverified] = {}  # address -> SUBSCRIBEs waiting on its pong
+        self.kicked: Any = None  # node id -> why it was kicked, or None (core/members.py)
         self._refused_logged: set[str] = set()
 
     # --- subscriber side ---------------------------------------------------------------
@@ -61,7 +63,7 @@ class Handshake:
             return
         intent = Intent(publisher, topic, record["op"], record["id"], record["confirmed"],
                         group=record.get("group"), ordered=bool(record.get("ordered")),
-                        limit=record.get("limit"), start=record.get("start"))
+                        limit=record.get("limit"), start=record.get("start"), via=record.get("via"))
         try:
             self.roster.peer(publisher)
         except ValueError as exc:
@@ -70,7 +72,9 @@ class Handshake:
         self.s.intents[(publisher, topic)] = intent
         self.s.intent_ids[intent.id] = intent
 
-    def subscribe(self, cmd: SubscribeCmd) -> None:
+    def subscribe(self, cmd: SubscribeCmd, via: str | None = None) -> None:
+        """An intent to the address ``cmd.publisher`` (asked of the service ``via`` by
+        name, core/members.py: then nobody waits on ``cmd.future``)."""
         s = self.s
         if cmd.op == "subscribe" and cmd.publisher in s.own:
             raise ValueError(f"cannot subscribe to {cmd.publisher}: that is this bus itself (a bus "
@@ -82,7 +86,8 @@ class Handshake:
         if old is not None:
             s.intent_ids.pop(old.id, None)
         intent = Intent(cmd.publisher, cmd.topic, cmd.op, s.ids.next(), False,
-                        group=cmd.group, ordered=cmd.ordered, limit=cmd.limit, start=cmd.start)
+                        group=cmd.group, ordered=cmd.ordered, limit=cmd.limit, start=cmd.start,
+                        via=via if via is not None else (old.via if old is not None else None))
         if old is not None and old.op == cmd.op and \
                 (old.group, old.ordered, old.limit) == (cmd.group, cmd.ordered, cmd.limit):
             intent.waiters = old.waiters
@@ -92,7 +97,8 @@ class Handshake:
         s.intent_ids[intent.id] = intent
         s.out.batch.put_intent(cmd.publisher, cmd.topic, intent.record(s.wall()))
         s.out.batch.sync = True
-        s.out.release.append((cmd.future, intent.id))
+        if cmd.future is not None:
+            s.out.release.append((cmd.future, intent.id))
         s.tick_due = True
 
     def on_ack(self, mid: str) -> bool:
@@ -234,6 +240,10 @@ class Handshake:
         entry = s.entry_of(user)
         if reason is None and entry is not None and not entry.may_subscribe(frame.topic):
             reason = "topic_not_allowed"
+        if reason is None and s.channels and not s.channels.may_read(s.service_of(frame.sender, user), frame.topic):
+            reason = "not_a_reader"  # channel roles (model/members.py)
+        if reason is None and self.kicked is not None and self.kicked(frame.sender):
+            reason = "kicked"
         if reason is not None:
             self._refuse(ident, frame, reason, source)
             return

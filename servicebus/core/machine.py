@@ -35,7 +35,6 @@ from ..model.delivery import (Consumer, base_stream, event_stream, group_peer, i
 from ..model.ids import IdGenerator
 from ..wire.policy import AddressPolicy, OwnAddress
 from ..wire.trust import Keys
-from ..model.records import PeerStatus
 from . import owner
 from .commands import Published, QueueReply, QueueSend, SendCmd, SubscribeCmd, Supersede
 from .backlog import Backlog
@@ -45,7 +44,9 @@ from .peers import WAITING_PING, Roster
 from .ports import NO_EVENTS, EventSwitch, Links, StoreView, WriteBatch
 from .receiver import Receiver
 from .sender import Sender
-from .state import Effects, State
+from .state import Effects, State, snapshot
+from .members import Directory
+from ..model.members import SERVICE
 from .streams import Streams
 
 __all__ = ["Core", "TICK"]
@@ -91,6 +92,10 @@ class Core:
         self.streams = Streams(s, self.roster, self.backlog)
         self.handshake = Handshake(s, self.roster)
         self.receiver = Receiver(s)
+        s.channels = config.channels
+        self.members = Directory(s, self.roster, self.handshake, ids.epoch)
+        self.handshake.kicked = self.members.is_kicked
+        s.pick = self.members.pick
         self._next_tick = self._next_gc = self._next_expiry = 0.0
         self._next_prune = self._next_clock_save = 0.0
         self._codecs = codecs()  # what this bus decodes, told to every peer that pings it
@@ -148,8 +153,12 @@ class Core:
         for peer, stream in states:
             log.warning("dropping delivery state of %s on %s: no subscription", peer, stream)
             s.out.batch.delete_delivery(peer, stream)
+        self.members.load(s.store.meta("members"), s.wall())
         for publisher, topic, intent in s.store.intents():
-            self.handshake.load_intent(publisher, topic, intent)
+            if publisher.startswith(SERVICE):
+                self.members.load_intent(publisher[len(SERVICE):], topic, intent)
+            else:
+                self.handshake.load_intent(publisher, topic, intent)
         for subscriber, topic in [key for key in s.subscriptions if key[0] in s.own]:
             log.warning("ending the subscription of %s to %s: that is this bus's own address "
                         "(a bus never subscribes itself; an older version stored it)", subscriber, topic)
@@ -218,6 +227,8 @@ class Core:
             self.handshake.on_subscribe(ident, frame, source, user)
         elif isinstance(frame, P.Unsubscribe):
             self.handshake.on_unsubscribe(ident, frame, source, user)
+        elif isinstance(frame, P.Gossip):
+            self.members.on_gossip(frame, now, source, user, ident=ident)
         else:
             s.malformed["unexpected_kind"] += 1
 
@@ -241,7 +252,10 @@ class Core:
             if self.roster.on_pong(peer, frame, now):
                 self.sender.peer_up(peer)
                 self.handshake.peer_up(address)
+                self.members.peer_up(address)
                 s.tick_due = True
+        elif isinstance(frame, P.Gossip):
+            self.members.on_gossip(frame, now, None, None, address=address)
         elif isinstance(frame, P.Nack):
             if s.intent_ids:  # rare: only while a subscribe or unsubscribe waits
                 frame = frame._replace(ids=self.handshake.on_refused(frame))
@@ -268,7 +282,10 @@ class Core:
         elif isinstance(cmd, QueueSend):
             self.streams.queue_send(cmd)
         elif isinstance(cmd, SubscribeCmd):
-            self.handshake.subscribe(cmd)
+            if cmd.publisher.startswith(SERVICE):
+                self.members.subscribe(cmd)
+            else:
+                self.handshake.subscribe(cmd)
         elif isinstance(cmd, Supersede):
             self.streams.supersede(cmd)
         else:
@@ -371,6 +388,7 @@ class Core:
                 for consumer in s.by_stream.get(stream, ()):
                     consumer.exhausted = False  # a delayed message is due: read on
         self.roster.check(now)
+        self.members.tick(now)
         self.handshake.retry(now)
         self.handshake.expire_unverified(now)
         self.sender.resend_due(now)
@@ -419,29 +437,6 @@ class Core:
         return [fut for intent in self.s.intents.values() for fut in intent.waiters]
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        s = self.s
-        peers = tuple(
-            PeerStatus(p.address, p.up, sum(
-                len(c.inflight) if c.members is None else c.load.get(p.address, 0)
-                for c in p.consumers), None if p.last_pong is None else now - p.last_pong)
-            for p in s.peers.values()
-        )
-        # (peer, stream, floor, keys past the floor that are done: acked in the window or
-        # settled ahead of it) for status(), which counts the messages owed from the store.
-        consumers = [(c.peer, c.stream, c.floor,
-                      frozenset(k for k in c.order if k not in c.inflight) | frozenset(c.skip))
-                     for c in s.consumers.values()]
-        return {
-            "peers": peers,
-            "consumers": consumers,
-            "malformed": dict(s.malformed),
-            "counters": dict(s.counters),
-            "intents_unconfirmed": sum(1 for i in s.intents.values() if not i.confirmed),
-            "retention": (s.config.retention or {}, s.config.retention_bytes),
-            "backlog_full": tuple(sorted((c.peer, c.stream[2:]) for c in s.consumers.values()
-                                         if c.stream in s.routes.full
-                                         and c.backlog >= (s.config.max_backlog or 0))),
-        }
-
+        return {**snapshot(self.s, now), "fleet": self.members.view(now) if self.members.on else []}
 
 _CheckedCore = owner.checked_class(Core)

@@ -118,6 +118,54 @@ class Roster:
         self._update_stream_peers(stream)
         return consumer
 
+    def move(self, old: str, new: str, node: str) -> None:
+        """The instance ``node`` listens at ``new`` now, no longer at ``old`` (discovery,
+        core/members.py): its subscriptions, their cursors and what they are owed, and
+        the commands queued for it go there. What it had in flight is resent there at
+        once (its dedupe makes a resend of what it had handled harmless)."""
+        s = self.s
+        if old == new or old in s.own or new in s.own:
+            return
+        moved = 0
+        for (subscriber, topic), record in list(s.subscriptions.items()):
+            if subscriber != old or (record.get("node") not in (None, node)):
+                continue
+            if (new, topic) in s.subscriptions:
+                continue  # it subscribed there already: the old one ends as it would
+            del s.subscriptions[(old, topic)]
+            s.subscriptions[(new, topic)] = record
+            s.out.batch.delete_subscription(old, topic)
+            s.out.batch.put_subscription(new, topic, record)
+            moved += 1
+        target = self.peer(new)
+        source = s.peers.get(old)
+        for consumer in list(source.consumers if source is not None else ()):
+            if consumer.members is not None:  # a group: the member's address changes
+                consumer.members[consumer.members.index(old)] = new
+                for mid, member in list(consumer.assigned.items()):
+                    if member == old:
+                        consumer.assign(mid, new)
+                        flight = consumer.inflight.get(mid)
+                        if flight is not None:
+                            flight.deadline = 0.0
+                source.consumers.remove(consumer)  # type: ignore[union-attr]
+                target.consumers.append(consumer)
+                consumer.dirty = True
+                continue
+            if (new, consumer.stream) in s.consumers:
+                continue
+            self.remove_consumer(consumer)
+            s.out.batch.delete_delivery(old, consumer.stream)
+            consumer.peer = new
+            for flight in consumer.inflight.values():
+                flight.deadline = 0.0  # resent to the new address at once
+            consumer.dirty = True
+            self.add_consumer(consumer)
+        s.tick_due = True
+        s.new_peer_work = True
+        log.info("moved what is owed to %s (%d subscriptions) to %s", old, moved, new)
+        self.drop_if_unused(old)
+
     def remove_consumer(self, consumer: Consumer) -> None:
         s = self.s
         s.consumers.pop((consumer.peer, consumer.stream), None)

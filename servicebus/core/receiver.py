@@ -36,6 +36,23 @@ class Receiver:
     def __init__(self, state: State) -> None:
         self.s = state
 
+    def _writers_only(self, ident: bytes, frame: P.Batch, user: str | None) -> P.Batch:
+        """Channel roles (model/members.py): events and commands of a topic only from the
+        services that may write it; the rest refused for good (dead letters at the sender)."""
+        s = self.s
+        service = s.service_of(frame.sender, user)
+        allowed = s.channels.may_write
+        denied = [env.id for env in frame.messages if not allowed(service, env.topic)]
+        denied += [m.id for m in frame.invalid if m.topic is None or not allowed(service, m.topic)]
+        if not denied:
+            return frame
+        s.counters["refused_not_a_writer"] += len(denied)
+        s.out.to_router.append((ident, P.encode_nack(denied, (
+            f"service {service or '(unknown)'} may not write this topic here (channel roles)"))))
+        return frame._replace(messages=tuple(e for e in frame.messages if allowed(service, e.topic)),
+                              invalid=tuple(m for m in frame.invalid if m.topic is not None
+                                            and allowed(service, m.topic)))
+
     def on_batch(self, ident: bytes, frame: P.Batch, source: str | None = None,
                  user: str | None = None) -> None:
         s = self.s
@@ -62,6 +79,8 @@ class Receiver:
                     frame = frame._replace(
                         messages=tuple(e for e in frame.messages if allowed(e.topic)),
                         invalid=tuple(m for m in frame.invalid if m.topic is not None and allowed(m.topic)))
+        if s.channels and kind != P.Kind.REPLY:
+            frame = self._writers_only(ident, frame, user)
         batch, seen = s.out.batch, s.turn_ids
         acks = s.out.acks.setdefault(ident, [])
         stored = False

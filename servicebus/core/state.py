@@ -22,6 +22,7 @@ from ..model.delivery import Consumer
 from ..model.ids import IdGenerator
 from ..wire.protocol import Envelope
 from ..model.routes import NO_ROUTES, Routes
+from ..model.records import PeerStatus
 from ..model.stored import Event, Incoming, IncomingRecord, IntentRecord, SubscriptionRecord, event, subscription_options
 from ..wire.policy import AddressPolicy, OwnAddress
 from ..wire.trust import Keys, PeerEntry
@@ -29,7 +30,7 @@ from .ports import EventSwitch, Links, StoreView, WriteBatch
 
 log = logging.getLogger("servicebus")
 
-__all__ = ["Peer", "Intent", "Incoming", "incoming_record", "Effects", "State"]
+__all__ = ["Peer", "Intent", "Incoming", "incoming_record", "Effects", "State", "snapshot"]
 
 
 
@@ -64,12 +65,15 @@ class Intent:
     ordered: bool = False
     limit: int | None = None
     start: str | None = None  # where a new subscription begins (model/retention.py)
+    via: str | None = None  # the service it was asked of, by name (core/members.py)
 
     def record(self, wall: int) -> IntentRecord:
         record: IntentRecord = {"op": self.op, "id": self.id, "confirmed": self.confirmed, "updated": wall}
         record.update(subscription_options(self.group, self.ordered, self.limit))  # type: ignore[typeddict-item]
         if self.start is not None:
             record["start"] = self.start
+        if self.via is not None:
+            record["via"] = self.via
         return record
 
 
@@ -156,6 +160,12 @@ class State:
     # Delayed messages are held until the id clock passes their id's time (not_due).
     # Timers: (due ms, stream), a heap.
     timers: list[tuple[int, str]] = field(default_factory=list)
+    # Discovery (core/members.py): node id -> service name; addresses an instance gave
+    # first hand -> (the host it came from, its key): allowed as if in allow_peers.
+    services: dict[str, str] = field(default_factory=dict)
+    vouched: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    channels: Any = None  # channel roles (model/members.py Channels), empty when none
+    pick: Callable[[str], str] | None = None  # a service name -> one instance's address
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally
@@ -198,12 +208,37 @@ class State:
         """Why the bus must not connect to ``address`` named by a frame from ``source``
         (and, with CURVE, the client key ``user``), or None. With keys a peer may name only
         the address its entry in peers.toml gives: stronger than its source host."""
+        vouched = self.vouched.get(address)
         if self.trust is not None:
             entry = self.trust.peer_of(user)
             if entry is None:
                 return "unknown_key"
+            if vouched is not None and vouched[1] == user:
+                return None  # the instance with this key gave this address itself
             return None if address == entry.address else "not_its_own_address"
-        return self.policy.refuse(address, source)
+        reason = self.policy.refuse(address, source)
+        if reason is not None and vouched is not None and source is not None and vouched[0] == source:
+            return None  # an instance told us this address itself, from that host
+        return reason
+
+    def target(self, address: str) -> str:
+        """The address a command to ``address`` goes to: itself, or for a service name
+        one instance of it (core/members.py; ``ValueError`` if none is known)."""
+        if "://" in address:
+            return address
+        if self.pick is None:
+            raise ValueError(f"{address!r} is no address")
+        return self.pick(address)
+
+    def service_of(self, node: str, user: str | None) -> str | None:
+        """The service of the bus ``node`` as discovery knows it (with CURVE, only if the
+        key ``user`` is the one peers.toml allows that name)."""
+        name = self.services.get(node)
+        if name is not None and self.trust is not None:
+            entry = self.trust.peer_of(user)
+            if entry is None or not entry.may_name(name):
+                return None
+        return name
 
     def entry_of(self, user: str | None) -> PeerEntry | None:
         return None if self.trust is None else self.trust.peer_of(user)
@@ -219,3 +254,29 @@ class State:
               peer: str | None, attempt: int = 0, error: str | None = None,
               ids: tuple[str, ...] | list[str] | None = None) -> None:
         self.out.events.append(event(name, ts, mid, topic, kind, peer, attempt, error, ids))
+
+
+def snapshot(s: State, now: float) -> dict[str, Any]:
+    """What ``Core.snapshot`` tells ``status()`` and the admin endpoint."""
+    peers = tuple(
+        PeerStatus(p.address, p.up, sum(
+            len(c.inflight) if c.members is None else c.load.get(p.address, 0)
+            for c in p.consumers), None if p.last_pong is None else now - p.last_pong)
+        for p in s.peers.values()
+    )
+    # (peer, stream, floor, keys past the floor that are done: acked in the window or
+    # settled ahead of it) for status(), which counts the messages owed from the store.
+    consumers = [(c.peer, c.stream, c.floor,
+                  frozenset(k for k in c.order if k not in c.inflight) | frozenset(c.skip))
+                 for c in s.consumers.values()]
+    return {
+        "peers": peers,
+        "consumers": consumers,
+        "malformed": dict(s.malformed),
+        "counters": dict(s.counters),
+        "intents_unconfirmed": sum(1 for i in s.intents.values() if not i.confirmed),
+        "retention": (s.config.retention or {}, s.config.retention_bytes),
+        "backlog_full": tuple(sorted((c.peer, c.stream[2:]) for c in s.consumers.values()
+                                     if c.stream in s.routes.full
+                                     and c.backlog >= (s.config.max_backlog or 0))),
+    }

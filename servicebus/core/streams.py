@@ -139,6 +139,7 @@ class Streams:
 
     def send(self, cmd: SendCmd) -> None:
         s = self.s
+        cmd.address = s.target(cmd.address)  # a service by name: one instance of it
         stream = self._command_consumer(cmd.address)
         mid = s.ids.delayed(1, cmd.due)[0] if cmd.due is not None else s.ids.next()
         record = pack_outgoing(Kind.COMMAND, cmd.command, s.wall(), [mid], make_blob([cmd.body]),
@@ -183,6 +184,7 @@ class Streams:
         if key in s.outbox_moving or not s.store.has_outbox(key):
             return  # queued twice (read again by a reload while its first queueing waited)
         try:
+            send = send._replace(address=s.target(send.address))  # a service: one instance
             stream = self._command_consumer(send.address)
         except ValueError as exc:  # checked by message.send; only an older store gets here
             log.error("command %s to %s cannot be sent: %s; dropped", send.command, send.address, exc)

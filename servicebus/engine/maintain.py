@@ -23,7 +23,7 @@ from ..ops import maintenance as M
 
 __all__ = ["Maintain", "OPS", "maintain"]
 
-OPS = ("replay", "purge")
+OPS = ("replay", "purge", "kick", "readmit")
 
 
 @dataclass
@@ -57,6 +57,9 @@ def maintain(engine: Any, cmd: Maintain, now: float, degraded: str | None) -> No
         if degraded is not None:
             raise StoreWriteError(f"the store cannot be written: {degraded}")
         rows = _run(engine, cmd, now)
+        if cmd.op in ("kick", "readmit"):  # released once the turn's batch is written
+            engine.core.s.out.release.append((cmd.future, rows))
+            return
     except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's
         if not cmd.future.done():
             cmd.future.set_exception(exc)
@@ -68,6 +71,14 @@ def maintain(engine: Any, cmd: Maintain, now: float, degraded: str | None) -> No
 def _run(engine: Any, cmd: Maintain, now: float) -> list[dict[str, Any]]:
     if cmd.op not in OPS:
         raise ValueError(f"no such operation: {cmd.op!r}")
+    if cmd.op in ("kick", "readmit"):  # discovery's (core/members.py): in the turn's batch
+        target, why = cmd.args.get("target"), cmd.args.get("why") or ""
+        if not isinstance(target, str) or not target or not isinstance(why, str):
+            raise ValueError("kick and readmit need a target: a service name, node id or address")
+        core = engine.core
+        if cmd.op == "kick":
+            return [core.members.kick(target, why[:500], core.handshake)]
+        return [core.members.readmit(target)]
     ids, topic, reason = _selection(cmd.args)
     store = engine.store
     if cmd.strict and ids:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..wire.policy import parse_allow
 from ..wire.compression import codecs
 from ..wire.protocol import MAX_BATCH
+from .members import check_channels, check_name, check_seeds
 from .retention import check_retention
 
 __all__ = ["BusConfig"]
@@ -121,11 +122,36 @@ class BusConfig:
     #: a retained topic's stored events beyond this many bytes go, oldest first (never
     #: what a subscriber is still owed)
     retention_bytes: int = 256 << 20
+    #: this bus's service name: other buses ``subscribe``/``send``/``request`` to it by
+    #: name, and discovery tells them where its instances are (model/members.py). None:
+    #: known by its address only
+    name: str | None = None
+    #: addresses of a few buses of the fleet to learn it from (``tcp://host:port``), or
+    #: ``dns://name:port`` for every address a DNS name resolves to (a Kubernetes headless
+    #: service). What is learnt is stored: a restart needs no seed to reach what it knew
+    seeds: tuple[str, ...] = ()
+    #: discovery tells one instance what it knows this often; an instance not heard of for
+    #: ``down_after`` is down
+    gossip_interval: float = 1.0
+    down_after: float = 5.0
+    #: channel roles: ``{"order.*": {"writers": ["orders"], "readers": ["email"]}}`` (topic
+    #: patterns -> the services that may publish or send it and that may subscribe to it)
+    channels: Any = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "advertise":
+                continue
+            if field.name == "name":
+                if value is not None:
+                    check_name(value, "option name")
+                continue
+            if field.name == "seeds":
+                object.__setattr__(self, "seeds", check_seeds(value))
+                continue
+            if field.name == "channels":
+                object.__setattr__(self, "channels", check_channels(value))
                 continue
             if field.name == "retention":
                 object.__setattr__(self, "retention", check_retention(value))
@@ -184,5 +210,7 @@ class BusConfig:
                              f"takes in one frame), got {self.max_batch}")
         if self.retry_max < self.retry_initial:
             raise ValueError("option retry_max must be >= retry_initial")
+        if self.down_after <= self.gossip_interval:
+            raise ValueError("option down_after must be longer than gossip_interval")
         if self.peer_timeout <= self.heartbeat:
             raise ValueError("option peer_timeout must be longer than heartbeat")

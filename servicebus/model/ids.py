@@ -39,6 +39,7 @@ class IdGenerator:
         made in one start is never made again in another, even one whose writes a crash
         lost after they were sent (engine/commit.py); random when not given."""
         self._boot = os.urandom(3).hex() if epoch is None else f"{epoch & 0xFFFFFF:06x}"
+        self.epoch = wall() if epoch is None else epoch  # grows from one start to the next
         self._wall = wall
         self._monotonic = monotonic
         floor = id_millis(after) + 1 if after else 0

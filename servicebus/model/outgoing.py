@@ -12,7 +12,7 @@ from .clock import wall_ms
 from .delivery import KEY_HEADER, PRIORITY_HEADER, is_group_peer, pack_outgoing, priority_stream
 from ..wire.payload import encode_headers, encode_payload
 from ..wire.protocol import MAX_HEADERS, Kind
-from ..wire.validation import MAX_MS, validate_address
+from ..wire.validation import MAX_MS, validate_target
 from .ids import IdGenerator
 from .routes import Routes
 from .segments import cut, make_blob
@@ -128,7 +128,7 @@ def prepare_command(address: str, command: str, payload: Any, *, max_payload: in
                     due: int | None = None) -> OutboxSend:
     """Check a send and encode its payload; nothing is stored. The result is the record a
     handler's transaction stores (``OutboxSend``): the same fields a send needs."""
-    validate_address(address)
+    validate_target(address)
     validate_topic(command, "command")
     check_ttl_headers(ttl, headers)
     body = _check_size(encode_payload(payload), max_payload)

@@ -109,6 +109,7 @@ class IntentRecord(TypedDict, total=False):
     ordered: bool  # optional
     limit: int  # optional
     start: str  # optional: the start position asked for (model/retention.py)
+    via: str  # optional: the service it was asked of by name (core/members.py)
 
 
 class DeliveryRecord(TypedDict, total=False):

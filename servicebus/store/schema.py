@@ -206,6 +206,13 @@ def _journal_pending(value: bytes) -> Any:
     return name, seqs
 
 
+def _members(value: bytes) -> dict[str, Any]:
+    rec = _unpack(value)
+    _require(type(rec) is dict and type(rec.get("members", [])) is list
+             and type(rec.get("kicked", {})) is dict, "not a members record")
+    return cast("dict[str, Any]", rec)
+
+
 def _retention(value: bytes) -> list[Any]:
     rec = _unpack(value)
     _require(type(rec) is list and (rec == [] or (len(rec) == 2 and type(rec[0]) is dict
@@ -224,6 +231,7 @@ META: dict[str, Callable[[bytes], Any]] = {
     "hwm": _decimal,  # the high-water mark (store/mark.py)
     "epoch": _decimal,  # starts of the bus so far: in every id it makes (model/ids.py)
     "retention": _retention,  # [rules, max bytes] the bus runs with, or [] (model/retention.py)
+    "members": _members,  # what discovery knows: {"members": [...], "kicked": {...}} (core/members.py)
 }
 
 VALUES: dict[str, Callable[[bytes], Any]] = {

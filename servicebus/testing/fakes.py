@@ -4,6 +4,8 @@ pytest_plugin.py), free ports, ``wait_until``, and the sans-IO network of cores.
 
 from __future__ import annotations
 
+import msgpack
+
 import os
 import socket
 import threading
@@ -127,7 +129,7 @@ class FakeStore:
         self.letters: dict[str, dict] = {}
         self.reply: dict[str, ReplyRecord] = {}
         self.sends: dict[str, OutboxSend] = {}
-        self.meta: dict[str, object] = {}
+        self.metas: dict[str, object] = {}
         self.writes = self.fsyncs = 0
 
     def batch(self) -> FakeBatch:
@@ -152,7 +154,11 @@ class FakeStore:
     def _delete_outbox(self, key: str) -> None: self.sends.pop(key, None)
     def _forget_handled(self, mid: str, at: int) -> None: self.handled.pop(mid, None)
     def _put_deadletter(self, mid: str, rec: dict) -> None: self.letters[mid] = rec
-    def _put_clock(self, clock: BusClock) -> None: self.meta["clock"] = clock.now()
+    def _put_clock(self, clock: BusClock) -> None: self.metas["clock"] = clock.now()
+    def _put_meta(self, name: str, value: bytes) -> None: self.metas[name] = msgpack.unpackb(value)
+
+    def meta(self, name: str) -> Any:
+        return self.metas.get(name)
 
     def _delete_outgoing(self, stream: str, mid: str) -> None:
         self.streams.get(stream, {}).pop(mid, None)

@@ -17,13 +17,14 @@ from typing import Any
 
 import msgpack
 
+from ..model.members import MAX_MEMBERS, Member
 from ..model.retention import check_start
 from ..errors import ProtocolError
 from ..model.packer import pack
 from .compression import _decompress
 from .payload import _show
 from .protocol import (MAGIC, MAX_BATCH, MAX_SEGMENTS, MESSAGE_KINDS, OLD_MAGIC, Ack, Batch, Envelope,
-                       Frame, Invalid, Kind, Nack, Ping, Pong, Subscribe, Unsubscribe, frame_body_limit)
+                       Frame, Gossip, Invalid, Kind, Nack, Ping, Pong, Subscribe, Unsubscribe, frame_body_limit)
 from .validation import (MAX_ATTEMPT, MAX_ID_LEN, MAX_MS, MAX_NAME_LEN, MAX_REASON_LEN, _address, _attempt,
                          _headers, _id, _int, _ms, _pattern, _str, _topic, validate_group)
 
@@ -115,6 +116,8 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
         if start is not None and check_start(start) is None:
             raise ProtocolError("bad_field", "start must be 'earliest', 't:<ms>' or a message id")
         return Subscribe(*fields, group, ordered, limit, start)
+    if kind is Kind.GOSSIP:
+        return _gossip(header)
     _require(header, "sender", "boot")
     sender, boot = _str(header["sender"], "sender", MAX_NAME_LEN), _str(header["boot"], "boot", MAX_NAME_LEN)
     if kind is Kind.PING:
@@ -124,6 +127,18 @@ def decode(frames: list[bytes], *, max_payload: int) -> Frame:
     if not isinstance(z, list) or not all(isinstance(c, str) and len(c) <= 16 for c in z) or len(z) > 8:
         raise ProtocolError("bad_field", "z must be a short list of codec names")
     return Pong(sender, boot, None if limit is None else _int(limit, "max", 1), tuple(z))
+
+
+def _gossip(header: dict[str, Any]) -> Gossip:
+    _require(header, "sender", "members")
+    sender, members, reply = header["sender"], header["members"], header.get("reply", False)
+    if not isinstance(members, list) or len(members) > MAX_MEMBERS or type(reply) is not bool:
+        raise ProtocolError("bad_field", f"members must be a list of at most {MAX_MEMBERS}")
+    try:
+        entries = tuple(Member.from_wire(m, lambda a: _address(a, "member address")) for m in members)
+    except (TypeError, ValueError, ProtocolError) as exc:
+        raise ProtocolError("bad_field", str(exc)[:200]) from exc
+    return Gossip(_str(sender, "sender", MAX_NAME_LEN), entries, reply)
 
 
 class _Unread:

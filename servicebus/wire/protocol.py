@@ -89,6 +89,7 @@ class Kind(IntEnum):
     UNSUBSCRIBE = 7
     PING = 8
     PONG = 9
+    GOSSIP = 10  # what a bus knows of the fleet (model/members.py)
 
 
 MESSAGE_KINDS = frozenset({Kind.EVENT, Kind.COMMAND, Kind.REPLY})
@@ -196,7 +197,13 @@ class Pong(NamedTuple):
     codecs: tuple[str, ...] = ()
 
 
-Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong
+class Gossip(NamedTuple):
+    sender: str  # the node that sent it
+    members: tuple[Any, ...]  # model.members.Member entries, its own first
+    reply: bool = False  # an answer to a gossip: not answered again
+
+
+Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong | Gossip
 
 
 def frame_body_limit(count: int, max_payload: int) -> int:
@@ -278,3 +285,10 @@ def encode_pong(sender: str, boot: str, max_payload: int | None = None,
     if codecs:
         header["z"] = list(codecs)
     return _control(Kind.PONG, header)
+
+
+def encode_gossip(sender: str, members: list[dict[str, Any]], reply: bool = False) -> list[bytes]:
+    header: dict[str, Any] = {"sender": sender, "members": members}
+    if reply:
+        header["reply"] = True
+    return _control(Kind.GOSSIP, header)

@@ -10,6 +10,11 @@ each with the public key(s) it may use and, optionally, what it may do::
     keys = ["rq3...Z85 public key...="]     # several during a key switch, newest first
     subscribe = ["orders.*", "user.signup"]  # optional: topics it may subscribe to (fnmatch)
     send = ["charge"]                        # optional: commands it may send or request
+    names = ["orders"]                       # optional: service names it may announce
+
+With discovery (``Bus(name=..., seeds=...)``) an entry may leave ``address`` out: the
+instance gives its address itself, bound to its key; ``names`` then says which service it
+may be (no name at all if left out: nobody can announce another service's name).
 
 With keys, every socket of the bus speaks CURVE (ZeroMQ's CurveZMQ: encrypted and
 authenticated): a peer whose key is not listed, or that speaks NULL, is refused during the
@@ -35,6 +40,10 @@ class PeerEntry:
     keys: tuple[str, ...]  # Z85 public keys, newest first
     subscribe: tuple[str, ...] | None = None  # None: any topic
     send: tuple[str, ...] | None = None  # None: any command
+    names: tuple[str, ...] = ()  # service names it may announce (discovery)
+
+    def may_name(self, name: str) -> bool:
+        return name in self.names
 
     def may_subscribe(self, topic: str) -> bool:
         return self.subscribe is None or any(fnmatch.fnmatchcase(topic, p) for p in self.subscribe)
@@ -48,6 +57,9 @@ class Keys:
     public: bytes  # Z85
     secret: bytes = field(repr=False)  # Z85; never in a log line
     peers: tuple[PeerEntry, ...] = ()
+    # Addresses discovery learnt first hand from a listed key (core/members.py): connected
+    # to with that key as the server's. The only mutable part: the engine thread's.
+    learned: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def peer_of(self, key: str | None) -> PeerEntry | None:
         """The entry that lists public key ``key`` (a client's ZAP User-Id)."""
@@ -63,7 +75,7 @@ class Keys:
         for peer in self.peers:
             if peer.address == address:
                 return peer.keys
-        return ()
+        return self.learned.get(address, ())
 
     def allowed(self, key: str) -> bool:
         return self.peer_of(key) is not None or key == self.public.decode()
@@ -94,11 +106,14 @@ def parse_peers(text: str, source: str) -> tuple[PeerEntry, ...]:
     peers: list[PeerEntry] = []
     for n, entry in enumerate(data.get("peer", []), 1):
         where = f"{source} peer #{n}"
-        if not isinstance(entry, dict) or not isinstance(entry.get("address"), str):
-            raise ValueError(f"{where}: needs address = \"tcp://host:port\" (or ipc://path)")
+        names = _patterns(entry, "names", where) if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("address", "" if names else None), str):
+            raise ValueError(f"{where}: needs address = \"tcp://host:port\" (or ipc://path), "
+                             "or names = [...] for an instance discovery finds")
         keys = entry.get("keys")
         if not isinstance(keys, list) or not keys:
             raise ValueError(f"{where}: needs keys = [\"<public key>\", ...]")
-        peers.append(PeerEntry(entry["address"], tuple(_z85_key(k, where) for k in keys),
-                               _patterns(entry, "subscribe", where), _patterns(entry, "send", where)))
+        peers.append(PeerEntry(entry.get("address", ""), tuple(_z85_key(k, where) for k in keys),
+                               _patterns(entry, "subscribe", where), _patterns(entry, "send", where),
+                               names or ()))
     return tuple(peers)

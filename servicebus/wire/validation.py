@@ -16,6 +16,8 @@ from typing import Any
 from ..errors import ProtocolError
 from .topics import validate_pattern, validate_topic
 
+from ..model.members import check_name
+
 __all__ = [
     "MAX_ID_LEN",
     "MAX_NAME_LEN",
@@ -25,6 +27,7 @@ __all__ = [
     "MAX_ATTEMPT",
     "MAX_IPC_PATH_BYTES",
     "validate_address",
+    "validate_target",
     "validate_bind",
     "validate_group",
 ]
@@ -48,6 +51,13 @@ _IPC = re.compile(r"^ipc://(?P<path>[^\x00-\x1f\x7f]+)$")
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL on Linux):
 # libzmq refuses longer ones at connect(), which must never be where we find out.
 MAX_IPC_PATH_BYTES = 107
+
+
+def validate_target(target: object, *, what: str = "address") -> str:
+    """An address, or a service name (``Bus(name=...)``, found by discovery)."""
+    if isinstance(target, str) and "://" not in target:
+        return check_name(target, f"{what} or service name")
+    return validate_address(target, what=what)
 
 
 def validate_address(address: object, *, what: str = "address") -> str:
