@@ -25,8 +25,9 @@ import msgpack
 from . import forks
 from .engine import loop as E
 from .engine.keys import load_keys
+from .engine.seeds import SeedFinder
 from .engine.sockets import Sockets
-from .errors import BusClosedError, StoreError
+from .errors import BusClosedError, BusError, StoreError
 from .handling.dispatch import Dispatcher
 from .handling.requests import PendingRequests
 from .handling.timeouts import Watchdog
@@ -194,6 +195,7 @@ class Lifecycle:
         dispatcher.start()
         stack.callback(dispatcher.close, self.config.close_timeout)  # first thing close() does
         engine.start()
+        self._start_seeds(engine, stack)
         hooks.attach(_View(self))  # the journal's first flush moves what a crash left behind
         if self.config.metrics_port is not None:
             from .hooks.metrics import serve  # ImportError naming the extra without it
@@ -203,6 +205,20 @@ class Lifecycle:
             stack.callback(server.server_close)
             stack.callback(server.shutdown)
         log.info("bus %s up at %s (data %s)", self.node_id, self.address, self.datadir)
+
+    def _start_seeds(self, engine: E.Engine, stack: Any) -> None:
+        """Seeds that need a lookup (dns://, mdns://) are found on a thread of their own."""
+        def found(addresses: list[str]) -> None:
+            try:
+                engine.submit(E.Maintain("seeds", {"addresses": addresses}, Future()))
+            except BusError:
+                pass  # closing
+
+        finder = SeedFinder(self.config.seeds, address=self.address, node_id=self.node_id,
+                            name=self.config.name, found=found)
+        if finder.needed:
+            finder.start()
+            stack.callback(finder.close)
 
     # --- closing, step by step (run by the stack in reverse order of opening) ----------------
 

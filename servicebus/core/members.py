@@ -33,6 +33,7 @@ from ..model.members import MAX_MEMBERS, SERVICE, Member
 from ..model.packer import pack
 from ..model.stored import IntentRecord
 from ..wire import protocol as P
+from ..wire.validation import validate_address
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
@@ -177,6 +178,20 @@ class Directory:
             self.dirty = False
             self.s.out.batch.put_meta("members", pack(self.stored()))
 
+    def set_seeds(self, addresses: list[str]) -> None:
+        """The seeds as found now (engine/seeds.py: DNS, mDNS, and the static ones)."""
+        found = []
+        for address in addresses:
+            try:
+                found.append(validate_address(address, what="seed"))
+            except ValueError as exc:
+                log.warning("ignoring seed %r: %s", address[:200], exc)
+        new = [a for a in found if a not in self.seeds]
+        self.seeds = tuple(found)
+        if new:
+            self.next_gossip = 0.0  # ask them now
+            log.info("new seeds: %s", ", ".join(new))
+
     def peer_up(self, address: str) -> None:
         """A connection just answered: a seed that did is asked at once."""
         if address in self.seeds and address not in self.heard_seeds:
@@ -246,7 +261,7 @@ class Directory:
             self.dirty = True
             log.info("found instance %s of %s at %s%s", member.node, member.name, member.address,
                      "" if first else " (told by another)")
-            self._vouch(k)
+            self._vouch(k, first)
             self.resolve(member.name)
             return
         old = k.member
@@ -265,7 +280,7 @@ class Directory:
         if (old.name, old.key, old.publishes, old.subscribes, old.version) != \
                 (member.name, member.key, member.publishes, member.subscribes, member.version):
             self.dirty = True
-        self._vouch(k)
+        self._vouch(k, first)
         if moved:
             self.dirty = True
             s.counters["instances_moved"] += 1
@@ -277,10 +292,13 @@ class Directory:
         if old.name != member.name:
             self.resolve(member.name)
 
-    def _vouch(self, k: Known) -> None:
-        self.s.services[k.member.node] = k.member.name
-        if k.via is not None:
-            self.s.vouched[k.member.address] = (k.via, k.member.key)
+    def _vouch(self, k: Known, first: bool = False) -> None:
+        s = self.s
+        s.services[k.member.node] = k.member.name
+        if first or k.via is not None:
+            s.vouched[k.member.address] = (k.via, k.member.key)
+        if s.trust is not None and k.member.key is not None and not s.trust.server_keys(k.member.address):
+            s.trust.learned[k.member.address] = (k.member.key,)  # connected to with its key
 
     # --- subscriptions to services ---------------------------------------------------------
 

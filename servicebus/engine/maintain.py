@@ -69,6 +69,9 @@ def maintain(engine: Any, cmd: Maintain, now: float, degraded: str | None) -> No
 
 
 def _run(engine: Any, cmd: Maintain, now: float) -> list[dict[str, Any]]:
+    if cmd.op == "seeds":  # from the bus's seed finder (seeds.py), not the admin endpoint
+        engine.core.members.set_seeds(list(cmd.args["addresses"]))
+        return []
     if cmd.op not in OPS:
         raise ValueError(f"no such operation: {cmd.op!r}")
     if cmd.op in ("kick", "readmit"):  # discovery's (core/members.py): in the turn's batch

@@ -54,13 +54,15 @@ def check_name(name: object, what: str = "service name") -> str:
 def check_seeds(seeds: object) -> tuple[str, ...]:
     """``seeds``: addresses (``tcp://host:port``) of any buses of the fleet, or
     ``dns://name:port`` for every address a DNS name resolves to (a Kubernetes headless
-    service), resolved again every minute."""
+    service), resolved again every 30 s, or ``mdns://`` for DNS-SD on the LAN (the ``mdns``
+    extra): engine/seeds.py."""
     if isinstance(seeds, str) or not isinstance(seeds, (list, tuple)):
         raise TypeError("option seeds must be a list of tcp://host:port or dns://name:port")
     out = []
     for seed in seeds:
-        if not isinstance(seed, str) or not re.fullmatch(r"(tcp|dns)://[^\s/:]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,5}", seed):
-            raise ValueError(f"seed {seed!r} is not tcp://host:port or dns://name:port")
+        if not isinstance(seed, str) or not re.fullmatch(
+                r"(tcp|dns)://[^\s/:]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,5}|mdns://([a-z0-9-]{1,15})?", seed):
+            raise ValueError(f"seed {seed!r} is not tcp://host:port, dns://name:port or mdns://[type]")
         out.append(seed)
     return tuple(out)
 

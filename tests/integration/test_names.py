@@ -4,6 +4,7 @@ network namespaces (several hosts): test_fleet_hosts.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -184,3 +185,19 @@ def test_the_table_is_stored_with_the_data_directory(buses, tmp_path):
     finally:
         store.close()
     assert [m["name"] for m in stored["members"] if m["node"] != stored["members"][0]["node"]] == ["orders"]
+
+
+def test_a_dns_seed_finds_every_address_the_name_resolves_to(buses):
+    orders = buses("orders")
+    port = orders.address.rsplit(":", 1)[1]
+    email = buses("email", seeds=[f"dns://localhost:{port}"])
+    wait_until(lambda: _knows(email, "orders"), timeout=10)
+    assert _knows(orders, "email")
+
+
+def test_mdns_seeds_find_each_other_on_the_lan(buses):
+    pytest.importorskip("zeroconf", reason="the mdns extra (python-zeroconf) is not installed")
+    kind = f"sbt{os.getpid() % 100000}"  # a service type of this run alone
+    orders = buses("orders", seeds=[f"mdns://{kind}"])
+    email = buses("email", seeds=[f"mdns://{kind}"])
+    wait_until(lambda: _knows(email, "orders") and _knows(orders, "email"), timeout=15)
