@@ -312,6 +312,9 @@ class Directory:
         """``subscribe("orders", topic)``: stored as an intent to the service; every
         instance of it known now or found later gets an intent of its own (``resolve``)."""
         s = self.s
+        if not self.on:
+            raise ValueError("subscribing to a service by name needs discovery: start this bus with "
+                             "name=... and/or seeds=[...] (or subscribe to an address)")
         service = cmd.publisher[len(SERVICE):]
         key = (service, cmd.topic)
         if cmd.op == "unsubscribe":

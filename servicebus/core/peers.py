@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from ..wire import protocol as P
-from ..model.delivery import Consumer, group_peer, is_command_stream
+from ..model.delivery import Consumer, group_peer, is_command_stream, stream_target
 from ..model.stored import DeliveryRecord
 from .state import Peer, State
 
@@ -126,20 +126,22 @@ class Roster:
         s = self.s
         if old == new or old in s.own or new in s.own:
             return
-        moved = 0
+        topics = set()
         for (subscriber, topic), record in list(s.subscriptions.items()):
             if subscriber != old or (record.get("node") not in (None, node)):
-                continue
+                continue  # another bus's (it subscribed from that address before)
             if (new, topic) in s.subscriptions:
                 continue  # it subscribed there already: the old one ends as it would
             del s.subscriptions[(old, topic)]
             s.subscriptions[(new, topic)] = record
             s.out.batch.delete_subscription(old, topic)
             s.out.batch.put_subscription(new, topic, record)
-            moved += 1
+            topics.add(topic)
         target = self.peer(new)
         source = s.peers.get(old)
         for consumer in list(source.consumers if source is not None else ()):
+            if not is_command_stream(consumer.stream) and stream_target(consumer.stream) not in topics:
+                continue
             if consumer.members is not None:  # a group: the member's address changes
                 consumer.members[consumer.members.index(old)] = new
                 for mid, member in list(consumer.assigned.items()):
@@ -163,7 +165,7 @@ class Roster:
             self.add_consumer(consumer)
         s.tick_due = True
         s.new_peer_work = True
-        log.info("moved what is owed to %s (%d subscriptions) to %s", old, moved, new)
+        log.info("moved what is owed to %s (%d subscriptions) to %s", old, len(topics), new)
         self.drop_if_unused(old)
 
     def remove_consumer(self, consumer: Consumer) -> None:

@@ -87,7 +87,7 @@ class SeedFinder:
 
     def _start_mdns(self) -> None:
         try:
-            from zeroconf import ServiceBrowser, ServiceInfo, Zeroconf  # noqa: PLC0415 - the extra
+            from zeroconf import ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf  # noqa: PLC0415 - the extra
         except ImportError as exc:
             raise ImportError("mdns:// seeds need python-zeroconf: pip install 'servicebus[mdns]'") from exc
         kind = self.mdns[0][len("mdns://"):].strip("/") or "servicebus"
@@ -104,7 +104,7 @@ class SeedFinder:
         zc.register_service(info)
         finder = self
 
-        class Listener:
+        class Listener(ServiceListener):
             def add_service(self, zc: Any, type_: str, name: str) -> None:
                 found = zc.get_service_info(type_, name, timeout=2000)
                 address = (found.properties or {}).get(b"address") if found is not None else None
