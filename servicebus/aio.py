@@ -87,6 +87,15 @@ class AsyncBus:
     async def counters(self) -> dict[str, int]:
         return await asyncio.to_thread(self.bus.counters)
 
+    async def fleet(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.bus.fleet)
+
+    async def kick(self, target: str, *, why: str = "") -> dict[str, Any]:
+        return await asyncio.to_thread(functools.partial(self.bus.kick, target, why=why))
+
+    async def readmit(self, target: str) -> None:
+        await asyncio.to_thread(self.bus.readmit, target)
+
     async def once(self, topic: str, *, timeout: float | None = None) -> tuple[Any, Message]:
         """As ``Bus.once``, waited for in a thread (give a ``timeout``: a cancelled await
         leaves the thread waiting until it passes)."""

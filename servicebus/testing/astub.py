@@ -114,6 +114,15 @@ class AsyncStubBus:
     async def counters(self) -> dict[str, int]:
         return self.stub.counters()
 
+    async def fleet(self) -> list[dict[str, Any]]:
+        return self.stub.fleet()
+
+    async def kick(self, target: str, *, why: str = "") -> dict[str, Any]:
+        return self.stub.kick(target, why=why)
+
+    async def readmit(self, target: str) -> None:
+        self.stub.readmit(target)
+
     async def once(self, topic: str, *, timeout: float | None = None) -> tuple[Any, Message]:
         return await self._in_thread(functools.partial(self.stub.once, topic, timeout=timeout))
 

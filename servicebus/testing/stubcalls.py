@@ -99,6 +99,18 @@ class StubCalls:
         def _check_open(self) -> None: ...
         def _enqueue(self, msg: Any, due: int, priority: int) -> None: ...
 
+    # --- the fleet: a stub is alone ----------------------------------------------------------
+
+    def fleet(self) -> list[dict[str, Any]]:
+        """No discovery in a stub: no instance but this one."""
+        return []
+
+    def kick(self, target: str, *, why: str = "") -> dict[str, Any]:
+        raise ValueError(f"{target!r} is no instance, address or service this bus knows (a stub knows none)")
+
+    def readmit(self, target: str) -> None:
+        raise ValueError(f"{target!r} is not kicked")
+
     # --- dead letters, as Bus.replay/purge ---------------------------------------------------
 
     def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
