@@ -166,6 +166,7 @@ class State:
     vouched: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     channels: Any = None  # channel roles (model/members.py Channels), empty when none
     pick: Callable[[str], str] | None = None  # a service name -> one instance's address
+    hint: Callable[[str], None] = lambda address: None  # an unknown sender: ask who it is
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally
