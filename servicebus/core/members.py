@@ -1,35 +1,29 @@
 """Discovery and services by name, in the core (sans I/O; the entries: model/members.py).
 
 Every ``gossip_interval`` this bus raises its beat and sends what it knows (itself and the
-*confirmed* instances it sees up) to one instance it knows, to one it has business with
-(a publisher of its subscriptions, a subscriber of its topics), to its seeds until they
-answer, to addresses it was told of and has not heard from yet (at most two a turn), and,
-for a while after its own address changed, to every instance it knows. The one asked
-answers with its own table. An instance whose (epoch, beat) stops growing for
-``down_after`` seconds of our clock is down; it stays in the table (stored, so a restart
-needs no seed) until kicked.
+*confirmed* instances it sees up) to one instance it knows, to one it has business with,
+to its seeds until they answer, to at most two addresses it was told of, and, for a while
+after its own address changed, to every instance it knows. The one asked answers with its
+own table. An instance whose (epoch, beat) stops growing for ``down_after`` seconds of our
+clock is down; it stays in the table (stored: a restart needs no seed) until kicked.
 
-What is believed from whom (the hostile review of issue 30 found each of these open):
+What is believed from whom (a hostile review of issue 30 found each of these open):
 - An instance is *confirmed* only first hand: its own gossip to us, or its answer on our
   connection to its address. Only confirmed instances are subscribed to, sent commands by
-  name, vouched for and told to others. What others say of an instance we never heard
-  (second hand) is a hint: we ask it ourselves (bounded: 100 such hints at most, 16 new per
-  frame, two asked a turn, forgotten if it does not answer within three ``down_after``).
-- An instance proves itself to us with a *proof*: HMAC(its secret, our node id), the same
-  every time, which nobody else knows (it never travels anywhere but to us). We keep the
-  first one we get (trust on first use); a first-hand frame with another proof is refused.
-  An address change (a move) needs the proof: nobody can move another instance's backlog
-  by naming its node id. Without a proof kept yet, a move is not believed.
-- Second hand, a confirmed instance's entry only keeps it alive, and only if its age grew
-  plausibly (no jump of epochs or of more beats than time allows); its name, key, topics
-  and address change only first hand. A different address second hand makes us ask there.
-- The address of a first-hand entry must be on the host the frame came from (or be the
-  address we connected to); with CURVE, the key must be the frame's and peers.toml must
-  allow it the name.
+  name, vouched for and told to others. What others say of one we never heard is a hint we
+  ask ourselves (100 at most, 16 new a frame, two asked a turn, forgotten unanswered).
+- An instance proves itself to us with HMAC(its secret, our node id), the same every time
+  and known to nobody else (it travels only to us). We keep the first one (trust on first
+  use); a first-hand frame with another is refused, and a move (a new address) needs it:
+  nobody can move another instance's backlog by naming its node id.
+- Second hand, a confirmed instance's entry only keeps it alive, if its age grew plausibly
+  (one more start at most, no more beats than time allows); its name, key, topics and
+  address change only first hand; a new address heard second hand is asked there.
+- A first-hand address must be on the host the frame came from (or the one we connected
+  to); with CURVE the key must be the frame's and peers.toml must allow it the name.
 
-When an instance's address changes, what is owed to it follows: its subscriptions, their
-cursors and backlogs, and the commands queued for it move to the new address
-(``Roster.move``); this bus's subscriptions to it are asked again at the new address.
+When an instance moves, what is owed to it follows (``Roster.move``: subscriptions, cursors,
+backlogs, queued commands) and this bus's subscriptions to it are asked again there.
 """
 
 from __future__ import annotations
