@@ -51,7 +51,7 @@ __all__ = ["Directory", "Known"]
 
 log = logging.getLogger("servicebus")
 
-VERSION = "0.3"
+VERSION = "0.3"  # told in gossip (the fleet view shows it)
 MAX_HINTS = 100  # instances heard of second hand and not confirmed yet, at most
 NEW_PER_FRAME = 16  # of them taken from one frame
 PROBES = 2  # of them asked per turn
@@ -151,7 +151,6 @@ class Directory:
 
     def addresses(self, service: str) -> list[str]:
         return [k.member.address for k in self.known.values() if k.confirmed and k.member.name == service]
-
     def pick(self, name: str) -> str:
         """The address of one instance of ``name`` for a command or request: of those up,
         the ones heard from within two gossip intervals (else any up), in turn; if none is
@@ -283,8 +282,7 @@ class Directory:
             self.next_gossip = 0.0
 
     def hint(self, address: str) -> None:
-        """An address that wrote to us and that we know nothing of (a sender of events to
-        a topic with channel roles): ask it who it is, soon."""
+        """A sender we know nothing of (channel roles held its messages): ask who it is."""
         if len(self.hints) < MAX_HINTS and address.startswith("tcp://"):
             self.hints.setdefault(address, "")
             self.next_gossip = min(self.next_gossip, self.s.now + 0.05)
