@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,10 +465,12 @@ class Chaos:
         run.acknowledged = len(acked)
         run.handled = sum(1 for mid in acked if mid in handlings)
         run.unacknowledged_handled = len(set(handlings) - set(acked))
-        for node in (self.pub, self.sub):
-            listed = subprocess.run([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
-                                    capture_output=True, text=True)
-            run.deadletters |= {json.loads(line)["id"] for line in listed.stdout.splitlines()}
+        listings = [subprocess.Popen([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    for node in (self.pub, self.sub)]  # both at once: each is a CLI's start-up
+        for listing in listings:
+            stdout, _ = listing.communicate()
+            run.deadletters |= {json.loads(line)["id"] for line in stdout.splitlines()}
         run.lost = [mid for mid in acked if mid not in handlings
                     and mid not in run.reported_lost and mid not in run.deadletters]
         killed = {pid for sub in self.subs for pid in sub.killed} - self.sub.powered_off
@@ -576,7 +579,7 @@ class Chaos:
                     if self.sink.handled.exists() else set()
             if acked <= done | self.run.reported_lost:
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.run.notes.append(f"not everything arrived within {timeout:.0f}s of healing")
 
 
@@ -663,8 +666,13 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
                 chaos.inject(i)
             time.sleep(1.0)
             chaos.settle()
-            for node in chaos.nodes:  # the subscriber before the sink: it writes its count at stop
-                node.stop()
+            # The publisher and the subscribers at once (each polls its stop file, then
+            # closes its bus); the sink after them: a subscriber writes its count at stop,
+            # once what it forwarded reached the sink.
+            with ThreadPoolExecutor() as stopping:
+                list(stopping.map(Node.stop, [n for n in chaos.nodes if n is not chaos.sink]))
+            if chaos.sink is not None:
+                chaos.sink.stop()
             chaos.count()
             chaos.evidence()
     finally:
