@@ -8,7 +8,8 @@ It reports through files, never through logs:
   "address": ...}`` rewritten (write, rename) every ``--state-every`` seconds;
 - ``--handled FILE``: ``<n> <id> <pid> <wall time>`` per handler run of ``--handle TOPIC``
   (plain appends reach the page cache, which survives SIGKILL);
-- ``--acks FILE``: ``<n> <id>`` per publish that returned (an acknowledged message);
+- ``--acks FILE``: ``<n> <id>`` per publish that returned (an acknowledged message), and
+  ``FILE.end`` once publishing is over (after ``--count`` or ``--quiet``);
 - ``--command CMD``: handles it, replying ``{"pid": pid, "node": node id}``.
 
 A publisher (``--publish TOPIC``) waits for ``--go FILE``, then publishes ``--count``
@@ -134,6 +135,7 @@ def main() -> int:
             mid = bus.publish(args.publish, {"n": n})
             append(args.acks, f"{n} {mid}")
             n += 1
+        append(f"{args.acks}.end", str(n))  # publishing is over: the acks file is complete
 
     while not stop.is_set() and not (args.stop and os.path.exists(args.stop)):
         stop.wait(0.1)

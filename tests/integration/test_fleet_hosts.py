@@ -107,6 +107,12 @@ class Node:
                 out.setdefault(row["name"], []).append(row)
         return out
 
+    def stop_publishing(self) -> None:
+        """Stop and wait until it did: a publish under way when asked is in the acks file."""
+        self.quiet.touch()
+        end = Path(f"{self.acks}.end")
+        wait_until(end.exists, 10, 0.01, f"{self.label} to stop publishing")
+
     def acked(self) -> dict[str, int]:
         """id -> n of every acknowledged publish."""
         if not self.acks.exists():
@@ -192,7 +198,7 @@ def start_three(fleet: Fleet, count_: int = 0, rate: float = 200.0) -> tuple[Nod
     for node in (orders, email, billing):
         node.start()
     # Both subscriptions stored at orders: from here on, every publish is owed to both.
-    wait_until(lambda: orders.state()["subscriptions"] >= 2, 10, 0.05,
+    wait_until(lambda: orders.state()["subscriptions"] >= 2, 8, 0.05,
                lambda: f"orders to have 2 subscribers; orders: {orders.state()}\n{email.log()}")
     return orders, email, billing
 
@@ -238,7 +244,7 @@ def test_an_instance_that_moves_to_another_host_mid_stream_gets_everything_once(
     moved_to = f"tcp://{email.host}:{PORT}"
     # Published while it was away and after: the stream goes on for a while.
     wait_until(lambda: len(orders.acked()) >= away + 400, 15, 0.02, "orders publishing on")
-    orders.quiet.touch()
+    orders.stop_publishing()
     wait_until(lambda: everything_handled(orders, email, billing), 25, 0.05,
                lambda: f"everything handled after the move: email {count(orders, email)}\n"
                        f"orders fleet {orders.state()['fleet']}\n{email.log()}")
@@ -273,7 +279,7 @@ def test_a_partitioned_subscriber_is_seen_down_then_catches_up_exactly_once(flee
     wait_until(lambda: len(orders.acked()) >= during + 200, 10, 0.02, "orders publishing during the cut")
     fleet.hosts.heal("billing")
     wait_until(lambda: "billing" in orders.others(), 10, 0.05, "orders to see billing up again")
-    orders.quiet.touch()
+    orders.stop_publishing()
     wait_until(lambda: everything_handled(orders, email, billing), 20, 0.05,
                lambda: f"billing to catch up: {count(orders, billing)}")
     for sub in (email, billing):
@@ -353,7 +359,7 @@ def test_curve_discovery_end_to_end_a_subscriber_by_name_gets_everything(fleet):
                        "--handle", TOPIC)
     for node in (orders, email):
         node.start()
-    wait_until(lambda: "orders" in email.others() and "email" in orders.others(), 10, 0.05,
+    wait_until(lambda: "orders" in email.others() and "email" in orders.others(), 8, 0.05,
                lambda: f"each to see the other: orders {orders.state()}\nemail {email.state()}")
     wait_until(lambda: orders.state()["subscriptions"] >= 1, 10, 0.05,
                lambda: f"email's subscription at orders: {orders.state()['counters']}\n{orders.log()}")
