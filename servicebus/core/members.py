@@ -33,7 +33,7 @@ import hmac
 import logging
 import os
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ..model.members import MAX_MEMBERS, Member
@@ -44,7 +44,7 @@ from ..wire.validation import validate_address
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
-from .services import ServiceIntents, fleet_view, is_kicked, kick_target, readmit
+from .services import Known, ServiceIntents, fleet_view, is_kicked, kick_target, load_table, readmit, stored_table
 from .state import State
 
 __all__ = ["Directory", "Known"]
@@ -56,18 +56,6 @@ MAX_HINTS = 100  # instances heard of second hand and not confirmed yet, at most
 NEW_PER_FRAME = 16  # of them taken from one frame
 PROBES = 2  # of them asked per turn
 TABLE_BYTES = 256 << 10  # a gossip frame's table at most (a receiver takes 3 MiB)
-
-
-@dataclass(eq=False)
-class Known:
-    member: Member
-    heard: float  # our monotonic clock when its (epoch, beat) last grew
-    up: bool
-    since: int  # wall ms it went up or down
-    via: str | None = None  # the source host of its own last gossip (first hand)
-    confirmed: bool = False  # heard first hand at least once
-    proof: str | None = None  # what it proves itself with (trust on first use)
-    probed: float = -1e9  # when we last asked it (not confirmed yet, or a hinted address)
 
 
 class Directory:
@@ -98,37 +86,10 @@ class Directory:
 
     def load(self, stored: dict[str, Any] | None, wall: int) -> None:
         """The table as the bus left it (all down until they gossip again)."""
-        if not stored:
-            self.dirty = True  # the secret, at least
-            return
-        self.kicked = dict(stored.get("kicked") or {})
-        if isinstance(stored.get("secret"), bytes) and len(stored["secret"]) == 16:
-            self.secret = stored["secret"]
-        else:
-            self.dirty = True
-        for entry in stored.get("members") or []:
-            try:
-                member = Member.from_wire(entry, lambda a: a if isinstance(a, str) else "")
-            except (TypeError, ValueError):
-                continue
-            if member.node != self.s.node_id:
-                self.known[member.node] = Known(member, 0.0, False, int(entry.get("since") or wall),
-                                                entry.get("via"), bool(entry.get("confirmed", True)),
-                                                entry.get("proof"))
-            elif member.address != self.s.address:
-                self.moved = True  # tell everyone we knew at once: what they owe us follows
-                log.info("this bus moved from %s to %s: telling the instances it knows",
-                         member.address, self.s.address)
-        for k in self.known.values():
-            if k.confirmed:
-                self._vouch(k, False)
+        load_table(self, stored, wall)
 
     def stored(self) -> dict[str, Any]:
-        members = [self.me().wire()] if self.name else []
-        for k in self.known.values():
-            members.append({**k.member.wire(), "since": k.since, "via": k.via, "up": k.up,
-                            "confirmed": k.confirmed, "proof": k.proof})
-        return {"members": members, "kicked": self.kicked, "secret": self.secret}
+        return stored_table(self)
 
     def save(self) -> None:
         """Store the table if it changed (in the turn's batch: a meta record, no fsync of
@@ -323,7 +284,7 @@ class Directory:
             entry = s.trust.peer_of(member.key)
             if entry is None:
                 return "unknown_key"
-            if connected is None and member.key != user:
+            if member.key != user if connected is None else member.key not in s.trust.server_keys(connected):
                 return "not_its_key"
             if not entry.may_name(member.name):
                 return "name_not_allowed"
@@ -343,6 +304,9 @@ class Directory:
         if why is None and k is not None and k.confirmed and member.address != k.member.address and \
                 (k.proof is None or proof != k.proof):
             why = "move_unproven"
+        if why in ("host_name_not_allowed", "not_source_host") and connected is None:
+            self._ask(member)  # believed once it answers there itself (ZeroMQ resolves names)
+            return
         if why is not None:
             self._refuse(member, why)
             return
@@ -397,6 +361,7 @@ class Directory:
                 s.counters["gossip_hints_dropped"] += 1
                 return False
             self.known[member.node] = Known(member, now, False, s.wall())
+            self._ask(member, probe=False)
             return True
         if not k.confirmed:
             return False
@@ -404,10 +369,18 @@ class Directory:
             k.member, k.heard = replace(k.member, epoch=member.epoch, beat=member.beat), now
             if not k.up:
                 k.up, k.since, self.dirty = True, s.wall(), True
-            if member.address != k.member.address and member.address.startswith("tcp://") \
-                    and len(self.hints) < MAX_HINTS:
-                self.hints[member.address] = member.node  # moved, they say: ask it there
+            if member.address != k.member.address and member.address.startswith("tcp://"):
+                self._ask(member)  # moved, they say: ask it there
         return False
+
+    def _ask(self, member: Member, probe: bool = True) -> None:
+        """Ask ``member.address`` who listens there (next turn, if ``probe``); with CURVE,
+        with the key ``member`` names, which the answer must then show."""
+        s = self.s
+        if s.trust is not None and member.key is not None and not s.trust.server_keys(member.address):
+            s.trust.learned[member.address] = (member.key,)
+        if probe and len(self.hints) < MAX_HINTS:
+            self.hints[member.address] = member.node
 
     def _evict(self) -> bool:
         """Room for an instance heard first hand: the oldest hint goes."""

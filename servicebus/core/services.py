@@ -9,18 +9,65 @@ that one that moves is asked again where it went, and one that appears later is 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..model.members import SERVICE
+from ..model.members import SERVICE, Member
 from ..model.stored import IntentRecord
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
 from .state import Intent, State
 
-__all__ = ["ServiceIntents", "Instances"]
+__all__ = ["ServiceIntents", "Instances", "Known", "load_table", "stored_table"]
 
 log = logging.getLogger("servicebus")
+
+
+@dataclass(eq=False)
+class Known:
+    member: Member
+    heard: float  # our monotonic clock when its (epoch, beat) last grew
+    up: bool
+    since: int  # wall ms it went up or down
+    via: str | None = None  # the source host of its own last gossip (first hand)
+    confirmed: bool = False  # heard first hand at least once
+    proof: str | None = None  # what it proves itself with (trust on first use)
+    probed: float = -1e9  # when we last asked it (not confirmed yet, or a hinted address)
+
+
+def load_table(d: Any, stored: dict[str, Any] | None, wall: int) -> None:
+    """``Directory.load``: the table as the bus left it (all down until they gossip again)."""
+    if not stored:
+        d.dirty = True  # the secret, at least
+        return
+    d.kicked = dict(stored.get("kicked") or {})
+    if isinstance(stored.get("secret"), bytes) and len(stored["secret"]) == 16:
+        d.secret = stored["secret"]
+    else:
+        d.dirty = True
+    for entry in stored.get("members") or []:
+        try:
+            member = Member.from_wire(entry, lambda a: a if isinstance(a, str) else "")
+        except (TypeError, ValueError):
+            continue
+        if member.node != d.s.node_id:
+            d.known[member.node] = Known(member, 0.0, False, int(entry.get("since") or wall), entry.get("via"),
+                                         bool(entry.get("confirmed", True)), entry.get("proof"))
+        elif member.address != d.s.address:
+            d.moved = True  # tell everyone we knew at once: what they owe us follows
+            log.info("this bus moved from %s to %s: telling the instances it knows", member.address, d.s.address)
+    for k in d.known.values():
+        if k.confirmed:
+            d._vouch(k, False)
+
+
+def stored_table(d: Any) -> dict[str, Any]:
+    members = [d.me().wire()] if d.name else []
+    for k in d.known.values():
+        members.append({**k.member.wire(), "since": k.since, "via": k.via, "up": k.up,
+                        "confirmed": k.confirmed, "proof": k.proof})
+    return {"members": members, "kicked": d.kicked, "secret": d.secret}
 
 
 class Instances(Protocol):

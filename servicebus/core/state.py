@@ -218,8 +218,10 @@ class State:
                 return None  # the instance with this key gave this address itself
             return None if address == entry.address else "not_its_own_address"
         reason = self.policy.refuse(address, source)
-        if reason is not None and vouched is not None and source is not None and vouched[0] == source:
-            return None  # an instance told us this address itself, from that host
+        if reason is not None and vouched is not None and vouched[0] in (None, source):
+            # An instance told us this address itself, from that host, or answered there
+            # on our own connection (a host name: ZeroMQ resolved it, we did not).
+            return None
         return reason
 
     def target(self, address: str) -> str:
