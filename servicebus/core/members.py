@@ -74,10 +74,12 @@ class Directory:
         self.next_gossip = 0.0
         self.announce_until = 0.0
         self.moved = False  # this bus listens elsewhere than at its last start
+        self.spread = False  # a new instance wrote to us: tell every instance at once
+        self.last_tick = self.last_beat = -1e9
         self.dirty = False
         self.kicked: dict[str, str] = {}  # node id, address or "svc:<name>" -> why (kick)
         self.secret = os.urandom(16)
-        self.hints: dict[str, str] = {}  # address -> node: asked there next turn
+        self.hints: dict[str, list[Any]] = {}  # address -> [node, times asked]: asked there (3 times)
         self.services = ServiceIntents(state, roster, handshake, self)
         self._turn = 0
         self._saved_me: Any = None
@@ -135,7 +137,10 @@ class Directory:
             return
         s, cfg = self.s, self.s.config
         self.next_gossip = now + cfg.gossip_interval
-        self.beat += 1
+        if now - self.last_beat >= cfg.gossip_interval * 0.99:  # an early turn raises no beat
+            self.beat += 1
+            self.last_beat = now
+        self.last_tick = now
         if self.moved:
             self.moved, self.announce_until, self.dirty = False, now + cfg.down_after, True
         for node, k in list(self.known.items()):
@@ -168,19 +173,24 @@ class Directory:
         for seed in self.seeds:
             if seed not in self.heard_seeds:
                 targets.setdefault(seed, "")
-        if now < self.announce_until:
+        if now < self.announce_until or self.spread:
             targets.update(by_address)
+            self.spread = False
         asked = 0
-        for address, node in list(self.hints.items()) + [(k.member.address, k.member.node) for k in
-                                                         self.known.values() if not k.confirmed]:
+        for address, node in [(a, h[0]) for a, h in self.hints.items()] + [
+                (k.member.address, k.member.node) for k in self.known.values() if not k.confirmed]:
             if asked >= PROBES:
                 break
             hinted = self.known.get(node)
-            if hinted is not None and now - hinted.probed < cfg.down_after:
-                continue
-            if hinted is not None:
+            if hinted is not None and not hinted.confirmed:
+                if now - hinted.probed < cfg.down_after:
+                    continue
                 hinted.probed = now
-            self.hints.pop(address, None)
+            hint = self.hints.get(address)
+            if hint is not None:
+                hint[1] += 1
+                if hint[1] >= 3:  # the first may go before the connection is made: three tries
+                    del self.hints[address]
             targets.setdefault(address, node)
             asked += 1
         table = self.table()
@@ -237,16 +247,26 @@ class Directory:
             if k.confirmed and k.up and peer is not None:
                 self.roster.send(peer, P.encode_gossip(self.s.node_id, farewell, proof=self.proof(k.member.node)))
 
+    def soon(self, now: float) -> None:
+        """Gossip at the next turn, but not within 0.1 s of the last (a flood of news must
+        not make this bus gossip without end)."""
+        self.next_gossip = min(self.next_gossip, max(now, self.last_tick + 0.1))
+
     def peer_up(self, address: str) -> None:
-        """A connection just answered: a seed that did is asked at once."""
+        """A connection just answered: a seed that did, or an address we asked who it is
+        (the ask went before it was connected, and ZeroMQ dropped it), is asked at once."""
         if address in self.seeds and address not in self.heard_seeds:
             self.next_gossip = 0.0
+        for k in self.known.values():
+            if not k.confirmed and k.member.address == address:
+                k.probed = -1e9
+                self.soon(self.s.now)
 
     def hint(self, address: str) -> None:
         """A sender we know nothing of (channel roles held its messages): ask who it is."""
         if len(self.hints) < MAX_HINTS and address.startswith("tcp://"):
-            self.hints.setdefault(address, "")
-            self.next_gossip = min(self.next_gossip, self.s.now + 0.05)
+            self.hints.setdefault(address, ["", 0])
+            self.soon(self.s.now)
 
     def on_gossip(self, frame: P.Gossip, now: float, source: str | None, user: str | None,
                   ident: bytes | None = None, address: str | None = None) -> None:
@@ -339,6 +359,9 @@ class Directory:
             s.vouched.pop(old.address, None)
             self.roster.move(old.address, member.address, member.node)
             self.services.moved(old.address, member.address)
+        if not was and connected is None:  # it wrote to us first (we are its seed): tell all now
+            self.spread = True
+            self.soon(now)
         if not was or old.name != member.name:
             self.services.resolve(member.name)
 
@@ -362,6 +385,7 @@ class Directory:
                 return False
             self.known[member.node] = Known(member, now, False, s.wall())
             self._ask(member, probe=False)
+            self.soon(now)  # asked at once
             return True
         if not k.confirmed:
             return False
@@ -380,7 +404,7 @@ class Directory:
         if s.trust is not None and member.key is not None and not s.trust.server_keys(member.address):
             s.trust.learned[member.address] = (member.key,)
         if probe and len(self.hints) < MAX_HINTS:
-            self.hints[member.address] = member.node
+            self.hints[member.address] = [member.node, 0]
 
     def _evict(self) -> bool:
         """Room for an instance heard first hand: the oldest hint goes."""
