@@ -95,7 +95,8 @@ class Core:
         s.channels = config.channels
         self.members = Directory(s, self.roster, self.handshake, ids.epoch)
         self.handshake.kicked = self.members.is_kicked
-        s.pick, s.hint = self.members.pick, self.members.hint
+        s.pick, s.hint, s.instances = self.members.pick, self.members.hint, self.members.addresses
+        self.members.found = self._found
         self._next_tick = self._next_gc = self._next_expiry = 0.0
         self._next_prune = self._next_clock_save = 0.0
         self._codecs = codecs()  # what this bus decodes, told to every peer that pings it
@@ -290,6 +291,10 @@ class Core:
             self.streams.supersede(cmd)
         else:
             raise TypeError(f"unknown core command {cmd!r}")
+
+    def _found(self, service: str) -> None:
+        for cmd in self.s.awaiting.pop(service, {}).values():  # waited for an instance of it
+            self.streams.queue_send(cmd)
 
     def backfill(self) -> None:
         """Make the pattern subscriptions with a start waiting in ``s.backfills``: the caller

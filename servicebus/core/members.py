@@ -34,6 +34,7 @@ import logging
 import os
 import random
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from ..model.members import MAX_MEMBERS, Member
@@ -81,6 +82,7 @@ class Directory:
         self.secret = os.urandom(16)
         self.hints: dict[str, list[Any]] = {}  # address -> [node, times asked]: asked there (3 times)
         self.services = ServiceIntents(state, roster, handshake, self)
+        self.found: Callable[[str], Any] = lambda name: None  # set by the core (machine.py)
         self._turn = 0
         self._saved_me: Any = None
 
@@ -364,6 +366,7 @@ class Directory:
             self.soon(now)
         if not was or old.name != member.name:
             self.services.resolve(member.name)
+            self.found(member.name)  # handlers' commands that waited for an instance of it
 
     def _plausible(self, k: Known, member: Member, now: float) -> bool:
         """A second-hand age no instance could have made up: one more start at most, and

@@ -167,6 +167,10 @@ class State:
     channels: Any = None  # channel roles (model/members.py Channels), empty when none
     pick: Callable[[str], str] | None = None  # a service name -> one instance's address
     hint: Callable[[str], None] = lambda address: None  # an unknown sender: ask who it is
+    instances: Callable[[str], list[str]] = lambda service: []  # its confirmed addresses
+    # Handlers' commands to a service no instance of which is known yet: service -> outbox
+    # key -> QueueSend, kept in the outbox until one is (then queued again).
+    awaiting: dict[str, dict[str, Any]] = field(default_factory=dict)
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally

@@ -183,6 +183,11 @@ class Streams:
         key, send = cmd.key, cmd.send
         if key in s.outbox_moving or not s.store.has_outbox(key):
             return  # queued twice (read again by a reload while its first queueing waited)
+        if "://" not in send.address and not s.instances(send.address):
+            # A service no instance of which is known yet: it stays in the outbox (stored)
+            # until discovery confirms one (core/members.py hands it back then).
+            s.awaiting.setdefault(send.address, {})[key] = cmd
+            return
         try:
             send = send._replace(address=s.target(send.address))  # a service: one instance
             stream = self._command_consumer(send.address)

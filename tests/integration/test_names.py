@@ -201,3 +201,25 @@ def test_mdns_seeds_find_each_other_on_the_lan(buses):
     orders = buses("orders", seeds=[f"mdns://{kind}"])
     email = buses("email", seeds=[f"mdns://{kind}"])
     wait_until(lambda: _knows(email, "orders") and _knows(orders, "email"), timeout=15)
+
+
+def test_a_handlers_send_by_name_before_any_instance_is_known_waits_and_is_delivered_once(buses):
+    """message.send (and SqlOutbox.send) by service name commit with the handler: if no
+    instance of the service is known yet when the engine queues it, it must wait in the
+    outbox for one, not be dropped (it was, with an error in the log)."""
+    shop = buses("shop")
+    orders = buses("orders", seeds=[shop.address])
+    handled = []
+
+    @orders.every("order.placed")
+    def notify(payload, message):
+        message.send("mailer", "mail.send", {"n": payload["n"]})
+        handled.append(payload["n"])
+
+    orders.subscribe("shop", "order.placed", wait=10)
+    shop.publish("order.placed", {"n": 1})
+    wait_until(lambda: handled == [1], timeout=10)
+    got: Counter = Counter()
+    mailer = buses("mailer", seeds=[shop.address])  # the service appears only now
+    mailer.handle("mail.send", lambda payload, message: got.update([payload["n"]]))
+    wait_until(lambda: got == Counter({1: 1}), timeout=15, message=lambda: f"mail.send handled: {got}")

@@ -293,7 +293,9 @@ def test_bad_input_is_refused_in_the_services_transaction_not_at_the_relay(servi
         with pytest.raises(ValueError):
             outbox.publish(conn, "bad topic with spaces", {"n": 1})
         with pytest.raises(ValueError):
-            outbox.send(conn, "not-an-address", "order.note", {"n": 1})
+            outbox.send(conn, "tcp://not-an-address", "order.note", {"n": 1})  # no port
+        with pytest.raises(ValueError):
+            outbox.send(conn, "Not An Address", "order.note", {"n": 1})  # nor a service name
         with pytest.raises(TypeError):
             outbox.publish(conn, TOPIC, object())
     with pytest.raises(ValueError, match="batch"):
@@ -316,8 +318,10 @@ BAD_ROWS = {  # what is wrong with the row: (its columns, what its dead letter's
     "an unknown kind": (dict(kind="cmd"), r"kind must be 'event' or 'command', not 'cmd'"),
     "a command without an address": (dict(kind="command", topic="order.note"),
                                      r"address must be a str, not NoneType"),
-    "a bad address": (dict(kind="command", topic="order.note", address="not-an-address"),
-                      r"address 'not-an-address' is not of the form tcp://host:port"),
+    "a bad address": (dict(kind="command", topic="order.note", address="tcp://not-an-address"),
+                      r"address 'tcp://not-an-address' is not of the form tcp://host:port"),
+    "neither an address nor a service name": (dict(kind="command", topic="order.note", address="Not An Address"),
+                                              r"'Not An Address' is not a service name"),
     "a payload that does not decode": (dict(payload=b"\xc1"), r"payload does not decode: "),
     "a payload over max_payload": (dict(payload=encode_payload(b"x" * (1 << 20))),
                                    r"payload is 1048581 bytes encoded; max_payload is 1048576"),
