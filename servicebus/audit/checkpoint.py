@@ -56,9 +56,9 @@ class Checkpoint:
         from pyspark.sql import functions as F
 
         col = F.col
-        keep = (messages.where((col("class") == "in_flight")
-                               | (col("age_ms").isNull()) | (col("age_ms") < F.lit(carry_ms)))
-                .select("id", "receiver", (col("class") == "in_flight").cast("int").alias("was_open")))
+        open_ = col("class").isin("in_flight", "owed")  # owed: still held by its sender
+        keep = (messages.where(open_ | (col("age_ms").isNull()) | (col("age_ms") < F.lit(carry_ms)))
+                .select("id", "receiver", open_.cast("int").alias("was_open")))
         carried = pairs.drop("touched", "was_open", "new_events").join(keep, ["id", "receiver"], "inner")
         generation = self.generation + 1
         name = f"state-{generation}"

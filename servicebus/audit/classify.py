@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "lost")
+CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "owed", "lost")
 PROBLEMS = ("lost", "handled_more_than_once")
 
 
@@ -24,7 +24,10 @@ def classify(spark, pairs, clocks: dict[str, int], *, grace_ms: int, since_ms: i
     from pyspark.sql import functions as F
 
     col, when = F.col, F.when
-    ref_node = when(col("published_ts").isNotNull(), col("sender")).otherwise(col("receiver"))
+    # Aged on the sender's clock (its journal's latest event), as the README says; on the
+    # receiver's only when no sender is known at all. Before, a pair with no published
+    # event was aged on its receiver's: a receiver that was down stayed in flight for ever.
+    ref_node = F.coalesce(col("sender"), col("receiver"))
     as_of = spark.createDataFrame(list(clocks.items()) or [("", 0)], "ref_node STRING, as_of LONG")
     pairs = (pairs
              .withColumn("ref_ts", F.coalesce(col("published_ts"), col("first_ts")))
@@ -33,13 +36,18 @@ def classify(spark, pairs, clocks: dict[str, int], *, grace_ms: int, since_ms: i
              .withColumn("age_ms", col("as_of") - col("ref_ts")))
     if since_ms is not None:
         pairs = pairs.where(col("ref_ts") >= F.lit(since_ms))
+    zero = F.lit(0)
     klass = (when(col("handled_count") > 1, "handled_more_than_once")
              .when(col("handled_count") == 1, "handled")
-             .when(col("deadlettered") > 0, "deadlettered")
+             # A dead letter put back (servicebus replay) is owed again, not dead.
+             .when(col("deadlettered") > F.coalesce(col("replayed"), zero), "deadlettered")
              .when(col("dropped") > 0, "dropped")
              .when(col("received") > 0, "in_flight")
              .when(col("age_ms") < F.lit(grace_ms), "in_flight")
-             .otherwise("lost"))
+             # Lost only with evidence: the receiver acknowledged it, then nothing. With
+             # none, the sender still holds it for that receiver (down, or cut off): owed.
+             .when(F.coalesce(col("acked"), zero) > 0, "lost")
+             .otherwise("owed"))
     latency = when(col("handled_ts").isNotNull() & col("published_ts").isNotNull(),
                    F.greatest(col("handled_ts") - col("published_ts"), F.lit(0)))
     return pairs.select(

@@ -19,8 +19,10 @@ pair is classified, in this order:
   purged it (``servicebus purge``); the event's error says which
 - ``in_flight``: stored at the receiver and not handled yet, or published less than
   ``--grace`` before the sender's latest journal event
-- ``lost``: published to that receiver, older than the grace, never received, handled or
-  dead-lettered
+- ``owed``: older than the grace and never acknowledged: the sender still holds it for a
+  receiver that is down (not a problem)
+- ``lost``: older than the grace, acknowledged by the receiver, then never handled or
+  dead-lettered there (a loss with evidence)
 
 Reconciliation uses message ids and addresses only, never clocks. The only times compared
 across machines are latencies (``handled`` on the receiver's clock minus ``published`` on

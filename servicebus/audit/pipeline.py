@@ -10,12 +10,14 @@ folded with the pairs carried from the last run and the open ones carried on
 
 from __future__ import annotations
 
+import json
+
 import time
 
 from .checkpoint import Checkpoint
 from .classify import PROBLEMS, build_summary, classify, rollup, timeline
 from .errors import AuditError
-from .hadoopfs import delete_path
+from .hadoopfs import delete_path, write_text
 from .journals import input_paths, read_events, segment_files
 from .outputs import write_outputs
 from .reconcile import combine, journal_clocks, partials
@@ -121,6 +123,14 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
                      .orderBy("id", "receiver").limit(SHOW_IDS).collect())
         problems[klass] = [{"id": r["id"], "receiver": r["receiver"]} for r in found]
     summary["problems"] = problems
+    owed = []
+    if summary["classes"].get("owed"):  # waiting on which receiver, since when
+        owed = (reported.where(F.col("class") == "owed")
+                .groupBy("receiver").agg(F.count(F.lit(1)).alias("messages"),
+                                         F.min("published_ts").alias("since_ms"))
+                .orderBy(F.desc("messages")).limit(SHOW_IDS).collect())
+    summary["owed"] = [{"receiver": r["receiver"], "messages": r["messages"], "since_ms": r["since_ms"]}
+                       for r in owed]
     phases.done("summarize")
     if write:
         write_outputs(spark, out, summary, rows, timeline(reported))
@@ -130,4 +140,6 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
         state.save(spark, pairs, everything, carry_ms)
         phases.done("checkpoint")
     summary["phases"] = phases.seconds
+    if write:  # summary.json again, with the phases that ran after it was first written
+        write_text(spark, f"{out}/summary.json", json.dumps(summary, indent=2, default=str))
     return summary

@@ -21,6 +21,7 @@ _COMBINE = {
     "topic": "first", "kind": "first", "sender": "first",
     "published_ts": "min", "received_ts": "min", "handled_ts": "min", "first_ts": "min",
     "received": "sum", "handled_count": "sum", "deadlettered": "sum", "dropped": "sum",
+    "acked": "sum", "replayed": "sum",
     "retries": "sum", "n_events": "sum",
     "deadletter_reason": "first",
     "attempts": "max", "send_attempts": "max", "sender_max_ts": "max", "receiver_max_ts": "max",
@@ -80,6 +81,8 @@ def partials(events):
         count_of("handled").alias("handled_count"),
         count_of("deadlettered", "expired").alias("deadlettered"),
         count_of("dropped").alias("dropped"),
+        count_of("acked").alias("acked"),  # the receiver acknowledged it: it had it
+        count_of("replayed").alias("replayed"),  # a dead letter put back (servicebus replay)
         count_of("retried").alias("retries"),
         F.count(F.lit(1)).alias("n_events"),
         F.max(when(is_("handled", "handler_failed"), col("attempt"))).alias("attempts"),

@@ -4,7 +4,10 @@ One sender publishes ``messages`` events to each of ``receivers`` receivers; eve
 (message, receiver) pair gets a full, clean lifecycle (published, sent, acked on the
 sender; received, handled on the receiver) unless a fault is injected into it:
 
-- ``lost``: the receiver never got it (no received/handled/acked), published long ago
+- ``lost``: the receiver acknowledged it and then nothing (no received, handled or dead
+  letter in its journal), published long ago: a loss with evidence
+- ``owed``: published long ago and never acknowledged: the sender still holds it for a
+  receiver that is down (not lost: the audit's class ``owed``)
 - ``duplicate``: handled twice
 - ``deadletter``: the handler failed ``max_attempts`` times, then a dead letter
 - ``in_flight``: published moments before the sender's last event, not yet received
@@ -31,7 +34,7 @@ import random
 from pathlib import Path
 
 SENDER = "tcp://10.0.0.1:5000"
-FAULTS = ("lost", "duplicate", "deadletter", "in_flight", "expired", "retried")
+FAULTS = ("lost", "duplicate", "deadletter", "in_flight", "expired", "retried", "owed")
 
 
 def _receiver(n: int) -> str:
@@ -108,9 +111,11 @@ def write_journals(root: Path, *, messages: int, receivers: int = 2, start_ms: i
                 sender_file.write(line(SENDER, "expired", ts + 2, of("expired"), topic, rcv, 1, "sender",
                                        "expired"))
             arrived = of(None, "duplicate", "deadletter", "retried")
+            if arrived or of("lost"):
+                sender_file.write(line(SENDER, "acked", ts + 3, of(None, "duplicate", "deadletter", "retried",
+                                                                   "lost"), topic, rcv, 0, "sender"))
             if not arrived:
                 continue
-            sender_file.write(line(SENDER, "acked", ts + 3, arrived, topic, rcv, 0, "sender"))
             out = files[rcv]
             out.write(line(rcv, "received", ts + 2, arrived, topic, SENDER, 1, "receiver"))
             for mid in of("deadletter"):  # split off its segment: lines of its own

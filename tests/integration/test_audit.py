@@ -32,15 +32,18 @@ def classes_of(spark, out: Path) -> dict[str, set]:
 
 def test_injected_faults_are_reported_exactly(spark, tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=3000, receivers=2, rate=10,  # 5 minutes
-                              faults={"lost": 3, "duplicate": 2, "deadletter": 2, "in_flight": 2})
+                              faults={"lost": 3, "duplicate": 2, "deadletter": 2, "in_flight": 2, "owed": 4})
     out = tmp_path / "audit"
     summary = job.run(spark, [str(tmp_path / "fleet")], str(out), grace_ms=60_000)
     found = classes_of(spark, out)
-    assert found["lost"] == set(injected["lost"])
+    assert found["lost"] == set(injected["lost"])  # acknowledged by the receiver, then nothing
+    assert found["owed"] == set(injected["owed"])  # never acknowledged: the sender holds them
     assert found["handled_more_than_once"] == set(injected["duplicate"])
     assert found["deadlettered"] == set(injected["deadletter"])
     assert found["in_flight"] == set(injected["in_flight"])
-    assert len(found["handled"]) == 6000 - 3 - 2 - 2 - 2
+    assert len(found["handled"]) == 6000 - 3 - 2 - 2 - 2 - 4
+    owed_by = {row["receiver"]: row["messages"] for row in summary["owed"]}
+    assert sum(owed_by.values()) == 4 and all(row["since_ms"] for row in summary["owed"])
     assert summary["ok"] is False
     assert {(p["id"], p["receiver"]) for p in summary["problems"]["lost"]} == set(injected["lost"])
     assert summary["deadletter_reasons"] == {"ValueError: bad order": 2}
@@ -294,9 +297,11 @@ def test_an_incremental_audit_reads_only_new_segments_and_carries_open_pairs_for
     assert first["checkpoint"]["segments_read"] == 2 and first["checkpoint"]["carried_in"] == 0
 
     # Day 2: new segments only. 100-104 arrive and are handled; 105-109 are new and handled;
-    # 7 (handled on day 1) is handled a second time; 110 is published and never arrives.
+    # 7 (handled on day 1) is handled a second time; 110 is published and never arrives (no
+    # ack: still owed); 111 is acked by the receiver and then nothing (lost).
     day2 = t0 + 86_400_000
-    _segment(fleet, "pub", pub, 2, [e for n in (*range(105, 110), 110) for e in published(n, day2 + n)])
+    _segment(fleet, "pub", pub, 2, [e for n in (*range(105, 110), 110, 111) for e in published(n, day2 + n)]
+             + [{"event": "acked", "ts": day2 + 300, "id": mid(111), "peer": sub, "role": "sender"}])
     _segment(fleet, "sub", sub, 2, [e for n in range(100, 110) for e in handled(n, day2 + 500 + n)]
              + [{"event": "handled", "ts": day2 + 600, "id": mid(7), "peer": pub, "role": "receiver"}])
     _segment(fleet, "pub", pub, 3, [{"event": "acked", "ts": day2 + 3_600_000, "id": mid(105),
@@ -308,10 +313,44 @@ def test_an_incremental_audit_reads_only_new_segments_and_carries_open_pairs_for
     found = classes_of(spark, tmp_path / "day2")
     assert found["handled"] == {(mid(n), sub) for n in range(100, 110)}  # the five carried ones too
     assert found["handled_more_than_once"] == {(mid(7), sub)}  # a late duplicate of day 1's
-    assert found["lost"] == {(mid(110), sub)}
+    assert found["owed"] == {(mid(110), sub)}
+    assert found["lost"] == {(mid(111), sub)}
     assert not found.get("in_flight")
 
     # A third run with nothing new reads nothing and reports nothing open.
     third = job.run(spark, [str(fleet)], str(tmp_path / "day3"), grace_ms=60_000, checkpoint=checkpoint,
                     write=False)
-    assert third["checkpoint"]["segments_read"] == 0 and third["messages"] == 0
+    # ... but what is still owed, which it carries open and reports again.
+    assert third["checkpoint"]["segments_read"] == 0 and third["messages"] == 1
+    assert third["classes"]["owed"] == 1 and third["ok"]
+
+
+def test_a_message_owed_to_a_receiver_that_is_down_is_owed_not_lost_and_the_audit_passes(spark, tmp_path):
+    """Issue 32: messages the publisher holds for a subscriber that is down (no ack in any
+    journal) read 'lost' once older than the grace, and the job exited 1. A pair with no
+    'published' event was aged on its receiver's clock (a down receiver's last event), so
+    it stayed in flight for ever; it is aged on the sender's. A dead letter replayed is not
+    a dead letter any more."""
+    pub, sub = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
+    fleet, t0 = tmp_path / "fleet", 1_790_000_000_000
+    mid = lambda n: f"{n:024d}"  # noqa: E731
+    sender = [{"event": e, "ts": t0 + n, "id": mid(n), "peer": sub, "role": "sender"}
+              for n in range(3) for e in ("published", "sent")]
+    sender.append({"event": "sent", "ts": t0 + 5, "id": mid(3), "peer": sub, "role": "sender"})  # no published
+    sender += [{"event": "acked", "ts": t0 + 9, "id": mid(n), "peer": sub, "role": "sender"} for n in (2, 4)]
+    sender.append({"event": "published", "ts": t0 + 3_600_000, "id": mid(99), "peer": "tcp://10.0.0.3:1",
+                   "role": "sender"})  # the sender's journal goes on an hour
+    _segment(fleet, "pub", pub, 1, sender)
+    # The receiver got 2 and 4, dead-lettered 2 and then 2 was replayed; then it went down.
+    _segment(fleet, "sub", sub, 1, [
+        {"event": "received", "ts": t0 + 8, "id": mid(2), "peer": pub, "role": "receiver"},
+        {"event": "deadlettered", "ts": t0 + 10, "id": mid(2), "peer": pub, "role": "receiver", "error": "x"},
+        {"event": "replayed", "ts": t0 + 20, "id": mid(2), "peer": pub, "role": "receiver"}])
+    summary = job.run(spark, [str(fleet)], str(tmp_path / "audit"), grace_ms=60_000)
+    found = classes_of(spark, tmp_path / "audit")
+    assert found["owed"] == {(mid(0), sub), (mid(1), sub), (mid(3), sub)}
+    assert found["in_flight"] == {(mid(2), sub), (mid(99), "tcp://10.0.0.3:1")}  # replayed: owed again
+    assert found["lost"] == {(mid(4), sub)}  # acked, then nothing in the receiver's journal
+    assert summary["owed"] == [{"receiver": sub, "messages": 3, "since_ms": t0}]
+    written = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    assert {"classify_and_write_messages", "tables_and_report"} <= set(written["phases"])
