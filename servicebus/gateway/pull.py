@@ -1,0 +1,280 @@
+"""Pull subscribers (as blockqueue has them) on a bus of their own, durable in its kv.
+
+The gateway's *pull bus* subscribes to the topics pull subscribers want (from the gateway's
+own bus, where HTTP publishes go, and from any other publisher named in the subscriber's
+``source``). Its handler copies each event into the queue of every pull subscriber of the
+topic through ``message.kv``: stored in the same atomic write as the handled mark, so each
+event is queued once per subscriber whatever crashes (the bus's exactly-once state,
+README "Transactions").
+
+Keys (``\\x1f`` between parts: topics and names cannot hold it):
+``gw/sub|topic|name`` -> options; ``gw/msg|topic|name|id`` -> a queued message;
+``gw/dead|topic|name|id`` -> a dead letter.
+
+A read makes the messages it returns invisible for ``visibility`` seconds and counts an
+attempt, both stored (fsynced, one write per read) before the response goes out; a message
+read ``max_attempts`` times and not acknowledged in time is a dead letter instead of being
+read again. Acks delete (one write per request). In memory: per subscriber, its queued ids
+in order with their visibility, rebuilt from the kv at start; what a handler queues is
+taken only once the kv has it (a handler's writes land when it returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..bus import Bus
+from ..errors import BusError
+
+__all__ = ["PullQueues", "Sub", "SEP", "check_sub_name"]
+
+log = logging.getLogger("servicebus.gateway")
+
+SEP = "\x1f"
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+MAX_VISIBILITY = 12 * 3600.0
+MAX_ATTEMPTS = 1000
+
+
+def check_sub_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError("subscriber name must be 1-100 characters of A-Z a-z 0-9 . _ -")
+    return name
+
+
+@dataclass
+class Sub:
+    topic: str
+    name: str
+    max_attempts: int = 5
+    visibility: float = 30.0
+    source: str | None = None
+    push: dict[str, Any] | None = None  # {"url", "secret"} for a webhook (push.py)
+    created: int = 0
+    # id -> (attempts, visible at (epoch s)); insertion order is arrival order
+    queue: dict[str, list[float]] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)  # queued by a handler, not yet confirmed in kv
+    dead: int = 0
+    deleted: bool = False
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"gw/sub{SEP}{self.topic}{SEP}{self.name}"
+
+    def msg_key(self, mid: str) -> str:
+        return f"gw/msg{SEP}{self.topic}{SEP}{self.name}{SEP}{mid}"
+
+    def dead_key(self, mid: str) -> str:
+        return f"gw/dead{SEP}{self.topic}{SEP}{self.name}{SEP}{mid}"
+
+    def options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_attempts": self.max_attempts, "visibility": self.visibility,
+                               "created": self.created}
+        if self.source:
+            out["source"] = self.source
+        if self.push:
+            out["push"] = self.push
+        return out
+
+    def counts(self, now: float) -> dict[str, Any]:
+        inflight = sum(1 for a, v in self.queue.values() if v > now)
+        return {"name": self.name, "topic": self.topic, "unpublished": len(self.queue) - inflight,
+                "in_flight": inflight, "dead_letters": self.dead, "max_attempts": self.max_attempts,
+                "visibility_duration": f"{self.visibility:g}s", "source": self.source,
+                "push": (self.push or {}).get("url")}
+
+
+class PullQueues:
+    def __init__(self, pull: Bus, front_address: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.pull = pull
+        self.front = front_address
+        self.loop = loop
+        self.subs: dict[tuple[str, str], Sub] = {}
+        self._handled: set[str] = set()  # topics the pull bus has a handler for
+        self._lock = threading.Lock()  # subs as the handler threads see them
+
+    # --- state ------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        kv = self.pull.kv
+        for key, value in kv.items(f"gw/sub{SEP}"):
+            _, topic, name = key.split(SEP)
+            sub = Sub(topic, name, value["max_attempts"], value["visibility"], value.get("source"),
+                      value.get("push"), value.get("created", 0))
+            self.subs[(topic, name)] = sub
+        for key, value in kv.items(f"gw/msg{SEP}"):
+            _, topic, name, mid = key.split(SEP)
+            owner = self.subs.get((topic, name))
+            if owner is not None:
+                owner.queue[mid] = [value.get("attempts", 0), value.get("visible_at", 0.0)]
+        for key in (k for k, _v in kv.items(f"gw/dead{SEP}")):
+            _, topic, name, _mid = key.split(SEP)
+            if (topic, name) in self.subs:
+                self.subs[(topic, name)].dead += 1
+        for sub in self.subs.values():
+            self._listen(sub)
+
+    def _listen(self, sub: Sub) -> None:
+        """The pull bus handles ``sub.topic`` and is subscribed to where it comes from: to
+        the front bus confirmed before this returns (what is published through the gateway
+        after a subscriber was made reaches it); to a ``source`` stored and retried (it
+        may be down now)."""
+        if sub.topic not in self._handled:
+            self._handled.add(sub.topic)
+            self.pull.every(sub.topic, self._on_event, name=f"gateway@{sub.topic}")
+        self.pull.subscribe(self.front, sub.topic, wait=30)
+        if sub.source:
+            self.pull.subscribe(sub.source, sub.topic)
+
+    def put_sub(self, topic: str, name: str, max_attempts: int, visibility: float,
+                source: str | None = None, push: dict[str, Any] | None = None) -> tuple[Sub, bool]:
+        """Make (or change the options of) a subscriber; durable when it returns."""
+        if not 1 <= max_attempts <= MAX_ATTEMPTS:
+            raise ValueError(f"max_attempts must be 1-{MAX_ATTEMPTS}")
+        if not 0.1 <= visibility <= MAX_VISIBILITY:
+            raise ValueError("visibility_duration must be from 100ms to 12h")
+        with self._lock:
+            found = self.subs.get((topic, name))
+            created = found is None
+            sub = found if found is not None else Sub(topic, name, created=int(time.time() * 1000))
+            sub.max_attempts, sub.visibility, sub.source, sub.push = max_attempts, visibility, source, push
+            self.pull.kv[sub.key] = sub.options()
+            self.subs[(topic, name)] = sub
+        self._listen(sub)
+        return sub, created
+
+    def delete_sub(self, topic: str, name: str) -> bool:
+        with self._lock:
+            sub = self.subs.pop((topic, name), None)
+        if sub is None:
+            return False
+        sub.deleted = True
+        with self.pull.transaction() as tx:
+            tx.kv.delete(sub.key)
+            for mid in sub.queue:
+                tx.kv.delete(sub.msg_key(mid))
+            for key, _v in self.pull.kv.items(f"gw/dead{SEP}{topic}{SEP}{name}{SEP}"):
+                tx.kv.delete(key)
+        for waiter in sub.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        return True
+
+    # --- arriving (handler threads of the pull bus) ----------------------------------------------
+
+    def _on_event(self, payload: Any, message: Any) -> None:
+        with self._lock:
+            subs = [s for s in self.subs.values() if s.topic == message.topic]
+        if not subs:
+            return
+        record = {"payload": payload, "headers": {k: v for k, v in message.headers.items()
+                                                   if not k.startswith("sb-")} or None,
+                  "published": message.sent_ms, "attempts": 0, "visible_at": 0.0,
+                  "from": message.reply_to}
+        for sub in subs:
+            message.kv[sub.msg_key(message.id)] = record
+        self.loop.call_soon_threadsafe(self._arrived, subs, message.id)
+
+    def _arrived(self, subs: list[Sub], mid: str) -> None:
+        for sub in subs:
+            if sub.deleted or mid in sub.queue:
+                continue
+            sub.queue[mid] = [0, 0.0]
+            sub.pending.add(mid)
+            self._wake(sub)
+
+    def _wake(self, sub: Sub) -> None:
+        waiters, sub.waiters = sub.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def _confirm(self, sub: Sub, mid: str) -> dict[str, Any] | None:
+        """The stored record of ``mid`` (a handler's write lands when it returns)."""
+        value = self.pull.kv.get(sub.msg_key(mid))
+        if value is not None:
+            sub.pending.discard(mid)
+        return value
+
+    def take(self, sub: Sub, limit: int) -> tuple[list[dict[str, Any]], list[tuple[str, dict]]]:
+        """Up to ``limit`` visible messages, each made invisible and its attempt counted; and
+        those whose attempts ran out, to become dead letters. Runs the reads; the caller
+        stores the result (``commit_take``) before answering."""
+        now = time.time()
+        out: list[dict[str, Any]] = []
+        dead: list[tuple[str, dict]] = []
+        for mid, (attempts, visible_at) in list(sub.queue.items()):
+            if len(out) >= limit:
+                break
+            if visible_at > now:
+                continue
+            record = self._confirm(sub, mid)
+            if record is None:
+                if mid not in sub.pending:
+                    del sub.queue[mid]  # gone (deleted meanwhile)
+                continue
+            if attempts >= sub.max_attempts:
+                dead.append((mid, record))
+                continue
+            record["attempts"] = int(attempts) + 1
+            record["visible_at"] = now + sub.visibility
+            out.append({"id": mid, **record})
+        return out, dead
+
+    def commit_take(self, sub: Sub, taken: list[dict[str, Any]], dead: list[tuple[str, dict]]) -> None:
+        if not taken and not dead:
+            return
+        with self.pull.transaction() as tx:
+            for item in taken:
+                tx.kv[sub.msg_key(item["id"])] = {k: v for k, v in item.items() if k != "id"}
+            for mid, record in dead:
+                tx.kv.delete(sub.msg_key(mid))
+                tx.kv[sub.dead_key(mid)] = {**record, "error": f"not acknowledged after {record.get('attempts')} reads",
+                                            "at": int(time.time() * 1000)}
+        for item in taken:
+            if item["id"] in sub.queue:
+                sub.queue[item["id"]] = [item["attempts"], item["visible_at"]]
+        for mid, _record in dead:
+            sub.queue.pop(mid, None)
+            sub.dead += 1
+
+    def ack(self, sub: Sub, ids: list[str]) -> list[str]:
+        """Delete the messages ``ids`` (durable when it returns); returns the ids not queued."""
+        known = [mid for mid in ids if mid in sub.queue]
+        if known:
+            with self.pull.transaction() as tx:
+                for mid in known:
+                    tx.kv.delete(sub.msg_key(mid))
+            for mid in known:
+                sub.queue.pop(mid, None)
+                sub.pending.discard(mid)
+        return [mid for mid in ids if mid not in known]
+
+    def next_visible(self, sub: Sub) -> float | None:
+        """When the next invisible message becomes visible again (epoch s), or None."""
+        times = [v for a, v in sub.queue.values() if v > time.time()]
+        return min(times) if times else None
+
+    async def wait(self, sub: Sub, timeout: float) -> None:
+        """Until something arrives for ``sub``, a message turns visible, or ``timeout``."""
+        waiter = self.loop.create_future()
+        sub.waiters.append(waiter)
+        due = self.next_visible(sub)
+        if due is not None:
+            timeout = min(timeout, max(0.0, due - time.time()) + 0.005)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except (asyncio.TimeoutError, BusError):
+            pass
+        finally:
+            if waiter in sub.waiters:
+                sub.waiters.remove(waiter)
