@@ -63,8 +63,26 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities (which a Python publisher may send) as null."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, default=_json_default, separators=(",", ":"))
+    try:
+        return json.dumps(value, default=_json_default, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN or infinity: JSON has neither
+        return json.dumps(_finite(value), default=_json_default, separators=(",", ":"), allow_nan=False)
 
 
 def reply(status: int, body: Any = None) -> web.Response:
@@ -108,7 +126,9 @@ class Routes:
         if request.content_length is not None and request.content_length > self.max_body:
             raise HttpError(413, f"body larger than {self.max_body} bytes", "body")
         try:
-            raw = await request.content.read(self.max_body + 1)
+            raw = await request.read()  # whole, however it arrives; bounded by client_max_size
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(413, f"body larger than {self.max_body} bytes", "body") from None
         except asyncio.TimeoutError:
             raise HttpError(408, "the body did not arrive in time", "body") from None
         if len(raw) > self.max_body:
@@ -116,9 +136,11 @@ class Routes:
         if not raw:
             raise HttpError(400, "a JSON body is required", "body")
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             raise HttpError(400, f"not JSON: {exc}", "body") from None
+        except RecursionError:
+            raise HttpError(400, "not JSON this bus takes: nested too deeply", "body") from None
 
     def sub(self, topic: str, name: str) -> Sub:
         try:
@@ -211,6 +233,8 @@ class Routes:
             raise HttpError(400, "must be an integer from 1 to 1000", "max_attempts")
         visibility = duration(option.get("visibility_duration"), "visibility_duration", default=30.0,
                               maximum=12 * 3600)
+        if visibility is not None and visibility < 0.1:
+            raise HttpError(400, "must be at least 100ms", "visibility_duration")
         source = option.get("source")
         if source is not None and (not isinstance(source, str) or not source or len(source) > 300):
             raise HttpError(400, "must be a service name or an address", "source")
@@ -226,11 +250,11 @@ class Routes:
         try:
             check_sub_name(name)
         except ValueError as exc:
-            raise HttpError(400, str(exc), "name") from None
+            raise HttpError(400, str(exc), "subscriber") from None
         try:
             return await self.run(self.queues.put_sub, topic, name, options["max_attempts"],
                                   options["visibility"], options["source"], options["push"])
-        except ValueError as exc:
+        except ValueError as exc:  # the source: a name or an address the bus refused
             raise HttpError(400, str(exc), "source") from None
 
     async def put_subscriber(self, request: web.Request) -> web.Response:

@@ -37,14 +37,15 @@ __all__ = ["PullQueues", "Sub", "SEP", "check_sub_name"]
 log = logging.getLogger("servicebus.gateway")
 
 SEP = "\x1f"
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # not "." or "..": URLs drop those
 MAX_VISIBILITY = 12 * 3600.0
 MAX_ATTEMPTS = 1000
 
 
 def check_sub_name(name: str) -> str:
     if not _NAME.fullmatch(name):
-        raise ValueError("subscriber name must be 1-100 characters of A-Z a-z 0-9 . _ -")
+        raise ValueError("subscriber name must be 1-100 characters of A-Z a-z 0-9 . _ -, "
+                         "not starting with a dot")
     return name
 
 
@@ -226,7 +227,10 @@ class PullQueues:
                 dead.append((mid, record))
                 continue
             record["attempts"] = int(attempts) + 1
-            record["visible_at"] = now + sub.visibility
+            # A webhook that failed waits longer each time (up to 5 minutes); a reader
+            # that did not ack gets it back after the visibility duration, as it asked.
+            backoff = min(300.0, sub.visibility * 2 ** int(attempts)) if sub.push else sub.visibility
+            record["visible_at"] = now + backoff
             out.append({"id": mid, **record})
         return out, dead
 
@@ -271,6 +275,8 @@ class PullQueues:
         due = self.next_visible(sub)
         if due is not None:
             timeout = min(timeout, max(0.0, due - time.time()) + 0.005)
+        if sub.pending:  # queued by a handler whose write has not landed yet: look again soon
+            timeout = min(timeout, 0.005)
         try:
             await asyncio.wait_for(waiter, timeout)
         except (asyncio.TimeoutError, BusError):

@@ -6,7 +6,7 @@ Each message goes as ``POST url`` with the JSON ``{"id", "topic", "payload", "he
 subscriber's secret of ``timestamp + "." + body``: a receiver checks it (and the timestamp's
 age, against replays) before it trusts the message. A 2xx acknowledges it; anything else
 (or no answer within 10 s) leaves it to come back after the visibility duration, doubled per
-attempt up to 5 minutes; after ``max_attempts`` it is a dead letter, as for a pull
+attempt up to 5 minutes (gateway/pull.py ``take``); after ``max_attempts`` it is a dead letter, as for a pull
 subscriber. At least once: a receiver that answered 2xx after a crash of the gateway may
 get it again (``X-Servicebus-Id`` tells it).
 """
@@ -40,12 +40,13 @@ def sign(secret: str, timestamp: str, body: bytes) -> str:
 
 
 class Pusher:
-    def __init__(self, queues: PullQueues, run: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, queues: PullQueues, run: Callable[..., Awaitable[Any]],
+                 counters: dict[str, int]) -> None:
         self.queues = queues
         self.run = run
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
-        self.counters = {"pushed": 0, "push_failed": 0}
+        self.counters = counters  # the gateway's: pushed, push_failed (on /metrics)
 
     def sync(self) -> None:
         """One task per push subscriber (started, or stopped when it went)."""

@@ -27,9 +27,21 @@ from .openapi import document
 from .pull import PullQueues
 from .push import Pusher
 
-__all__ = ["Gateway"]
+__all__ = ["Gateway", "check_listen"]
 
 log = logging.getLogger("servicebus.gateway")
+
+
+def check_listen(listen: str, tokens: str | Path | None) -> tuple[str, int]:
+    """(host, port) of ``listen``; ``ValueError`` if it is not host:port, or if it is
+    beyond loopback without a tokens file."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen must be host:port, not {listen!r}")
+    host = host.strip("[]")
+    if tokens is None and host not in ("127.0.0.1", "::1", "localhost"):
+        raise ValueError("a gateway listening beyond loopback needs tokens= (a file of bearer tokens)")
+    return host, int(port)
 
 
 def _pull_address(datadir: Path) -> str:
@@ -63,13 +75,8 @@ class Gateway:
     def __init__(self, bus: Bus, *, listen: str = "127.0.0.1:8080", tokens: str | Path | None = None,
                  datadir: str | Path | None = None, ssl_context: ssl.SSLContext | None = None,
                  max_body: int = 1 << 20, threads: int = 32) -> None:
-        host, sep, port = listen.rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise ValueError(f"listen must be host:port, not {listen!r}")
-        self.host, self.port = host.strip("[]"), int(port)
+        self.host, self.port = check_listen(listen, tokens)
         self.tokens = load_tokens(tokens)
-        if self.tokens.open and self.host not in ("127.0.0.1", "::1", "localhost"):
-            raise ValueError("a gateway listening beyond loopback needs tokens= (a file of bearer tokens)")
         if not 1024 <= max_body <= 64 << 20:
             raise ValueError("max_body must be from 1 KiB to 64 MiB")
         self.bus = bus
@@ -104,7 +111,7 @@ class Gateway:
             async def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
                 return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-            pusher = Pusher(queues, run)
+            pusher = Pusher(queues, run, self.counters)
             routes = Routes(self.bus, queues, self.tokens, run, self.counters, self.max_body)
             original_put = queues.put_sub
 

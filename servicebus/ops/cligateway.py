@@ -31,10 +31,15 @@ def gateway(datadir: Path = typer.Argument(..., help="the gateway bus's data dir
     (README "HTTP gateway"). Stops cleanly on Ctrl-C or SIGTERM."""
     try:
         from ..gateway import Gateway  # noqa: PLC0415 - the extra
+        from ..gateway.server import check_listen  # noqa: PLC0415
     except ImportError as exc:
         raise CliError(f"the gateway needs aiohttp: pip install 'servicebus[gateway]' ({exc})", EXIT_USAGE) from None
     from ..bus import Bus  # noqa: PLC0415 - only this command starts a bus
 
+    try:
+        check_listen(listen, tokens)  # before anything is made
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     context = None
     if cert is not None or key is not None:
         if cert is None or key is None:
