@@ -112,7 +112,9 @@ def role_gateway(a: argparse.Namespace) -> None:
     from servicebus.testing import free_address
 
     raise_fd_limit()
-    with Bus(free_address(), a.datadir) as bus, Gateway(bus, listen="127.0.0.1:0") as gw:
+    # An experiment knob (the gateway's default is 32): bus calls it runs at once.
+    threads = {"threads": int(os.environ["BENCH_GATEWAY_THREADS"])} if os.environ.get("BENCH_GATEWAY_THREADS") else {}
+    with Bus(free_address(), a.datadir) as bus, Gateway(bus, listen="127.0.0.1:0", **threads) as gw:
         if a.subs:
             for i in range(a.subs):
                 name = a.sub if a.subs == 1 else f"{a.sub}{i}"
@@ -313,6 +315,28 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
+def client_ceiling(a: argparse.Namespace) -> dict:
+    """http-publish's client against a Node server that answers 201 at once: what one Node
+    process of fetch() can ask on this machine, whatever the server."""
+    server = subprocess.Popen([NODE, str(CLIENT), json.dumps({"mode": "null-server"})], text=True,
+                              stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        url = bench.read_json(server)["url"]
+        sc = SCENARIOS["http-publish"]
+        client = {"mode": "publish", "topic": TOPIC, "concurrency": sc.concurrency, "batch": 1,
+                  "seconds": a.seconds, "warmup": a.warmup, "url": url}
+        node = subprocess.Popen([NODE, str(CLIENT), json.dumps(client)], text=True, stdout=subprocess.PIPE)
+        bench.read_json(node, timeout=60)
+        cpu0 = bench.cpu_seconds(node.pid)
+        r = bench.read_json(node, timeout=a.seconds + 60)
+        r["client_cpu_us_per_req"] = (bench.cpu_seconds(node.pid) - cpu0) / max(1, r["count"]) * 1e6
+        bench.finish(node)
+        return r
+    finally:
+        server.stdin.close()
+        bench.finish(server)
+
+
 def profile(a: argparse.Namespace, pid: int, label: str) -> subprocess.Popen | None:
     spy = py_spy()
     if not a.profile or spy is None:
@@ -381,12 +405,17 @@ def print_table(summary: dict) -> None:
     print(f"physical: fsync {summary['fsync_us']:.0f} us (ceiling {1e6 / summary['fsync_us']:,.0f}/s); "
           f"node {summary['node']}, the gateway alone in its process (cpu/msg and RSS are its own; for "
           "python, the publishing process's)")
+    c = summary.get("ceiling")
+    if c:
+        print(f"client ceiling: http-publish's 64 fetch() loops against a Node server that answers 201 at once: "
+              f"{c['value']:,.0f} req/s, p50 {c['p50_us'] / 1000:.2f} ms, {c['client_cpu_us_per_req']:.0f} us of "
+              "client CPU per request")
     print("msg/fsync: messages per fsync of the publishing bus (the group commit's group size)")
     print(f"{'scenario':<20}{'system':<24}{'median (min-max)':>28}      {'p50':>8} {'p99':>8} {'cpu/msg':>9} "
           f"{'RSS':>7} {'msg/fsync':>9} {'err':>4}  target")
     for name, systems in summary["scenarios"].items():
         sc = SCENARIOS[name]
-        unit = "ms p99 /health" if name == "http-idle" else "msgs/s"
+        unit = "ms p99" if name == "http-idle" else "msgs/s"
         for system, v in systems.items():
             fmt = "{:,.1f}" if name == "http-idle" else "{:,.0f}"
             med, lo, hi = (fmt.format(v[k]) for k in ("median", "min", "max"))
@@ -396,8 +425,8 @@ def print_table(summary: dict) -> None:
             rss = f"{v['max_rss_mb']:.0f}MB" if "max_rss_mb" in v else "-"
             group = f"{1 / v['fsyncs_per_msg']:.1f}" if v.get("fsyncs_per_msg") else "-"
             target = f"{sc.target} -> {verdict(name, systems)}" if system == "http" else ""
-            print(f"{name:<20}{SYSTEM_LABEL[system]:<24}{med:>14} ({lo}-{hi}) {unit if system == 'http' or name != 'http-idle' else '':<6}"
-                  f"{p50:>8} {p99:>8} {cpu:>9} {rss:>7} {group:>9} {v['errors']:>4}  {target}")
+            print(f"{name:<20}{SYSTEM_LABEL[system]:<24}{med:>14} ({lo}-{hi}) {unit:<6}"
+                  f" {p50:>8} {p99:>8} {cpu:>9} {rss:>7} {group:>9} {v['errors']:>4}  {target}")
     for name, systems in summary["scenarios"].items():
         if "http" in systems and "python" in systems:
             h, p = systems["http"], systems["python"]
@@ -448,9 +477,15 @@ def main() -> int:
         notes.append("--profile: py-spy not found (pip install py-spy): not profiled")
     results: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
     fsync_samples: list[float] = []
+    ceilings: list[dict] = []
     try:
         for run in range(a.runs):
             fsync_samples.append(bench.fsync_latency(tmp, 300 if a.quick else 1000))
+            if any(n.startswith("http-publish") for n in names):
+                ceilings.append(client_ceiling(a))
+                log(f"  run {run + 1}/{a.runs} client ceiling (null server) {ceilings[-1]['value']:>10,.0f} req/s  "
+                    f"p50 {ceilings[-1]['p50_us'] / 1000:.2f} ms  client cpu/req "
+                    f"{ceilings[-1]['client_cpu_us_per_req']:.0f} us")
             for name in names:
                 systems = list(SCENARIOS[name].systems)
                 if run % 2:
@@ -478,6 +513,8 @@ def main() -> int:
     summary = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "runs": a.runs, "quick": a.quick,
                "seconds": a.seconds, "warmup": a.warmup, "node": node_version,
                "fsync_us": statistics.median(fsync_samples) * 1e6,
+               "ceiling": ({k: statistics.median(c[k] for c in ceilings)
+                            for k in ("value", "p50_us", "client_cpu_us_per_req")} if ceilings else None),
                "scenarios": {n: {s: summarize(r) for s, r in sorted(rs.items(), reverse=True)}
                              for n, rs in results.items()}, "notes": notes}
     if a.json:

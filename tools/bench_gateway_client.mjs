@@ -10,9 +10,11 @@
 //            (1: one JSON object per POST; more: a JSON array with ?many=true); 201 expected
 //   pull     `concurrency` loops, each GET .../subscribers/{sub}?max=100&timeout=1s, then
 //            DELETE .../messages?ids=... for what it read (a pre-filled queue)
+//   null-server  no client: a Node HTTP server answering 201 at once (the client's ceiling)
 //   idle     opens `polls` long polls (GET ...?timeout=60s on `subs` subscribers), then
 //            GET /health every `interval_ms` and times it; the polls are aborted at the end
 import { setMaxListeners } from "node:events";
+import http from "node:http";
 
 const args = JSON.parse(process.argv[2]);
 const base = args.url;
@@ -157,7 +159,22 @@ async function idle() {
   return { answered_early: early };
 }
 
+function nullServer() {
+  // The client's own ceiling: a Node server that answers 201 at once, stored nothing.
+  const server = http.createServer((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      res.writeHead(201, { "content-type": "application/json" });
+      res.end('{"id":"0"}');
+    });
+  });
+  server.listen(0, "127.0.0.1", () => out({ url: `http://127.0.0.1:${server.address().port}` }));
+  process.stdin.on("end", () => process.exit(0));
+  process.stdin.resume();
+}
+
 async function main() {
+  if (args.mode === "null-server") return nullServer();
   let extra = {};
   if (args.mode === "idle") {
     extra = await idle();
