@@ -330,9 +330,7 @@ class Routes:
         lock = self._locks.setdefault((topic, sub.name), asyncio.Lock())
         while True:
             async with lock:
-                taken, dead = await self.run(self.queues.take, sub, limit)
-                if taken or dead:
-                    await self.run(self.queues.commit_take, sub, taken, dead)
+                taken = await self.queues.read(sub, limit, self.run)
             if taken:
                 self.counters["read"] += len(taken)
                 return reply(200, {"messages": [_shown(item) for item in taken]})
@@ -348,6 +346,7 @@ class Routes:
         mid = request.match_info.get("id")
         if mid is not None:
             unknown = await self.run(self.queues.ack, sub, [mid])
+            self.queues.acked(sub, [mid])
             if unknown:
                 raise HttpError(404, "no such message in flight or queued for this subscriber", "id")
             self.counters["acked"] += 1
@@ -362,6 +361,7 @@ class Routes:
                 or not 0 < len(ids) <= MAX_BATCH:
             raise HttpError(400, f"must be 1-{MAX_BATCH} message ids", "ids")
         unknown = await self.run(self.queues.ack, sub, ids)
+        self.queues.acked(sub, ids)
         self.counters["acked"] += len(ids) - len(unknown)
         return reply(200, {"acked": len(ids) - len(unknown), "unknown": unknown})
 

@@ -22,6 +22,7 @@ taken only once the kv has it (a handler's writes land when it returns).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import re
 import threading
@@ -58,8 +59,12 @@ class Sub:
     source: str | None = None
     push: dict[str, Any] | None = None  # {"url", "secret"} for a webhook (push.py)
     created: int = 0
-    # id -> (attempts, visible at (epoch s)); insertion order is arrival order
+    # id -> [attempts, visible at (epoch s)]: everything queued. ``ready``: the ids that may
+    # be read now, in order; ``later``: (visible at, id) of those read and not acked, a heap.
+    # A read costs what it returns, not what is queued. Changed on the loop thread only.
     queue: dict[str, list[float]] = field(default_factory=dict)
+    ready: dict[str, None] = field(default_factory=dict)
+    later: list[tuple[float, str]] = field(default_factory=list)
     pending: set[str] = field(default_factory=set)  # queued by a handler, not yet confirmed in kv
     dead: int = 0
     deleted: bool = False
@@ -84,8 +89,17 @@ class Sub:
             out["push"] = self.push
         return out
 
+    def due(self, now: float) -> None:
+        """Those whose invisibility ended are ready again."""
+        while self.later and self.later[0][0] <= now:
+            visible_at, mid = heapq.heappop(self.later)
+            entry = self.queue.get(mid)
+            if entry is not None and entry[1] == visible_at:
+                self.ready[mid] = None
+
     def counts(self, now: float) -> dict[str, Any]:
-        inflight = sum(1 for a, v in self.queue.values() if v > now)
+        self.due(now)
+        inflight = len(self.queue) - len(self.ready)
         return {"name": self.name, "topic": self.topic, "unpublished": len(self.queue) - inflight,
                 "in_flight": inflight, "dead_letters": self.dead, "max_attempts": self.max_attempts,
                 "visibility_duration": f"{self.visibility:g}s", "source": self.source,
@@ -114,7 +128,12 @@ class PullQueues:
             _, topic, name, mid = key.split(SEP)
             owner = self.subs.get((topic, name))
             if owner is not None:
-                owner.queue[mid] = [value.get("attempts", 0), value.get("visible_at", 0.0)]
+                visible_at = float(value.get("visible_at", 0.0))
+                owner.queue[mid] = [value.get("attempts", 0), visible_at]
+                if visible_at:
+                    heapq.heappush(owner.later, (visible_at, mid))
+                else:
+                    owner.ready[mid] = None
         for key in (k for k, _v in kv.items(f"gw/dead{SEP}")):
             _, topic, name, _mid = key.split(SEP)
             if (topic, name) in self.subs:
@@ -159,7 +178,7 @@ class PullQueues:
         sub.deleted = True
         with self.pull.transaction() as tx:
             tx.kv.delete(sub.key)
-            for mid in sub.queue:
+            for mid in list(sub.queue):  # one C call: no arrival slips in between
                 tx.kv.delete(sub.msg_key(mid))
             for key, _v in self.pull.kv.items(f"gw/dead{SEP}{topic}{SEP}{name}{SEP}"):
                 tx.kv.delete(key)
@@ -188,6 +207,7 @@ class PullQueues:
             if sub.deleted or mid in sub.queue:
                 continue
             sub.queue[mid] = [0, 0.0]
+            sub.ready[mid] = None
             sub.pending.add(mid)
             self._wake(sub)
 
@@ -199,44 +219,68 @@ class PullQueues:
 
     # --- reading ---------------------------------------------------------------------------------
 
-    def _confirm(self, sub: Sub, mid: str) -> dict[str, Any] | None:
-        """The stored record of ``mid`` (a handler's write lands when it returns)."""
-        value = self.pull.kv.get(sub.msg_key(mid))
-        if value is not None:
-            sub.pending.discard(mid)
-        return value
+    def _fetch(self, sub: Sub, ids: list[str]) -> list[tuple[str, dict[str, Any] | None]]:
+        """The stored records of ``ids`` (a pool thread: kv reads only)."""
+        return [(mid, self.pull.kv.get(sub.msg_key(mid))) for mid in ids]
 
-    def take(self, sub: Sub, limit: int) -> tuple[list[dict[str, Any]], list[tuple[str, dict]]]:
-        """Up to ``limit`` visible messages, each made invisible and its attempt counted; and
-        those whose attempts ran out, to become dead letters. Runs the reads; the caller
-        stores the result (``commit_take``) before answering."""
+    async def read(self, sub: Sub, limit: int, run: Any) -> list[dict[str, Any]]:
+        """Up to ``limit`` messages, each made invisible and its attempt counted, stored
+        (one fsynced write) before they are returned; those whose attempts ran out become
+        dead letters instead. The caller holds the subscriber's read lock."""
         now = time.time()
-        out: list[dict[str, Any]] = []
-        dead: list[tuple[str, dict]] = []
-        for mid, (attempts, visible_at) in list(sub.queue.items()):
-            if len(out) >= limit:
+        sub.due(now)
+        ids: list[str] = []
+        for mid in sub.ready:
+            if len(ids) >= limit:
                 break
-            if visible_at > now:
-                continue
-            record = self._confirm(sub, mid)
+            ids.append(mid)
+        if not ids:
+            return []
+        for mid in ids:
+            del sub.ready[mid]
+        fetched = await run(self._fetch, sub, ids)
+        taken: list[dict[str, Any]] = []
+        dead: list[tuple[str, dict]] = []
+        for mid, record in fetched:
+            entry = sub.queue.get(mid)
+            if entry is None:
+                continue  # acked or deleted meanwhile
             if record is None:
-                if mid not in sub.pending:
-                    del sub.queue[mid]  # gone (deleted meanwhile)
+                if mid in sub.pending:
+                    sub.ready[mid] = None  # its handler's write has not landed: later
+                else:
+                    del sub.queue[mid]
                 continue
-            if attempts >= sub.max_attempts:
+            sub.pending.discard(mid)
+            if entry[0] >= sub.max_attempts:
                 dead.append((mid, record))
                 continue
-            record["attempts"] = int(attempts) + 1
+            attempts = int(entry[0])
+            record["attempts"] = attempts + 1
             # A webhook that failed waits longer each time (up to 5 minutes); a reader
             # that did not ack gets it back after the visibility duration, as it asked.
-            backoff = min(300.0, sub.visibility * 2 ** int(attempts)) if sub.push else sub.visibility
-            record["visible_at"] = now + backoff
-            out.append({"id": mid, **record})
-        return out, dead
+            wait = min(300.0, sub.visibility * 2 ** attempts) if sub.push else sub.visibility
+            record["visible_at"] = now + wait
+            taken.append({"id": mid, **record})
+        if taken or dead:
+            try:
+                await run(self._commit, sub, taken, dead)
+            except BaseException:
+                for item in taken:  # not counted: readable again as they were
+                    if item["id"] in sub.queue:
+                        sub.ready[item["id"]] = None
+                raise
+        for item in taken:
+            entry = sub.queue.get(item["id"])
+            if entry is not None:
+                entry[0], entry[1] = item["attempts"], item["visible_at"]
+                heapq.heappush(sub.later, (item["visible_at"], item["id"]))
+        for mid, _record in dead:
+            if sub.queue.pop(mid, None) is not None:
+                sub.dead += 1
+        return taken
 
-    def commit_take(self, sub: Sub, taken: list[dict[str, Any]], dead: list[tuple[str, dict]]) -> None:
-        if not taken and not dead:
-            return
+    def _commit(self, sub: Sub, taken: list[dict[str, Any]], dead: list[tuple[str, dict]]) -> None:
         with self.pull.transaction() as tx:
             for item in taken:
                 tx.kv[sub.msg_key(item["id"])] = {k: v for k, v in item.items() if k != "id"}
@@ -244,29 +288,26 @@ class PullQueues:
                 tx.kv.delete(sub.msg_key(mid))
                 tx.kv[sub.dead_key(mid)] = {**record, "error": f"not acknowledged after {record.get('attempts')} reads",
                                             "at": int(time.time() * 1000)}
-        for item in taken:
-            if item["id"] in sub.queue:
-                sub.queue[item["id"]] = [item["attempts"], item["visible_at"]]
-        for mid, _record in dead:
-            sub.queue.pop(mid, None)
-            sub.dead += 1
 
     def ack(self, sub: Sub, ids: list[str]) -> list[str]:
-        """Delete the messages ``ids`` (durable when it returns); returns the ids not queued."""
+        """Delete the messages ``ids`` (durable when it returns; a pool thread: kv writes
+        only); returns the ids not queued. ``acked`` then forgets them (loop thread)."""
         known = [mid for mid in ids if mid in sub.queue]
         if known:
             with self.pull.transaction() as tx:
                 for mid in known:
                     tx.kv.delete(sub.msg_key(mid))
-            for mid in known:
-                sub.queue.pop(mid, None)
-                sub.pending.discard(mid)
         return [mid for mid in ids if mid not in known]
+
+    def acked(self, sub: Sub, ids: list[str]) -> None:
+        for mid in ids:
+            sub.queue.pop(mid, None)
+            sub.ready.pop(mid, None)
+            sub.pending.discard(mid)
 
     def next_visible(self, sub: Sub) -> float | None:
         """When the next invisible message becomes visible again (epoch s), or None."""
-        times = [v for a, v in sub.queue.values() if v > time.time()]
-        return min(times) if times else None
+        return sub.later[0][0] if sub.later else None
 
     async def wait(self, sub: Sub, timeout: float) -> None:
         """Until something arrives for ``sub``, a message turns visible, or ``timeout``."""

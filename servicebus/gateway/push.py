@@ -6,7 +6,7 @@ Each message goes as ``POST url`` with the JSON ``{"id", "topic", "payload", "he
 subscriber's secret of ``timestamp + "." + body``: a receiver checks it (and the timestamp's
 age, against replays) before it trusts the message. A 2xx acknowledges it; anything else
 (or no answer within 10 s) leaves it to come back after the visibility duration, doubled per
-attempt up to 5 minutes (gateway/pull.py ``take``); after ``max_attempts`` it is a dead letter, as for a pull
+attempt up to 5 minutes (gateway/pull.py ``read``); after ``max_attempts`` it is a dead letter, as for a pull
 subscriber. At least once: a receiver that answered 2xx after a crash of the gateway may
 get it again (``X-Servicebus-Id`` tells it).
 """
@@ -60,9 +60,7 @@ class Pusher:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT))
         while not sub.deleted and sub.push:
-            taken, dead = await self.run(self.queues.take, sub, BATCH)
-            if taken or dead:
-                await self.run(self.queues.commit_take, sub, taken, dead)
+            taken = await self.queues.read(sub, BATCH, self.run)
             if not taken:
                 await self.queues.wait(sub, 5.0)
                 continue
@@ -70,6 +68,7 @@ class Pusher:
             acked = [item["id"] for item, ok in zip(taken, done) if ok]
             if acked:
                 await self.run(self.queues.ack, sub, acked)
+                self.queues.acked(sub, acked)
 
     async def _post(self, sub: Sub, item: dict[str, Any]) -> bool:
         assert self._session is not None and sub.push is not None
