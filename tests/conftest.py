@@ -202,3 +202,18 @@ def walkable_dir():
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] Spark session (one JVM) for every audit test of the run, those of
+    tests/integration/test_audit.py and the local-mode reference of the cluster test:
+    starting a JVM is seconds of CPU each time. Their modules skip without PySpark or Java
+    before they ask for it."""
+    from servicebus.audit import job
+
+    session = job.spark_session("local[2]")
+    yield session
+    session.stop()
+    if job.SPARK_LOG is not None:
+        job.SPARK_LOG.unlink(missing_ok=True)

@@ -1,7 +1,11 @@
 """The two processes of the SQL outbox's kill tests, driven by command-line flags.
 
 ``relay``: a bus and ``SqlOutbox(bus, engine).start()``; writes ``--ready FILE`` once the
-relay thread runs, stops cleanly on SIGTERM (the tests mostly SIGKILL it).
+relay thread runs, stops cleanly on SIGTERM (the tests mostly SIGKILL it). With
+``--fork-server`` it imports everything once, then on each ``go`` line on stdin forks a
+relay of its own session (printing its pid) and on ``reap PID`` waits for it to end
+(printing ``reaped``): the kill test restarts the relay 50 times, and a new interpreter
+importing SQLAlchemy and the bus each time was most of the test's time.
 
 ``write``: a service instance whose ``--threads`` each commit one outbox row per
 transaction (``{"n": n}``, n unique) into the same database until SIGTERM, rolling about
@@ -23,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import sqlalchemy as sa
 
@@ -93,8 +98,40 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="write: transactions at once")
     ap.add_argument("--batch", type=int, default=100, help="relay: rows per relay step")
     ap.add_argument("--interval", type=float, default=0.001, help="relay: seconds between looks")
+    ap.add_argument("--fork-server", action="store_true", help="relay: fork one on each 'go' line")
     args = ap.parse_args()
+    if args.fork_server:
+        serve_forks(args)
+    else:
+        run(args)
 
+
+def serve_forks(args: argparse.Namespace) -> None:
+    sa.create_engine(args.db).dispose()  # imports the database's driver here, once
+    while line := sys.stdin.readline():
+        if line.startswith("go"):
+            pid = os.fork()
+            if pid == 0:  # the relay: its own session (the test kills its group), not the pipes
+                code = 1
+                try:
+                    os.setsid()
+                    devnull = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(devnull, 0)
+                    os.dup2(2, 1)
+                    run(args)
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stderr.flush()
+                    os._exit(code)
+            print(pid, flush=True)
+        elif line.startswith("reap"):
+            os.waitpid(int(line.split()[1]), 0)
+            print("reaped", flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()}] %(asctime)s %(threadName)s %(message)s")
     stop = threading.Event()

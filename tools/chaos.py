@@ -21,7 +21,9 @@ per run, from what the processes wrote down (nothing is taken from the buses' wo
   after store damage that destroys data (a truncated table, flipped bits);
 - dead letters: at either bus (e.g. a message whose stored record was damaged).
 
-Faults: kill -9 of either side; SIGSTOP/SIGCONT; a network partition between two network
+Faults: kill -9 of either side; a subscriber by service name (``Bus(name=, seeds=)``) killed
+with -9 and started again with its data directory at a new address (another port), where
+the publisher must find it by discovery and move what it owes it; SIGSTOP/SIGCONT; a network partition between two network
 namespaces joined by a veth pair (link down, then iptables random drop), healed; disk full
 on a small tmpfs, then freed; the wall clock moved back (publisher) and forward past the
 dedupe window (subscriber) with libfaketime; store damage (missing CURRENT, a garbage
@@ -62,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +101,13 @@ KINDS = {
     # "earliest" and is slower than the publisher, so it replays a backlog throughout; either
     # side is killed with SIGKILL during that replay.
     "replay-kill": (2, 10),
+    # Services by name: the subscriber (subscribed by name, from a seed) is killed with
+    # SIGKILL and started again with the same data directory at a NEW address (another
+    # port); discovery tells the publisher, and what was owed to it follows it there.
+    "move-subscriber": (2, 10),
 }
+# move-subscriber: discovery at a test's pace (Bus(gossip_interval=, down_after=)).
+NAMED_GOSSIP = ("--gossip-interval", "0.2", "--down-after", "1.0")
 # A handler may run again after a power cut only if its run ended less than this before the
 # cut: the bus syncs unsynced writes SYNC_INTERVAL (0.2 s) after they were made, plus an
 # engine turn and a synced write (here through a FUSE file system in Python, on 2 shared
@@ -264,9 +273,13 @@ class Chaos:
             "transaction-kill": ("--transact", "--kv-out", str(self.work / "kv-count")),
             "replay-kill": ("--start", "earliest", "--handler-ms", "2.5"),
         }.get(self.kind, ())
-        self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"),
-                        options=("--retention", "3600") if self.kind == "replay-kill" else ())
-        self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=pub_bind, disk=disks.get("sub"),
+        pub_options: tuple[str, ...] = ("--retention", "3600") if self.kind == "replay-kill" else ()
+        peer = pub_bind
+        if self.kind == "move-subscriber":  # by name: the subscriber knows the publisher's name and a seed
+            pub_options, peer = ("--name", "chaos-pub", *NAMED_GOSSIP), "chaos-pub"
+            options = ("--name", "chaos-sub", "--seed", pub_bind, *NAMED_GOSSIP)
+        self.pub = Node("pub", self.work, pub_bind, pub_prefix, disk=disks.get("pub"), options=pub_options)
+        self.sub = Node("sub", self.work, sub_bind, sub_prefix, peer=peer, disk=disks.get("sub"),
                         options=options)
         self.subs = [self.sub]
         if self.kind == "group-kill":
@@ -371,6 +384,16 @@ class Chaos:
         node.kill()
         self.restart(node)
 
+    def fault_move_subscriber(self, i: int) -> None:
+        """kill -9, then the same data directory at another port: the same instance (node
+        id) at a new address, which it gossips to the instances it knows (its table is
+        stored). The publisher moves its backlog and cursors there (Roster.move)."""
+        self.sub.kill()
+        host, port = self.sub.bind.rsplit(":", 1)
+        self.sub.bind = f"{host}:{int(port) + 100 + i}"
+        self.run.notes.append(f"subscriber moved to {self.sub.bind}")
+        self.restart(self.sub)
+
     def fault_power_loss(self, i: int) -> None:
         side = ("sub", "both", "pub")[i % 3]
         nodes = {"sub": [self.sub], "pub": [self.pub], "both": [self.pub, self.sub]}[side]
@@ -464,10 +487,12 @@ class Chaos:
         run.acknowledged = len(acked)
         run.handled = sum(1 for mid in acked if mid in handlings)
         run.unacknowledged_handled = len(set(handlings) - set(acked))
-        for node in (self.pub, self.sub):
-            listed = subprocess.run([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
-                                    capture_output=True, text=True)
-            run.deadletters |= {json.loads(line)["id"] for line in listed.stdout.splitlines()}
+        listings = [subprocess.Popen([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    for node in (self.pub, self.sub)]  # both at once: each is a CLI's start-up
+        for listing in listings:
+            stdout, _ = listing.communicate()
+            run.deadletters |= {json.loads(line)["id"] for line in stdout.splitlines()}
         run.lost = [mid for mid in acked if mid not in handlings
                     and mid not in run.reported_lost and mid not in run.deadletters]
         killed = {pid for sub in self.subs for pid in sub.killed} - self.sub.powered_off
@@ -554,10 +579,11 @@ class Chaos:
             "disk-full": ("the store cannot be written", "store failures logged"),
             "partition": ("is down", "peers seen down"),
             "packet-loss": ("is down", "peers seen down"),
+            "move-subscriber": ("what is owed to it follows", "moves seen by the publisher"),
         }.get(self.kind)
         if seen:
             self.run.notes.append(f"{logs.count(seen[0])} {seen[1]}")
-        if "kill" in self.kind:
+        if "kill" in self.kind or self.kind == "move-subscriber":
             killed = len(self.pub.killed) + sum(len(sub.killed) for sub in self.subs)
             self.run.notes.append(f"{killed} processes killed with SIGKILL")
 
@@ -576,7 +602,7 @@ class Chaos:
                     if self.sink.handled.exists() else set()
             if acked <= done | self.run.reported_lost:
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.run.notes.append(f"not everything arrived within {timeout:.0f}s of healing")
 
 
@@ -663,8 +689,13 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
                 chaos.inject(i)
             time.sleep(1.0)
             chaos.settle()
-            for node in chaos.nodes:  # the subscriber before the sink: it writes its count at stop
-                node.stop()
+            # The publisher and the subscribers at once (each polls its stop file, then
+            # closes its bus); the sink after them: a subscriber writes its count at stop,
+            # once what it forwarded reached the sink.
+            with ThreadPoolExecutor() as stopping:
+                list(stopping.map(Node.stop, [n for n in chaos.nodes if n is not chaos.sink]))
+            if chaos.sink is not None:
+                chaos.sink.stop()
             chaos.count()
             chaos.evidence()
     finally:

@@ -45,7 +45,11 @@ def main() -> int:
     ap.add_argument("--role", choices=("pub", "sub", "sink"), required=True)
     ap.add_argument("--bind", required=True)
     ap.add_argument("--datadir", required=True)
-    ap.add_argument("--peer", help="subscriber: the publisher's address")
+    ap.add_argument("--peer", help="subscriber: the publisher's address (or service name, with --name)")
+    ap.add_argument("--name", help="this bus's service name (discovery: Bus(name=...))")
+    ap.add_argument("--seed", action="append", default=[], help="with --name: a bus of the fleet to learn it from")
+    ap.add_argument("--gossip-interval", type=float, default=1.0)
+    ap.add_argument("--down-after", type=float, default=5.0)
     ap.add_argument("--ready", required=True)
     ap.add_argument("--acks")
     ap.add_argument("--handled")
@@ -64,8 +68,10 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[{os.getpid()} {args.role}] %(asctime)s %(threadName)s %(message)s")
+    named = {} if args.name is None else {"name": args.name, "seeds": args.seed,
+                                          "gossip_interval": args.gossip_interval, "down_after": args.down_after}
     try:
-        bus = Bus(args.bind, args.datadir, ack_timeout=1.0, resend_max=2.0, retention=args.retention)
+        bus = Bus(args.bind, args.datadir, ack_timeout=1.0, resend_max=2.0, retention=args.retention, **named)
     except StoreError as exc:
         print(f"cannot open the bus: {exc}", file=sys.stderr, flush=True)
         return 3

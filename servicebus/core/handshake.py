@@ -242,7 +242,7 @@ class Handshake:
             reason = "topic_not_allowed"
         if reason is None and s.channels and not s.channels.may_read(s.service_of(frame.sender, user), frame.topic):
             reason = "not_a_reader"  # channel roles (model/members.py)
-        if reason is None and self.kicked is not None and self.kicked(frame.sender):
+        if reason is None and self.kicked is not None and self.kicked(frame.sender, frame.address):
             reason = "kicked"
         if reason is not None:
             self._refuse(ident, frame, reason, source)

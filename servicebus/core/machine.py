@@ -95,7 +95,7 @@ class Core:
         s.channels = config.channels
         self.members = Directory(s, self.roster, self.handshake, ids.epoch)
         self.handshake.kicked = self.members.is_kicked
-        s.pick = self.members.pick
+        s.pick, s.hint = self.members.pick, self.members.hint
         self._next_tick = self._next_gc = self._next_expiry = 0.0
         self._next_prune = self._next_clock_save = 0.0
         self._codecs = codecs()  # what this bus decodes, told to every peer that pings it
@@ -407,8 +407,10 @@ class Core:
             self.save_clock()
 
     def collect_soon(self) -> None:
-        """Collect garbage at the next ``prepare`` (the last turn before a close)."""
+        """The last turn before a close: collect garbage at the next ``prepare``, and tell
+        the instances discovery knows that this one is leaving."""
         self._next_gc = 0.0
+        self.members.leave()
 
     def save_clock(self) -> None:
         """Carry the bus clock to the store in this turn's batch (clock.py)."""

@@ -1,35 +1,42 @@
 """Discovery and services by name, in the core (sans I/O; the entries: model/members.py).
 
 Every ``gossip_interval`` this bus raises its beat and sends what it knows (itself and the
-instances it sees up) to one instance it knows, to its seeds until they answer, and, for a
-while after its own address changed, to every instance it knows; the one asked answers with
-its own table. An instance whose (epoch, beat) stops growing for ``down_after`` seconds of
-our clock is down; it stays in the table (stored, so a restart needs no seed) until
-forgotten.
+*confirmed* instances it sees up) to one instance it knows, to one it has business with,
+to its seeds until they answer, to at most two addresses it was told of, and, for a while
+after its own address changed, to every instance it knows. The one asked answers with its
+own table. An instance whose (epoch, beat) stops growing for ``down_after`` seconds of our
+clock is down; it stays in the table (stored: a restart needs no seed) until kicked.
 
-What is believed from whom:
-- an instance's **address** only from the instance itself (the gossip frame is its own,
-  and the address is on the host the frame came from, or, with CURVE, the frame's key is
-  the entry's): nobody can move another instance's backlog by announcing an address.
-  Such an address is *vouched*: a subscribe or request naming it is allowed without
-  ``allow_peers`` (State.address_refused);
-- a **new instance** from anyone (that is how a fleet spreads), a ``tcp://`` address only;
-  with CURVE only an entry whose key peers.toml lists with the right to that name;
-- with CURVE, a name only from a key allowed it (peers.toml ``names``).
+What is believed from whom (a hostile review of issue 30 found each of these open):
+- An instance is *confirmed* only first hand: its own gossip to us, or its answer on our
+  connection to its address. Only confirmed instances are subscribed to, sent commands by
+  name, vouched for and told to others. What others say of one we never heard is a hint we
+  ask ourselves (100 at most, 16 new a frame, two asked a turn, forgotten unanswered).
+- An instance proves itself to us with HMAC(its secret, our node id), the same every time
+  and known to nobody else (it travels only to us). We keep the first one (trust on first
+  use); a first-hand frame with another is refused, and a move (a new address) needs it:
+  nobody can move another instance's backlog by naming its node id.
+- Second hand, a confirmed instance's entry only keeps it alive, if its age grew plausibly
+  (one more start at most, no more beats than time allows); its name, key, topics and
+  address change only first hand; a new address heard second hand is asked there.
+- A first-hand address must be on the host the frame came from (or the one we connected
+  to); with CURVE the key must be the frame's and peers.toml must allow it the name.
 
-When an instance's address changes, what is owed to it follows: its subscriptions, their
-cursors and backlogs, and the commands queued for it move to the new address
-(``Roster.move``); this bus's subscriptions to it are asked again at the new address.
+When an instance moves, what is owed to it follows (``Roster.move``: subscriptions, cursors,
+backlogs, queued commands) and this bus's subscriptions to it are asked again there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from ..model.members import MAX_MEMBERS, SERVICE, Member
+from ..model.members import MAX_MEMBERS, Member
 from ..model.packer import pack
 from ..model.stored import IntentRecord
 from ..wire import protocol as P
@@ -37,22 +44,18 @@ from ..wire.validation import validate_address
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
-from .state import Intent, State
+from .services import Known, ServiceIntents, fleet_view, is_kicked, kick_target, load_table, readmit, stored_table
+from .state import State
 
 __all__ = ["Directory", "Known"]
 
 log = logging.getLogger("servicebus")
 
-VERSION = "0.3"
-
-
-@dataclass(eq=False)
-class Known:
-    member: Member
-    heard: float  # our monotonic clock when its (epoch, beat) last grew
-    up: bool
-    since: int  # wall ms it went up or down
-    via: str | None = None  # the source host of its own last gossip (first hand)
+VERSION = "0.3"  # told in gossip (the fleet view shows it)
+MAX_HINTS = 100  # instances heard of second hand and not confirmed yet, at most
+NEW_PER_FRAME = 16  # of them taken from one frame
+PROBES = 2  # of them asked per turn
+TABLE_BYTES = 256 << 10  # a gossip frame's table at most (a receiver takes 3 MiB)
 
 
 class Directory:
@@ -71,105 +74,24 @@ class Directory:
         self.next_gossip = 0.0
         self.announce_until = 0.0
         self.moved = False  # this bus listens elsewhere than at its last start
+        self.spread = False  # a new instance wrote to us: tell every instance at once
+        self.last_tick = self.last_beat = -1e9
         self.dirty = False
-        self.kicked: dict[str, str] = {}  # node id or "svc:<name>" -> why (servicebus fleet kick)
-        self.name_intents: dict[tuple[str, str], Intent] = {}  # (service, topic) -> intent
+        self.kicked: dict[str, str] = {}  # node id, address or "svc:<name>" -> why (kick)
+        self.secret = os.urandom(16)
+        self.hints: dict[str, list[Any]] = {}  # address -> [node, times asked]: asked there (3 times)
+        self.services = ServiceIntents(state, roster, handshake, self)
         self._turn = 0
+        self._saved_me: Any = None
 
     # --- the table -----------------------------------------------------------------------
 
     def load(self, stored: dict[str, Any] | None, wall: int) -> None:
         """The table as the bus left it (all down until they gossip again)."""
-        if not stored:
-            return
-        self.kicked = dict(stored.get("kicked") or {})
-        for entry in stored.get("members") or []:
-            try:
-                member = Member.from_wire(entry, lambda a: a if isinstance(a, str) else "")
-            except (TypeError, ValueError):
-                continue
-            if member.node != self.s.node_id:
-                self.known[member.node] = Known(member, 0.0, False, int(entry.get("since") or wall),
-                                                entry.get("via"))
-            elif member.address != self.s.address:
-                # We moved: tell everyone we knew at once, so that what they owe us follows.
-                self.moved = True
-                log.info("this bus moved from %s to %s: telling the %d instances it knows",
-                         member.address, self.s.address, len(stored.get("members") or []) - 1)
-        for k in self.known.values():
-            self.s.services[k.member.node] = k.member.name
-            if k.via is not None:
-                self.s.vouched[k.member.address] = (k.via, k.member.key)
+        load_table(self, stored, wall)
 
     def stored(self) -> dict[str, Any]:
-        members = [self.me().wire()] if self.name else []
-        for k in self.known.values():
-            members.append({**k.member.wire(), "since": k.since, "via": k.via, "up": k.up})
-        return {"members": members, "kicked": self.kicked}
-
-    def me(self) -> Member:
-        s = self.s
-        publishes = sorted({topic for _addr, topic in s.subscriptions} | set(s.routes.retention.rules))
-        subscribes = sorted({topic for _p, topic in s.intents} | {t for _n, t in self.name_intents})
-        key = s.trust.public.decode() if s.trust is not None else None
-        return Member(s.node_id, self.name or "", s.address, self.epoch, self.beat, key,
-                      tuple(publishes[:200]), tuple(subscribes[:200]), VERSION)
-
-    def instances(self, name: str) -> list[Known]:
-        return [k for k in self.known.values() if k.member.name == name]
-
-    def pick(self, name: str) -> str:
-        """The address of one instance of ``name`` for a command or request: an instance
-        that is up, in turn (round robin); if none is, the one heard from last.
-        ``ValueError`` if none is known."""
-        found = self.instances(name)
-        if not found:
-            raise ValueError(f"no instance of service {name!r} is known (yet): give this bus a seed "
-                             "(Bus(seeds=[...])) or wait until discovery finds one")
-        up = sorted((k for k in found if k.up), key=lambda k: k.member.node)
-        if up:
-            self._turn += 1
-            return up[self._turn % len(up)].member.address
-        return max(found, key=lambda k: k.heard).member.address
-
-    # --- gossip ----------------------------------------------------------------------------
-
-    def tick(self, now: float) -> None:
-        if not self.on or now < self.next_gossip:
-            return
-        s = self.s
-        self.next_gossip = now + s.config.gossip_interval
-        self.beat += 1
-        if self.moved:
-            self.moved, self.announce_until, self.dirty = False, now + s.config.down_after, True
-        for k in self.known.values():
-            if k.up and now - k.heard > s.config.down_after:
-                k.up, k.since = False, s.wall()
-                self.dirty = True
-                log.info("instance %s of %s at %s is down (no gossip for %.1fs)", k.member.node,
-                         k.member.name, k.member.address, now - k.heard)
-        targets: set[str] = set()
-        up = [k for k in self.known.values() if k.up]
-        down = [k for k in self.known.values() if not k.up]
-        if up:
-            targets.add(random.choice(up).member.address)
-        if down and (not up or self.beat % 5 == 0):
-            targets.add(random.choice(down).member.address)  # to find them again after a cut
-        targets.update(seed for seed in self.seeds if seed not in self.heard_seeds)
-        if now < self.announce_until:
-            targets.update(k.member.address for k in self.known.values())
-        frames = P.encode_gossip(s.node_id, self.table())
-        for address in targets:
-            if address in s.own:
-                continue
-            try:
-                peer = self.roster.peer(address)
-            except ValueError as exc:
-                log.debug("not gossiping to %s: %s", address, exc)
-                continue
-            self.roster.send(peer, frames)
-        s.counters["gossip_sent"] += len(targets)
-        self.save()
+        return stored_table(self)
 
     def save(self) -> None:
         """Store the table if it changed (in the turn's batch: a meta record, no fsync of
@@ -177,6 +99,128 @@ class Directory:
         if self.dirty:
             self.dirty = False
             self.s.out.batch.put_meta("members", pack(self.stored()))
+
+    def me(self) -> Member:
+        s = self.s
+        publishes = sorted({topic for _addr, topic in s.subscriptions} | set(s.routes.retention.rules))
+        subscribes = sorted({topic for _p, topic in s.intents} | self.services.topics())
+        key = s.trust.public.decode() if s.trust is not None else None
+        return Member(s.node_id, self.name or "", s.address, self.epoch, self.beat, key,
+                      tuple(publishes[:200]), tuple(subscribes[:200]), VERSION)
+
+    def proof(self, node: str) -> str:
+        """What this bus proves itself with to ``node`` (see the module's docstring)."""
+        return hmac.new(self.secret, node.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def addresses(self, service: str) -> list[str]:
+        return [k.member.address for k in self.known.values() if k.confirmed and k.member.name == service]
+    def pick(self, name: str) -> str:
+        """The address of one instance of ``name`` for a command or request: of those up,
+        the ones heard from within two gossip intervals (else any up), in turn; if none is
+        up, the one heard from last. ``ValueError`` if none is known."""
+        found = [k for k in self.known.values() if k.confirmed and k.member.name == name]
+        if not found:
+            raise ValueError(f"no instance of service {name!r} is known (yet): give this bus a seed "
+                             "(Bus(seeds=[...])) or wait until discovery finds one")
+        up = sorted((k for k in found if k.up), key=lambda k: k.member.node)
+        fresh = [k for k in up if self.s.now - k.heard <= 2 * self.s.config.gossip_interval]
+        if fresh or up:
+            chosen = fresh or up
+            self._turn += 1
+            return chosen[self._turn % len(chosen)].member.address
+        return max(found, key=lambda k: k.heard).member.address
+
+    # --- gossip ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        if not self.on or now < self.next_gossip:
+            return
+        s, cfg = self.s, self.s.config
+        self.next_gossip = now + cfg.gossip_interval
+        if now - self.last_beat >= cfg.gossip_interval * 0.99:  # an early turn raises no beat
+            self.beat += 1
+            self.last_beat = now
+        self.last_tick = now
+        if self.moved:
+            self.moved, self.announce_until, self.dirty = False, now + cfg.down_after, True
+        for node, k in list(self.known.items()):
+            if not k.confirmed:
+                if now - k.heard > 3 * cfg.down_after:  # told of, never answered: forgotten
+                    del self.known[node]
+                    self.roster.drop_if_unused(k.member.address)
+                continue
+            if k.up and now - k.heard > cfg.down_after:
+                k.up, k.since = False, s.wall()
+                self.dirty = True
+                log.info("instance %s of %s at %s is down (no gossip for %.1fs)", k.member.node,
+                         k.member.name, k.member.address, now - k.heard)
+        targets: dict[str, str] = {}
+        confirmed = [k for k in self.known.values() if k.confirmed]
+        up = [k for k in confirmed if k.up]
+        down = [k for k in confirmed if not k.up]
+        if up:
+            k = random.choice(up)
+            targets[k.member.address] = k.member.node
+        if down and (not up or self.beat % 5 == 0):
+            k = random.choice(down)  # to find them again after a cut
+            targets[k.member.address] = k.member.node
+        related = sorted(k for k in {p for p, _t in s.intents} | {a for a, _t in s.subscriptions})
+        by_address = {k.member.address: k.member.node for k in confirmed}
+        if related:
+            address = related[self.beat % len(related)]  # business partners learn our proof
+            if address in by_address:
+                targets[address] = by_address[address]
+        for seed in self.seeds:
+            if seed not in self.heard_seeds:
+                targets.setdefault(seed, "")
+        if now < self.announce_until or self.spread:
+            targets.update(by_address)
+            self.spread = False
+        asked = 0
+        for address, node in [(a, h[0]) for a, h in self.hints.items()] + [
+                (k.member.address, k.member.node) for k in self.known.values() if not k.confirmed]:
+            if asked >= PROBES:
+                break
+            hinted = self.known.get(node)
+            if hinted is not None and not hinted.confirmed:
+                if now - hinted.probed < cfg.down_after:
+                    continue
+                hinted.probed = now
+            hint = self.hints.get(address)
+            if hint is not None:
+                hint[1] += 1
+                if hint[1] >= 3:  # the first may go before the connection is made: three tries
+                    del self.hints[address]
+            targets.setdefault(address, node)
+            asked += 1
+        table = self.table()
+        for address, node in targets.items():
+            if address in s.own:
+                continue
+            try:
+                peer = self.roster.peer(address)
+            except ValueError as exc:
+                log.debug("not gossiping to %s: %s", address, exc)
+                continue
+            self.roster.send(peer, P.encode_gossip(s.node_id, table, proof=self.proof(node) if node else None))
+        s.counters["gossip_sent"] += len(targets)
+        mine = self.me().wire()
+        mine.pop("beat")
+        if mine != self._saved_me:
+            self._saved_me, self.dirty = mine, True
+        self.save()
+
+    def table(self) -> list[dict[str, Any]]:
+        out = [self.me().wire()] if self.name else []
+        size = 0
+        for k in self.known.values():
+            if k.up and k.confirmed and len(out) < MAX_MEMBERS:
+                entry = k.member.wire()
+                size += 100 + sum(len(t) for t in (*k.member.publishes, *k.member.subscribes))
+                if size > TABLE_BYTES:
+                    break
+                out.append(entry)
+        return out
 
     def set_seeds(self, addresses: list[str]) -> None:
         """The seeds as found now (engine/seeds.py: DNS, mDNS, and the static ones)."""
@@ -192,15 +236,37 @@ class Directory:
             self.next_gossip = 0.0  # ask them now
             log.info("new seeds: %s", ", ".join(new))
 
+    def leave(self) -> None:
+        """A clean stop: every instance up is told (they mark this one down at once, so
+        that commands and requests by name go to the others meanwhile)."""
+        if not self.on or not self.name:
+            return
+        farewell = [replace(self.me(), beat=self.beat + 1, left=True).wire()]
+        for k in self.known.values():
+            peer = self.s.peers.get(k.member.address)
+            if k.confirmed and k.up and peer is not None:
+                self.roster.send(peer, P.encode_gossip(self.s.node_id, farewell, proof=self.proof(k.member.node)))
+
+    def soon(self, now: float) -> None:
+        """Gossip at the next turn, but not within 0.1 s of the last (a flood of news must
+        not make this bus gossip without end)."""
+        self.next_gossip = min(self.next_gossip, max(now, self.last_tick + 0.1))
+
     def peer_up(self, address: str) -> None:
-        """A connection just answered: a seed that did is asked at once."""
+        """A connection just answered: a seed that did, or an address we asked who it is
+        (the ask went before it was connected, and ZeroMQ dropped it), is asked at once."""
         if address in self.seeds and address not in self.heard_seeds:
             self.next_gossip = 0.0
+        for k in self.known.values():
+            if not k.confirmed and k.member.address == address:
+                k.probed = -1e9
+                self.soon(self.s.now)
 
-    def table(self) -> list[dict[str, Any]]:
-        out = [self.me().wire()] if self.name else []
-        out += [k.member.wire() for k in self.known.values() if k.up][:MAX_MEMBERS - 1]
-        return out
+    def hint(self, address: str) -> None:
+        """A sender we know nothing of (channel roles held its messages): ask who it is."""
+        if len(self.hints) < MAX_HINTS and address.startswith("tcp://"):
+            self.hints.setdefault(address, ["", 0])
+            self.soon(self.s.now)
 
     def on_gossip(self, frame: P.Gossip, now: float, source: str | None, user: str | None,
                   ident: bytes | None = None, address: str | None = None) -> None:
@@ -210,12 +276,18 @@ class Directory:
         s.counters["gossip_received"] += 1
         if address is not None:
             self.heard_seeds.add(address)
+            self.hints.pop(address, None)
+        new = 0
         for member in frame.members:
             if member.node == s.node_id:
                 continue
-            self._merge(member, member.node == frame.sender, now, source, user, address)
+            if member.node == frame.sender:
+                self._first_hand(member, frame.proof, now, source, user, address)
+            elif self._second_hand(member, now, new < NEW_PER_FRAME):
+                new += 1
         if ident is not None and not frame.reply:
-            s.out.to_router.append((ident, P.encode_gossip(s.node_id, self.table(), reply=True)))
+            s.out.to_router.append((ident, P.encode_gossip(s.node_id, self.table(), reply=True,
+                                                           proof=self.proof(frame.sender))))
         self.save()
 
     def _refuse(self, member: Member, why: str) -> None:
@@ -224,208 +296,151 @@ class Directory:
             log.warning("refused what gossip said of %s (%s at %s): %s; %d refused so far",
                         member.node, member.name, member.address[:200], why, total)
 
-    def _believed(self, member: Member, first: bool, source: str | None, user: str | None,
-                  connected: str | None) -> str | None:
-        """Why ``member`` is not believed, or None. ``connected``: the address of our
-        connection it came back on (an answer): the bus listening there speaks for itself."""
+    def _believed(self, member: Member, source: str | None, user: str | None, connected: str | None) -> str | None:
+        """Why a first-hand ``member`` is not believed, or None. ``connected``: the address
+        of our connection it came back on (an answer): the bus listening there speaks."""
         s = self.s
         if s.trust is not None:
             entry = s.trust.peer_of(member.key)
             if entry is None:
                 return "unknown_key"
-            if first and member.key != user:
+            if member.key != user if connected is None else member.key not in s.trust.server_keys(connected):
                 return "not_its_key"
             if not entry.may_name(member.name):
                 return "name_not_allowed"
             known = self.known.get(member.node)
-            if known is not None and known.member.key not in (None, member.key):
+            if known is not None and known.confirmed and known.member.key not in (None, member.key):
                 return "node_key_changed"
             return None
-        if first:
-            return None if member.address == connected else s.policy.refuse(member.address, source)
-        return None if member.address.startswith("tcp://") else "not_tcp"
+        return None if member.address == connected else s.policy.refuse(member.address, source)
 
-    def _merge(self, member: Member, first: bool, now: float, source: str | None, user: str | None,
-               connected: str | None) -> None:
+    def _first_hand(self, member: Member, proof: str | None, now: float, source: str | None,
+                    user: str | None, connected: str | None) -> None:
         s = self.s
-        why = self._believed(member, first, source, user, connected)
+        why = self._believed(member, source, user, connected)
+        k = self.known.get(member.node)
+        if why is None and k is not None and k.proof is not None and proof != k.proof:
+            why = "bad_proof"  # not the instance that wrote to us before
+        if why is None and k is not None and k.confirmed and member.address != k.member.address and \
+                (k.proof is None or proof != k.proof):
+            why = "move_unproven"
+        if why in ("host_name_not_allowed", "not_source_host") and connected is None:
+            self._ask(member)  # believed once it answers there itself (ZeroMQ resolves names)
+            return
         if why is not None:
             self._refuse(member, why)
             return
-        k = self.known.get(member.node)
         if k is None:
-            if len(self.known) >= MAX_MEMBERS:
+            if len(self.known) >= MAX_MEMBERS and not self._evict():
                 self._refuse(member, "table_full")
                 return
-            k = self.known[member.node] = Known(member, now, True, s.wall(), source if first else None)
-            self.dirty = True
-            log.info("found instance %s of %s at %s%s", member.node, member.name, member.address,
-                     "" if first else " (told by another)")
-            self._vouch(k, first)
-            self.resolve(member.name)
+            k = self.known[member.node] = Known(member, now, False, s.wall())
+        old, was = k.member, k.confirmed
+        if k.proof is None and proof is not None:
+            k.proof, self.dirty = proof, True
+        k.member, k.heard, k.via, k.confirmed = member, now, source, True
+        if member.left:
+            if k.up:
+                k.up, k.since, self.dirty = False, s.wall(), True
+                log.info("instance %s of %s at %s left", member.node, member.name, member.address)
             return
-        old = k.member
-        moved = first and member.address != old.address
-        if member.age <= old.age and not moved:
-            return
-        if not first:
-            member = replace(member, address=old.address)  # an address only first hand
-        k.member, k.heard = member, now
-        if first:
-            k.via = source
         if not k.up:
-            k.up, k.since = True, s.wall()
+            k.up, k.since, self.dirty = True, s.wall(), True
+            log.info("instance %s of %s at %s is up%s", member.node, member.name, member.address,
+                     "" if was else " (found)")
+        if not was or (old.name, old.key, old.publishes, old.subscribes, old.version, old.address) != \
+                (member.name, member.key, member.publishes, member.subscribes, member.version, member.address):
             self.dirty = True
-            log.info("instance %s of %s at %s is up", member.node, member.name, member.address)
-        if (old.name, old.key, old.publishes, old.subscribes, old.version) != \
-                (member.name, member.key, member.publishes, member.subscribes, member.version):
-            self.dirty = True
-        self._vouch(k, first)
-        if moved:
-            self.dirty = True
+        self._vouch(k, True)
+        if was and member.address != old.address:
             s.counters["instances_moved"] += 1
             log.warning("instance %s of %s moved from %s to %s: what is owed to it follows",
                         member.node, member.name, old.address, member.address)
             s.vouched.pop(old.address, None)
             self.roster.move(old.address, member.address, member.node)
-            self._move_intents(old.address, member.address)
-        if old.name != member.name:
-            self.resolve(member.name)
+            self.services.moved(old.address, member.address)
+        if not was and connected is None:  # it wrote to us first (we are its seed): tell all now
+            self.spread = True
+            self.soon(now)
+        if not was or old.name != member.name:
+            self.services.resolve(member.name)
 
-    def _vouch(self, k: Known, first: bool = False) -> None:
+    def _plausible(self, k: Known, member: Member, now: float) -> bool:
+        """A second-hand age no instance could have made up: one more start at most, and
+        no more beats than the time since we last heard of it allows (twice over)."""
+        room = 10 + 2 * max(0.0, now - k.heard) / self.s.config.gossip_interval
+        if member.epoch == k.member.epoch:
+            return k.member.beat < member.beat <= k.member.beat + room
+        return member.epoch == k.member.epoch + 1 and member.beat <= room
+
+    def _second_hand(self, member: Member, now: float, may_add: bool) -> bool:
+        """What another says of ``member``; True if it was new to us (a hint taken)."""
+        s = self.s
+        k = self.known.get(member.node)
+        if k is None:
+            hints = sum(1 for x in self.known.values() if not x.confirmed)
+            if not may_add or hints >= MAX_HINTS or not member.address.startswith("tcp://") or \
+                    len(self.known) >= MAX_MEMBERS or (s.trust is not None and self._believed(member, None, None, "")):
+                s.counters["gossip_hints_dropped"] += 1
+                return False
+            self.known[member.node] = Known(member, now, False, s.wall())
+            self._ask(member, probe=False)
+            self.soon(now)  # asked at once
+            return True
+        if not k.confirmed:
+            return False
+        if self._plausible(k, member, now):
+            k.member, k.heard = replace(k.member, epoch=member.epoch, beat=member.beat), now
+            if not k.up:
+                k.up, k.since, self.dirty = True, s.wall(), True
+            if member.address != k.member.address and member.address.startswith("tcp://"):
+                self._ask(member)  # moved, they say: ask it there
+        return False
+
+    def _ask(self, member: Member, probe: bool = True) -> None:
+        """Ask ``member.address`` who listens there (next turn, if ``probe``); with CURVE,
+        with the key ``member`` names, which the answer must then show."""
+        s = self.s
+        if s.trust is not None and member.key is not None and not s.trust.server_keys(member.address):
+            s.trust.learned[member.address] = (member.key,)
+        if probe and len(self.hints) < MAX_HINTS:
+            self.hints[member.address] = [member.node, 0]
+
+    def _evict(self) -> bool:
+        """Room for an instance heard first hand: the oldest hint goes."""
+        hints = [(k.heard, node) for node, k in self.known.items() if not k.confirmed]
+        if not hints:
+            return False
+        del self.known[min(hints)[1]]
+        return True
+
+    def _vouch(self, k: Known, first: bool) -> None:
         s = self.s
         s.services[k.member.node] = k.member.name
-        if first or k.via is not None:
-            s.vouched[k.member.address] = (k.via, k.member.key)
+        s.vouched[k.member.address] = (k.via, k.member.key)
         if s.trust is not None and k.member.key is not None and not s.trust.server_keys(k.member.address):
             s.trust.learned[k.member.address] = (k.member.key,)  # connected to with its key
 
-    # --- subscriptions to services ---------------------------------------------------------
+    # --- subscriptions to services, kicks, the view ---------------------------------------------
 
     def load_intent(self, service: str, topic: str, record: IntentRecord) -> None:
-        self.name_intents[(service, topic)] = Intent(SERVICE + service, topic, record["op"], record["id"],
-                                                     True, group=record.get("group"),
-                                                     ordered=bool(record.get("ordered")),
-                                                     limit=record.get("limit"), start=record.get("start"))
+        self.services.load(service, topic, record)
 
     def subscribe(self, cmd: SubscribeCmd) -> None:
-        """``subscribe("orders", topic)``: stored as an intent to the service; every
-        instance of it known now or found later gets an intent of its own (``resolve``)."""
-        s = self.s
+        """``subscribe("orders", topic)``: services.py."""
         if not self.on:
             raise ValueError("subscribing to a service by name needs discovery: start this bus with "
                              "name=... and/or seeds=[...] (or subscribe to an address)")
-        service = cmd.publisher[len(SERVICE):]
-        key = (service, cmd.topic)
-        if cmd.op == "unsubscribe":
-            self.name_intents.pop(key, None)
-            s.out.batch.delete_intent(cmd.publisher, cmd.topic)
-            for (publisher, topic), intent in list(s.intents.items()):
-                if topic == cmd.topic and intent.via == service and intent.op == "subscribe":
-                    self.handshake.subscribe(SubscribeCmd(publisher, topic, "unsubscribe", None, cmd.confirmed))
-        else:
-            intent = Intent(cmd.publisher, cmd.topic, "subscribe", s.ids.next(), True, group=cmd.group,
-                            ordered=cmd.ordered, limit=cmd.limit, start=cmd.start)
-            intent.waiters = [cmd.confirmed] if cmd.confirmed is not None else []
-            self.name_intents[key] = intent
-            s.out.batch.put_intent(cmd.publisher, cmd.topic, intent.record(s.wall()))
-            self.resolve(service)
-        s.out.batch.sync = True
-        s.out.release.append((cmd.future, True))
-
-    def resolve(self, service: str) -> None:
-        """Give every known instance of ``service`` the subscriptions asked of the service."""
-        s = self.s
-        for (name, topic), wanted in self.name_intents.items():
-            if name != service:
-                continue
-            for k in self.instances(service):
-                address = k.member.address
-                if address in s.own:
-                    continue
-                have = s.intents.get((address, topic))
-                if have is not None and have.op == "subscribe":
-                    have.waiters.extend(wanted.waiters)
-                    continue
-                try:
-                    self.handshake.subscribe(SubscribeCmd(address, topic, "subscribe", None, None, wanted.group,
-                                                          wanted.ordered, wanted.limit, wanted.start), via=name)
-                except ValueError as exc:
-                    log.error("cannot subscribe to %s at %s (instance of %s): %s", topic, address, name, exc)
-                    continue
-                s.intents[(address, topic)].waiters.extend(wanted.waiters)
-            if self.instances(service):
-                wanted.waiters = []
-
-    def _move_intents(self, old: str, new: str) -> None:
-        """Our subscriptions to an instance that moved: asked again at its new address
-        (it has them stored: a repeat, acked at once); the old ones forgotten here, not
-        unsubscribed (the address is not that instance's any more)."""
-        s = self.s
-        for (publisher, topic), intent in list(s.intents.items()):
-            if publisher != old:
-                continue
-            del s.intents[(publisher, topic)]
-            s.intent_ids.pop(intent.id, None)
-            s.out.batch.delete_intent(publisher, topic)
-            if intent.op == "subscribe" and (new, topic) not in s.intents:
-                self.handshake.subscribe(SubscribeCmd(new, topic, "subscribe", None, None, intent.group,
-                                                      intent.ordered, intent.limit, intent.start), via=intent.via)
-        self.roster.drop_if_unused(old)
-
-    # --- the fleet view and kicks ------------------------------------------------------------
+        self.services.subscribe(cmd)
 
     def view(self, now: float) -> list[dict[str, Any]]:
-        rows = []
-        if self.name:
-            rows.append({**self.me().wire(), "up": True, "since": None, "self": True})
-        for k in self.known.values():
-            rows.append({**k.member.wire(), "up": k.up, "since": k.since, "via": k.via,
-                         "silent": None if not k.heard else round(now - k.heard, 3),
-                         "kicked": self.kicked.get(k.member.node) or self.kicked.get(SERVICE + k.member.name)})
-        return rows
+        return fleet_view(self, now)
 
-    def is_kicked(self, node: str) -> str | None:
-        if not self.kicked:
-            return None
-        if node in self.kicked:
-            return self.kicked[node]
-        name = self.s.services.get(node)
-        return None if name is None else self.kicked.get(SERVICE + name)
+    def is_kicked(self, node: str, address: str = "") -> str | None:
+        return is_kicked(self.s, self.kicked, node, address)
 
     def kick(self, target: str, why: str, handshake: Handshake) -> dict[str, Any]:
-        """Remove the instance (node id, or address) or every instance of the service
-        ``target`` from this publisher's subscribers: their subscriptions end, what they
-        were owed is dropped (journaled ``dropped`` with reason ``kicked: why``), and their
-        subscribes are refused until ``readmit``. Returns what was done."""
-        s = self.s
-        nodes = {k.member.node for k in self.known.values()
-                 if target in (k.member.node, k.member.address, k.member.name)}
-        if not nodes and not any(target == addr or target == rec.get("node")
-                                 for (addr, _t), rec in s.subscriptions.items()):
-            raise ValueError(f"{target!r} is no instance, address or service this bus knows")
-        service = target if any(k.member.name == target for k in self.known.values()) else None
-        key = SERVICE + service if service else target
-        self.kicked[key] = why or "kicked by an operator"
-        ended = []
-        for (address, topic), record in list(s.subscriptions.items()):
-            if address == target or record.get("node") in nodes or record.get("node") == target or \
-                    (service is not None and s.services.get(str(record.get("node"))) == service):
-                handshake.end(address, topic, f"kicked: {self.kicked[key]}")
-                ended.append({"subscriber": address, "topic": topic})
-        self.dirty = True
-        self.save()
-        self.s.out.batch.sync = True
-        log.warning("kicked %s (%s): %d subscriptions ended", target, self.kicked[key], len(ended))
-        return {"kicked": key, "why": self.kicked[key], "ended": ended}
+        return kick_target(self, target, why, handshake)
 
     def readmit(self, target: str) -> dict[str, Any]:
-        found = [k for k in (target, SERVICE + target) if k in self.kicked]
-        for key in found:
-            del self.kicked[key]
-        if not found:
-            raise ValueError(f"{target!r} is not kicked")
-        self.dirty = True
-        self.save()
-        self.s.out.batch.sync = True
-        return {"readmitted": found}
+        return readmit(self, target)

@@ -38,7 +38,9 @@ class Receiver:
 
     def _writers_only(self, ident: bytes, frame: P.Batch, user: str | None) -> P.Batch:
         """Channel roles (model/members.py): events and commands of a topic only from the
-        services that may write it; the rest refused for good (dead letters at the sender)."""
+        services that may write it; the rest refused for good (dead letters at the sender).
+        From a sender discovery does not know yet, held: neither acked nor refused (it
+        sends them again), and the sender is asked who it is."""
         s = self.s
         service = s.service_of(frame.sender, user)
         allowed = s.channels.may_write
@@ -46,9 +48,14 @@ class Receiver:
         denied += [m.id for m in frame.invalid if m.topic is None or not allowed(service, m.topic)]
         if not denied:
             return frame
-        s.counters["refused_not_a_writer"] += len(denied)
-        s.out.to_router.append((ident, P.encode_nack(denied, (
-            f"service {service or '(unknown)'} may not write this topic here (channel roles)"))))
+        if service is None and s.trust is None:
+            s.counters["held_unknown_writer"] += len(denied)
+            if frame.reply_to:
+                s.hint(frame.reply_to)
+        else:
+            s.counters["refused_not_a_writer"] += len(denied)
+            s.out.to_router.append((ident, P.encode_nack(denied, (
+                f"service {service or '(unknown)'} may not write this topic here (channel roles)"))))
         return frame._replace(messages=tuple(e for e in frame.messages if allowed(service, e.topic)),
                               invalid=tuple(m for m in frame.invalid if m.topic is not None
                                             and allowed(service, m.topic)))

@@ -166,6 +166,7 @@ class State:
     vouched: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     channels: Any = None  # channel roles (model/members.py Channels), empty when none
     pick: Callable[[str], str] | None = None  # a service name -> one instance's address
+    hint: Callable[[str], None] = lambda address: None  # an unknown sender: ask who it is
     counters: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)  # per kind of trouble, for tally
@@ -217,8 +218,10 @@ class State:
                 return None  # the instance with this key gave this address itself
             return None if address == entry.address else "not_its_own_address"
         reason = self.policy.refuse(address, source)
-        if reason is not None and vouched is not None and source is not None and vouched[0] == source:
-            return None  # an instance told us this address itself, from that host
+        if reason is not None and vouched is not None and vouched[0] in (None, source):
+            # An instance told us this address itself, from that host, or answered there
+            # on our own connection (a host name: ZeroMQ resolved it, we did not).
+            return None
         return reason
 
     def target(self, address: str) -> str:

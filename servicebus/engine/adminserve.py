@@ -1,7 +1,8 @@
 """Serving the admin endpoint inside a running bus: requests are read on the engine
 thread, views run on one thread beside it (a view of a big store can take a while), and
 their replies go back through the engine's queue, since only the engine sends on sockets.
-The operations that write (replay, purge: maintain.py) are queued for the engine itself."""
+The operations that write (replay, purge, kick, readmit: maintain.py) are queued for the
+engine itself; the fleet view asks the engine for discovery's table (maintain.MEMBERS)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from .maintain import OPS, Maintain
+from .maintain import MEMBERS, OPS, Maintain
 from ..ops import admin as A
 from ..ops.export import export_rows
 from ..ops.views import run_view
@@ -33,6 +34,7 @@ READ_LIMIT = 100  # requests read per turn
 EXPORT_PAGE = 1000  # export rows per reply
 EXPORT_IDLE = 60.0  # seconds an export the CLI stopped asking for stays open
 EXPORTS = 4  # exports open at once, at most
+MEMBERS_TIMEOUT = 10.0  # seconds the view thread waits for the engine's fleet table
 
 
 @dataclass
@@ -87,7 +89,10 @@ class AdminServer:
             if view == A.EXPORT_VIEW:
                 rows = self._export_page(args.get("cursor"))
             else:
-                rows = run_view(self.store, self.datadir, view, args, {"pid": os.getpid()})
+                live: dict[str, Any] = {"pid": os.getpid()}
+                if view == "fleet":  # discovery's table as the core has it now (ops/fleet.py)
+                    live["members"] = self._members()
+                rows = run_view(self.store, self.datadir, view, args, live)
             data = A.encode_reply(rows)
         except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
             data = A.encode_reply(error=f"{type(exc).__name__}: {exc}")
@@ -95,6 +100,13 @@ class AdminServer:
             self._submit(AdminReply(ident, data))
         except BusClosedError:
             pass
+
+    def _members(self) -> dict[str, Any]:
+        """``{"on": discovery on, "rows": Core.members.view}``, asked of the engine (its
+        thread owns the core) from the view thread; a closing bus fails it."""
+        future: Future = Future()
+        self._submit(Maintain(MEMBERS, {}, future))
+        return dict(future.result(timeout=MEMBERS_TIMEOUT)[0])
 
     def _export_page(self, cursor: object) -> list[dict]:
         """The next EXPORT_PAGE rows of an export (a new one without ``cursor``). Runs on

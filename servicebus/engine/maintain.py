@@ -21,9 +21,12 @@ from ..core import Published
 from ..errors import StoreWriteError
 from ..ops import maintenance as M
 
-__all__ = ["Maintain", "OPS", "maintain"]
+__all__ = ["Maintain", "OPS", "MEMBERS", "maintain"]
 
 OPS = ("replay", "purge", "kick", "readmit")
+# Asked by the admin endpoint's view thread (adminserve.py), never by a client: discovery's
+# table as the core knows it now, for ``servicebus fleet`` (ops/fleet.py). Read-only.
+MEMBERS = "members"
 
 
 @dataclass
@@ -53,6 +56,10 @@ def _selection(args: dict) -> tuple[list[str] | None, str | None, str | None]:
 def maintain(engine: Any, cmd: Maintain, now: float, degraded: str | None) -> None:
     """Run ``cmd`` on the engine thread and release its caller. ``engine``: loop.py's
     ``Engine`` (its store, core, hooks, ids and dispatcher; not imported: it imports this)."""
+    if cmd.op == MEMBERS:  # reads the core only: answered at once, degraded or not
+        members = engine.core.members
+        cmd.future.set_result([{"on": members.on, "rows": members.view(now) if members.on else []}])
+        return
     try:
         if degraded is not None:
             raise StoreWriteError(f"the store cannot be written: {degraded}")

@@ -142,6 +142,7 @@ class Member:
     publishes: tuple[str, ...] = ()
     subscribes: tuple[str, ...] = ()
     version: str = ""
+    left: bool = False  # its last word: it is closing (a clean stop), down at once
 
     @property
     def age(self) -> tuple[int, int]:
@@ -153,6 +154,8 @@ class Member:
                                "sub": list(self.subscribes), "v": self.version}
         if self.key is not None:
             out["key"] = self.key
+        if self.left:
+            out["left"] = True
         return out
 
     @classmethod
@@ -173,5 +176,8 @@ class Member:
         if not isinstance(version, str) or len(version) > 40:
             raise ValueError("member version must be a short str")
         assert isinstance(epoch, int) and isinstance(beat, int)
+        left = entry.get("left", False)
+        if type(left) is not bool:
+            raise ValueError("member left must be a bool")
         return cls(node, check_name(entry.get("name"), "member name"), check_address(entry.get("address")),
-                   epoch, beat, key, _topics(entry.get("pub", [])), _topics(entry.get("sub", [])), version)
+                   epoch, beat, key, _topics(entry.get("pub", [])), _topics(entry.get("sub", [])), version, left)

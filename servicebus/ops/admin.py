@@ -9,8 +9,9 @@ Admin protocol (msgpack over ZeroMQ DEALER -> the bus's admin ROUTER): request
 ``{"view": name, "args": {...}}``, reply ``{"ok": true, "rows": [...], "total": n}`` (``total``:
 rows in all, more than those sent when ``args["limit"]`` cut them) or ``{"ok": false,
 "error": text}``. The views are read-only (``check`` reads a snapshot of the store); the
-two operations that write, ``replay`` and ``purge`` of dead letters (args ``ids``, ``topic``,
-``reason``), are run by the bus's engine on its own thread (engine/maintain.py).
+operations that write, ``replay`` and ``purge`` of dead letters (args ``ids``, ``topic``,
+``reason``), and ``kick`` and ``readmit`` (args ``target``, ``why``), are run by the bus's
+engine on its own thread (engine/maintain.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,18 @@ from .views import Rows
 
 __all__ = [
     "ENDPOINT_FILE", "OFF_FILE", "EXPORT_VIEW", "query_live", "live_export", "admin_endpoint", "admin_off",
-    "encode_request", "decode_request", "encode_reply", "AdminUnavailable", "AdminDenied",
+    "encode_request", "decode_request", "encode_reply", "AdminUnavailable", "AdminDenied", "AdminRefused",
 ]
+
+
+class AdminRefused(AdminUnavailable):
+    """The live bus answered, with an error (``error``: its text, ``"ValueError: ..."`` for
+    a request it found wrong, such as a kick of a target it does not know)."""
+
+    def __init__(self, message: str, error: str) -> None:
+        super().__init__(message)
+        self.error = error
+
 
 # ``export`` is not one of the views (views.py): over the admin endpoint it is served page
 # by page (adminserve.py) and the CLI, as its own user, writes the file.
@@ -124,7 +135,7 @@ class _AdminClient:
                                    f"within {self.timeout:.0f}s")
         reply = msgpack.unpackb(self.sock.recv_multipart()[-1], raw=False)
         if not reply.get("ok"):
-            raise AdminUnavailable(f"the live bus refused: {reply.get('error')}")
+            raise AdminRefused(f"the live bus refused: {reply.get('error')}", str(reply.get("error")))
         return Rows(reply["rows"], reply.get("total"))  # no total: an older bus
 
     def close(self) -> None:

@@ -1,12 +1,13 @@
 """``servicebus``: inspect, unlock, replay and repair a bus's data directory.
 
 Read-only commands work on a stopped bus (reading its store) and on a live one (asking it
-over its admin endpoint); both print the same. So do replay and purge of dead letters (the
-live bus makes the change itself). The other commands that write refuse while a live
-process holds the lock. Exit codes: 0 ok, 1 usage, 2 no such / not a data directory,
-3 locked by a live process, 4 corruption found, 5 permission denied (run it as the bus's
-user), 6 nothing matched (a replay or purge). On several data directories: the worst of
-them. Errors are one line, never a traceback.
+over its admin endpoint); both print the same. So do replay and purge of dead letters, and
+readmit (the live bus makes the change itself); kick needs the live bus (exit 1 if it is
+stopped). The other commands that write refuse while a live process holds the lock. Exit
+codes: 0 ok, 1 usage, 2 no such / not a data directory, 3 locked by a live process,
+4 corruption found, 5 permission denied (run it as the bus's user), 6 nothing matched (a
+replay or purge; a kick or readmit of a target the bus does not know or did not kick). On
+several data directories: the worst of them. Errors are one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .clibase import EXIT_OK, EXIT_USAGE, CliError, app, describe
 from .clitable import err
 # Imported for what they do: each registers its commands on ``app``, in this order, which
 # is the order ``servicebus --help`` lists them in.
-from . import cliinspect, climaintain, clijournal, cliasyncapi, cligateway  # noqa: F401
+from . import cliinspect, climaintain, clifleet, clijournal, cliasyncapi, cligateway  # noqa: F401
 
 __all__ = ["app", "main"]
 

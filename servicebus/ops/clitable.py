@@ -80,7 +80,7 @@ def cut_notice(shown: int, total: int | None, limit: int | None) -> dict | None:
 # Every column but the id (24 characters, whole) is at least MIN_WIDTH wide: at 60 columns
 # a table of five still shows each, folded over several lines.
 MIN_WIDTH = 4
-_WHOLE = ("publisher", "address", "owed by")
+_WHOLE = ("publisher", "address", "owed by", "node")
 
 
 def _fit(headers: list[str], cells: list[list[str]], width: int) -> list[int | None]:

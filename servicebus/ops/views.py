@@ -19,6 +19,7 @@ from ..model.clock import wall_ms
 from ..model.segments import bodies_of
 from ..model.delivery import is_command_stream, unpack_outgoing
 from .messages import bodies
+from . import fleet as F
 from ..model.ids import id_millis
 from ..store.cursors import ConsumerView, consumers
 from ..store.lockfile import probe
@@ -29,7 +30,7 @@ from ..wire.topics import matches
 from ..model.stored import NO_RUNS, IncomingRecord, RunState
 from ..store import Store
 
-__all__ = ["Rows", "VIEWS", "run_view", "view_subscriptions", "view_check", "jsonable", "payload_of", "letter_body", "incoming_row",
+__all__ = ["Rows", "VIEWS", "run_view", "view_subscriptions", "view_check", "view_fleet", "jsonable", "payload_of", "letter_body", "incoming_row",
            "deadletter_row"]
 
 
@@ -320,6 +321,13 @@ def view_check(store: Store, datadir: Path, args: dict, live: dict | None) -> li
         return [p.__dict__ for p in check(snap, False, None, datadir)]  # type: ignore[arg-type]
 
 
+def view_fleet(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    """``servicebus fleet``: discovery's table (the running bus's, ``live["members"]``, or
+    the one a stopped bus stored) and, per instance subscribed here, what it is owed
+    (fleet.py): one row, its ``instances`` a list."""
+    return F.fleet(store, view_subscribers(store, datadir, args, live), live)
+
+
 VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
     "status": view_status,
     "keys": view_keys,
@@ -329,6 +337,7 @@ VIEWS: dict[str, Callable[[Store, Path, dict, dict | None], list[dict]]] = {
     "deadletters": view_deadletters,
     "subscriptions": view_subscriptions,
     "check": view_check,
+    "fleet": view_fleet,
 }
 # Every view is read-only. ``export`` (export.py) is not one of them: see admin.EXPORT_VIEW.
 

@@ -138,7 +138,9 @@ def _gossip(header: dict[str, Any]) -> Gossip:
         entries = tuple(Member.from_wire(m, lambda a: _address(a, "member address")) for m in members)
     except (TypeError, ValueError, ProtocolError) as exc:
         raise ProtocolError("bad_field", str(exc)[:200]) from exc
-    return Gossip(_str(sender, "sender", MAX_NAME_LEN), entries, reply)
+    proof = header.get("proof")
+    return Gossip(_str(sender, "sender", MAX_NAME_LEN), entries, reply,
+                  None if proof is None else _str(proof, "proof", 64))
 
 
 class _Unread:

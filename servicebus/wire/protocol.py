@@ -201,6 +201,10 @@ class Gossip(NamedTuple):
     sender: str  # the node that sent it
     members: tuple[Any, ...]  # model.members.Member entries, its own first
     reply: bool = False  # an answer to a gossip: not answered again
+    # The sender's proof to the receiver (core/members.py): the same every time it writes
+    # to that receiver, unknown to any other, so an instance that moves can show it is the
+    # one that wrote before. None when it does not know the receiver yet.
+    proof: str | None = None
 
 
 Frame = Batch | Ack | Nack | Subscribe | Unsubscribe | Ping | Pong | Gossip
@@ -287,8 +291,11 @@ def encode_pong(sender: str, boot: str, max_payload: int | None = None,
     return _control(Kind.PONG, header)
 
 
-def encode_gossip(sender: str, members: list[dict[str, Any]], reply: bool = False) -> list[bytes]:
+def encode_gossip(sender: str, members: list[dict[str, Any]], reply: bool = False,
+                  proof: str | None = None) -> list[bytes]:
     header: dict[str, Any] = {"sender": sender, "members": members}
     if reply:
         header["reply"] = True
+    if proof is not None:
+        header["proof"] = proof
     return _control(Kind.GOSSIP, header)

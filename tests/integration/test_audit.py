@@ -22,15 +22,6 @@ CLI = str(Path(sys.executable).parent / "servicebus")
 TOPIC = "user.signup"
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = job.spark_session("local[2]")
-    yield session
-    session.stop()
-    if job.SPARK_LOG is not None:
-        job.SPARK_LOG.unlink(missing_ok=True)
-
-
 def classes_of(spark, out: Path) -> dict[str, set]:
     rows = spark.read.parquet(str(out / "messages")).select("id", "receiver", "class").collect()
     found: dict[str, set] = {}

@@ -79,25 +79,37 @@ def cluster(tmp_path):
                 proc.wait(10)
 
 
-def test_the_audit_submitted_to_a_standalone_cluster_finds_what_local_mode_finds(cluster, tmp_path):
+def test_the_audit_submitted_to_a_standalone_cluster_finds_what_local_mode_finds(cluster, spark, tmp_path):
     injected = write_journals(tmp_path / "shared" / "fleet", messages=3000, receivers=2, rate=10,
                               faults={"lost": 3, "duplicate": 2, "deadletter": 2, "in_flight": 2})
     out = tmp_path / "shared" / "audit"
-    submitted = subprocess.run(
-        [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster,
-         "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
-         "--conf", "spark.executor.memory=512m",
-         str(JOB), str(tmp_path / "shared" / "fleet"), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=spark_env(), cwd=tmp_path)
+    with open(tmp_path / "submit.out", "w+") as stdout, open(tmp_path / "submit.err", "w+") as stderr:
+        submitting = subprocess.Popen(
+            [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster,
+             "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+             "--conf", "spark.executor.memory=512m",
+             str(JOB), str(tmp_path / "shared" / "fleet"), "--out", str(out)],
+            stdout=stdout, stderr=stderr, text=True, env=spark_env(), cwd=tmp_path, start_new_session=True)
+        try:
+            # Meanwhile, the reference: the same job in local mode (local[2], in the test
+            # session's JVM, as `job.py --master local[2]` would run it), with main's
+            # defaults (grace 60 s, no checkpoint).
+            local = job.run(spark, [str(tmp_path / "shared" / "fleet")], str(tmp_path / "local"),
+                               grace_ms=job.parse_duration("60s"))
+            returncode = submitting.wait(300)
+        finally:
+            if submitting.poll() is None:
+                os.killpg(submitting.pid, signal.SIGKILL)
+                submitting.wait(10)
+        stdout.seek(0)
+        stderr.seek(0)
+        submitted = subprocess.CompletedProcess(submitting.args, returncode, stdout.read(), stderr.read())
     assert submitted.returncode == 1, submitted.stdout + submitted.stderr[-3000:]  # faults found
     assert "PROBLEMS FOUND" in submitted.stdout
     on_cluster = json.loads((out / "summary.json").read_text())
     assert (out / "report.png").stat().st_size > 0
 
-    local = subprocess.run([sys.executable, str(JOB), str(tmp_path / "shared" / "fleet"),
-                            "--out", str(tmp_path / "local"), "--master", "local[2]"],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert local.returncode == 1, local.stdout + local.stderr[-3000:]
+    assert local["ok"] is False  # what its exit 1 said
     in_local = json.loads((tmp_path / "local" / "summary.json").read_text())
     assert on_cluster["classes"] == in_local["classes"]
     assert on_cluster["problems"] == in_local["problems"]
