@@ -88,6 +88,10 @@ def test_the_audit_submitted_to_a_standalone_cluster_finds_what_local_mode_finds
             [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster,
              "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
              "--conf", "spark.executor.memory=512m",
+             # Two cores: Spark's default of 200 shuffle partitions (for big clusters) is 200
+             # tasks per shuffle here, most of this test's time; the result does not depend
+             # on it (the job is exact for any partitioning), only the time does.
+             "--conf", "spark.sql.shuffle.partitions=8",
              str(JOB), str(tmp_path / "shared" / "fleet"), "--out", str(out)],
             stdout=stdout, stderr=stderr, text=True, env=spark_env(), cwd=tmp_path, start_new_session=True)
         try:

@@ -5,7 +5,6 @@ network namespaces (several hosts): test_fleet_hosts.py."""
 from __future__ import annotations
 
 import os
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import pytest
 from servicebus import Bus
 from servicebus.errors import SubscribeRefused
 from servicebus.testing import free_address, wait_until
+
+from ..conftest import counting_handler
 
 FAST = {"gossip_interval": 0.2, "down_after": 1.0}
 
@@ -32,18 +33,6 @@ def buses(tmp_path):
         bus.close()
 
 
-def _counting(bus: Bus, topic: str) -> Counter:
-    got: Counter = Counter()
-    lock = threading.Lock()
-
-    @bus.every(topic)
-    def handler(payload, message):
-        with lock:
-            got[payload["n"]] += 1
-
-    return got
-
-
 def _knows(bus: Bus, name: str, up: bool = True) -> bool:
     return any(m["name"] == name and m["up"] == up and not m.get("self") for m in bus.fleet())
 
@@ -51,7 +40,7 @@ def _knows(bus: Bus, name: str, up: bool = True) -> bool:
 def test_a_subscriber_names_the_publisher_service_and_gets_its_events_from_one_seed(buses):
     orders = buses("orders")
     email = buses("email", seeds=[orders.address])
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed", wait=10)
     for n in range(20):
         orders.publish("order.placed", {"n": n})
@@ -103,7 +92,7 @@ def test_a_subscriber_that_comes_back_at_a_new_address_gets_what_was_published_m
     # knows the fleet from its store and tells the publisher where it is now.
     moved = buses("email", datadir="email", address=free_address())
     assert moved.address != old
-    got = _counting(moved, "order.placed")
+    got = counting_handler(moved, "order.placed")
     wait_until(lambda: len(got) == 50, timeout=15)
     assert set(got.values()) == {1}
     subscribers = {p.address for p in orders.status().peers if p.up}
@@ -115,7 +104,7 @@ def test_a_subscriber_that_comes_back_at_a_new_address_gets_what_was_published_m
 def test_a_publisher_that_comes_back_at_a_new_address_is_subscribed_there(buses):
     orders = buses("orders")
     email = buses("email", seeds=[orders.address])
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed", wait=10)
     orders.publish("order.placed", {"n": 0})
     wait_until(lambda: len(got) == 1, timeout=10)
@@ -149,7 +138,7 @@ def test_channel_roles_refuse_a_reader_and_a_writer_the_topic_does_not_list(buse
         spy.subscribe("orders", "order.placed", wait=10)
     # A receiver with the same roles takes order.* only from the service orders.
     email = buses("email", seeds=[orders.address], channels=channels)
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed", wait=10)
     forger = buses("forger", seeds=[orders.address])
     wait_until(lambda: _knows(email, "forger"), timeout=10)

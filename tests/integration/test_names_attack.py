@@ -18,6 +18,9 @@ from servicebus.testing import free_address, wait_until
 from servicebus.wire import protocol as P
 from servicebus.wire.decoding import decode
 
+from ..conftest import counting_handler
+from .test_names import _knows
+
 FAST = {"gossip_interval": 0.2, "down_after": 1.0}
 MAX = 1 << 26
 
@@ -47,22 +50,6 @@ def ctx():
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-def _counting(bus: Bus, topic: str) -> Counter:
-    got: Counter = Counter()
-    lock = threading.Lock()
-
-    @bus.every(topic)
-    def handler(payload, message):
-        with lock:
-            got[payload["n"]] += 1
-
-    return got
-
-
-def _knows(bus: Bus, name: str, up: bool = True) -> bool:
-    return any(m["name"] == name and m["up"] == up and not m.get("self") for m in bus.fleet())
 
 
 def _row(bus: Bus, node: str) -> dict | None:
@@ -133,7 +120,7 @@ def test_a_forged_gossip_naming_a_subscribers_node_id_must_not_move_its_events_t
     subscription there, the stranger acks, the real subscriber never gets the events."""
     orders = buses("orders")
     email = buses("email", seeds=[orders.address])
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed", wait=10)
     victim = next(m for m in _table(ctx, orders.address).members if m.name == "email")
     impostor = _Impostor(ctx)
@@ -263,7 +250,7 @@ def test_a_publisher_and_a_subscriber_that_move_at_once_find_each_other_again(bu
     email.close()
     orders2 = buses("orders", datadir="orders", address=free_address(), seeds=[hub.address])
     email2 = buses("email", datadir="email", address=free_address(), seeds=[hub.address])
-    got = _counting(email2, "order.placed")
+    got = counting_handler(email2, "order.placed")
     for n in range(10):
         orders2.publish("order.placed", {"n": n})
     wait_until(lambda: len(got) == 10, timeout=20,
@@ -336,7 +323,7 @@ def test_a_readmitted_subscriber_gets_events_again_when_it_subscribes_by_name_ag
     still 'confirmed' (nobody told it of the kick) so the call sends nothing."""
     orders = buses("orders")
     email = buses("email", seeds=[orders.address])
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed", wait=10)
     orders.kick("email", why="mistake")
     orders.readmit("email")
@@ -386,7 +373,7 @@ def test_a_writer_the_receiver_has_not_heard_of_yet_is_not_dead_lettered_for_goo
 def test_malformed_gossip_is_dropped_and_the_bus_keeps_serving(buses, ctx, members):
     orders = buses("orders")
     email = buses("email", seeds=[orders.address])
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed", wait=10)
     stranger = ctx.socket(zmq.DEALER)
     stranger.connect(orders.address)
@@ -494,7 +481,7 @@ def test_a_subscriber_killed_and_moved_twice_mid_stream_gets_every_acknowledged_
 def test_held_subscribe_by_name_before_any_instance_then_two_publisher_instances_no_duplicates(buses):
     hub = buses("hub")
     email = buses("email", seeds=[hub.address])
-    got = _counting(email, "order.placed")
+    got = counting_handler(email, "order.placed")
     email.subscribe("orders", "order.placed")  # nobody of orders is known yet
     a = buses("orders", datadir="orders-a", seeds=[hub.address])
     wait_until(lambda: _knows(email, "orders"), timeout=10)
