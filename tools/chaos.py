@@ -105,6 +105,10 @@ KINDS = {
     # SIGKILL and started again with the same data directory at a NEW address (another
     # port); discovery tells the publisher, and what was owed to it follows it there.
     "move-subscriber": (2, 10),
+    # The HTTP gateway: the publisher publishes through its own gateway over HTTP (POST
+    # ?many=true, acknowledged = a 201's ids), and the process is killed with SIGKILL at
+    # random instants (gateway and bus together); every 201 must be handled once.
+    "gateway-kill": (2, 10),
 }
 # move-subscriber: discovery at a test's pace (Bus(gossip_interval=, down_after=)).
 NAMED_GOSSIP = ("--gossip-interval", "0.2", "--down-after", "1.0")
@@ -273,7 +277,8 @@ class Chaos:
             "transaction-kill": ("--transact", "--kv-out", str(self.work / "kv-count")),
             "replay-kill": ("--start", "earliest", "--handler-ms", "2.5"),
         }.get(self.kind, ())
-        pub_options: tuple[str, ...] = ("--retention", "3600") if self.kind == "replay-kill" else ()
+        pub_options: tuple[str, ...] = {"replay-kill": ("--retention", "3600"),
+                                        "gateway-kill": ("--http",)}.get(self.kind, ())
         peer = pub_bind
         if self.kind == "move-subscriber":  # by name: the subscriber knows the publisher's name and a seed
             pub_options, peer = ("--name", "chaos-pub", *NAMED_GOSSIP), "chaos-pub"
@@ -362,6 +367,9 @@ class Chaos:
     def fault_kill_publisher(self, i: int) -> None:
         self.pub.kill()
         self.restart(self.pub)
+
+    def fault_gateway_kill(self, i: int) -> None:
+        self.fault_kill_publisher(i)
 
     def fault_group_kill(self, i: int) -> None:
         node = self.rng.choice((*self.subs, *self.subs, self.pub))  # mostly a member
@@ -580,6 +588,7 @@ class Chaos:
             "partition": ("is down", "peers seen down"),
             "packet-loss": ("is down", "peers seen down"),
             "move-subscriber": ("what is owed to it follows", "moves seen by the publisher"),
+            "gateway-kill": ("gateway for tcp://", "gateway starts"),
         }.get(self.kind)
         if seen:
             self.run.notes.append(f"{logs.count(seen[0])} {seen[1]}")
@@ -673,6 +682,16 @@ def environment(stack: ExitStack) -> Environment:
     return Environment(partition, not no_mount, why_not)
 
 
+def keep_journals(nodes: list, to: Path) -> None:
+    """Copy each node's journal (its delivery events) out of its data directory, which may
+    be on a tmpfs mount the run takes down: ``servicebus audit WORK/journals --out ...``
+    then audits the run. A bus flushes its journal when it closes (the nodes stopped)."""
+    for node in nodes:
+        source = node.datadir / "journal"
+        if source.is_dir():
+            shutil.copytree(source, to / node.name / "journal", dirs_exist_ok=True)
+
+
 def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: bool) -> Run:
     if kind in env.why_not:
         run = Run(kind)
@@ -698,6 +717,8 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
                 chaos.sink.stop()
             chaos.count()
             chaos.evidence()
+            if keep:  # before the stack unmounts the small disks the data directories are on
+                keep_journals(chaos.nodes, work / "journals")
     finally:
         chaos.run.seconds = time.monotonic() - began
         if env.partition is not None:
@@ -742,7 +763,8 @@ def main() -> int:
     ap.add_argument("--only", action="append", choices=list(KINDS), help="only this kind of fault")
     ap.add_argument("--seed", type=int, default=None, help="random seed (printed; repeat a run with it)")
     ap.add_argument("--json", action="store_true", help="print the runs as JSON")
-    ap.add_argument("--keep", action="store_true", help="keep the runs' data directories")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep each run's work directory, with a copy of every journal in WORK/journals")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)

@@ -57,6 +57,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -208,6 +209,8 @@ def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
     lat = summary["latency_ms"]
     fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     p(f"delivery audit: {summary['events']:,} events, {summary['messages']:,} (message, receiver) pairs")
+    for why in summary.get("skipped_inputs", []):
+        p(f"  skipped (an idle bus has no journal yet): {why}")
     if "checkpoint" in summary:
         c = summary["checkpoint"]
         p(f"  incremental: {c['segments_read']:,} new segment(s) of {c['segments_known']:,}; "
@@ -231,7 +234,81 @@ def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
       f"tables and report.html in {out}")
 
 
+def watch_progress(spark, say) -> threading.Event:
+    """Tell ``say`` what Spark is doing, every second, while the audit runs (a daemon thread;
+    set the returned event to stop it): the active stages with their tasks done."""
+    stop = threading.Event()
+    tracker = spark.sparkContext.statusTracker()
+
+    def loop() -> None:
+        last = ""
+        while not stop.wait(1.0):
+            try:
+                stages = [tracker.getStageInfo(i) for i in tracker.getActiveStageIds()]
+            except Exception:  # noqa: BLE001 - the context is stopping
+                return
+            line = ", ".join(f"stage {st.stageId} {st.name.split(' at ')[0]}: "
+                             f"{st.numCompletedTasks}/{st.numTasks} tasks" for st in stages if st is not None)
+            if line and line != last:
+                say(f"spark: {line}")
+                last = line
+
+    threading.Thread(target=loop, name="audit-progress", daemon=True).start()
+    return stop
+
+
+def audit_cli(paths: list[str], out: str, *, master: str | None = None, since: str | None = None,
+              grace: str = "60s", checkpoint: str | None = None, carry: str = "7d",
+              progress: bool = True) -> int:
+    """``servicebus audit``: returns the exit code (0 nothing lost or duplicated, 1 problems,
+    2 the audit could not run); messages on stderr, the table on stdout."""
+    say = lambda text: print(f"servicebus audit: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        grace_ms = parse_duration(grace)
+        carry_ms = parse_duration(carry)
+        since_ms = parse_since(since, int(time.time() * 1000))
+        skipped: list[str] = []
+        input_paths(paths, skipped)  # fail fast, before starting a JVM
+        for why in skipped:
+            say(f"skipped (an idle bus has no journal yet): {why}")
+        problem = java_problem() if not os.environ.get("SPARK_ENV_LOADED") else None
+        if problem:
+            raise AuditError(problem)
+        from pyspark.sql import SparkSession  # noqa: F401 - fails clearly if pyspark is missing
+    except AuditError as exc:
+        say(str(exc))
+        return 2
+    except ImportError:
+        say("pyspark is not installed: pip install 'servicebus[audit]'")
+        return 2
+    if master is None and not os.environ.get("SPARK_ENV_LOADED"):
+        master = "local[*]"  # not under spark-submit
+    say(f"starting Spark ({master or 'spark-submit'}) for {len(paths)} input(s)")
+    spark = spark_session(master)
+    watching = watch_progress(spark, say) if progress else None
+    try:
+        summary = run(spark, paths, out, grace_ms=grace_ms, since_ms=since_ms,
+                      checkpoint=checkpoint, carry_ms=carry_ms)
+    except AuditError as exc:
+        say(str(exc))
+        return 2
+    except Exception as exc:  # a Spark failure: say where Spark's own log is
+        where = f" (Spark's log: {SPARK_LOG})" if SPARK_LOG is not None else ""
+        say(f"Spark failed: {str(exc).splitlines()[0]}{where}")
+        return 2
+    finally:
+        if watching is not None:
+            watching.set()
+        spark.stop()
+    if SPARK_LOG is not None:
+        SPARK_LOG.unlink(missing_ok=True)
+    print_summary(summary, out)
+    return 0 if summary["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``spark-submit job.py ...`` (the typer command ``servicebus audit`` calls
+    ``audit_cli`` with the same options)."""
     ap = argparse.ArgumentParser(prog="servicebus audit", description="Reconcile delivery journals.")
     ap.add_argument("paths", nargs="+", metavar="PATH")
     ap.add_argument("--out", required=True, metavar="DIR")
@@ -244,41 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --checkpoint: also carry pairs published this recently, to find late "
                          "duplicates (default 7d, the dedupe window)")
     args = ap.parse_args(argv)
-    try:
-        grace = parse_duration(args.grace)
-        carry = parse_duration(args.carry)
-        since = parse_since(args.since, int(time.time() * 1000))
-        input_paths(args.paths)  # fail fast, before starting a JVM
-        problem = java_problem() if not os.environ.get("SPARK_ENV_LOADED") else None
-        if problem:
-            raise AuditError(problem)
-        from pyspark.sql import SparkSession  # noqa: F401 - fails clearly if pyspark is missing
-    except AuditError as exc:
-        print(f"servicebus audit: {exc}", file=sys.stderr)
-        return 2
-    except ImportError:
-        print("servicebus audit: pyspark is not installed: pip install 'servicebus[audit]'", file=sys.stderr)
-        return 2
-    master = args.master
-    if master is None and not os.environ.get("SPARK_ENV_LOADED"):
-        master = "local[*]"  # not under spark-submit
-    spark = spark_session(master)
-    try:
-        summary = run(spark, args.paths, args.out, grace_ms=grace, since_ms=since,
-                      checkpoint=args.checkpoint, carry_ms=carry)
-    except AuditError as exc:
-        print(f"servicebus audit: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a Spark failure: say where Spark's own log is
-        where = f" (Spark's log: {SPARK_LOG})" if SPARK_LOG is not None else ""
-        print(f"servicebus audit: Spark failed: {str(exc).splitlines()[0]}{where}", file=sys.stderr)
-        return 2
-    finally:
-        spark.stop()
-    if SPARK_LOG is not None:
-        SPARK_LOG.unlink(missing_ok=True)
-    print_summary(summary, args.out)
-    return 0 if summary["ok"] else 1
+    return audit_cli(args.paths, args.out, master=args.master, since=args.since, grace=args.grace,
+                     checkpoint=args.checkpoint, carry=args.carry, progress=False)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic 
           "kind STRING, peer STRING, attempt INT, role STRING, error STRING, ids ARRAY<STRING>")
 
 
-def input_paths(paths: list[str]) -> list[str]:
-    """Glob patterns for the journal segments under each PATH."""
+def input_paths(paths: list[str], skipped: list[str] | None = None) -> list[str]:
+    """Glob patterns for the journal segments under each PATH. A local PATH with none (an
+    idle bus that journaled nothing yet) is named in ``skipped`` (when given) and left out:
+    one quiet bus must not stop a fleet's audit; with none at all, ``AuditError``."""
     out: list[str] = []
     for raw in paths:
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", raw) and not raw.startswith("file://"):
@@ -44,8 +46,13 @@ def input_paths(paths: list[str]) -> list[str]:
                 found = True
                 break
         if not found:
-            raise AuditError(f"{raw}: no journal segments (DATADIR/journal/*.jsonl) found; "
-                             "for a stopped bus, `servicebus journal flush DATADIR` writes them")
+            why = (f"{raw}: no journal segments (DATADIR/journal/*.jsonl) found; "
+                   "for a stopped bus, `servicebus journal flush DATADIR` writes them")
+            if skipped is None:
+                raise AuditError(why)
+            skipped.append(why)
+    if not out:
+        raise AuditError("; ".join(skipped or ["no input"]))
     return out
 
 

@@ -37,7 +37,8 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     from pyspark.sql import functions as F
 
     started = time.monotonic()
-    globs = input_paths(paths)
+    skipped: list[str] = []
+    globs = input_paths(paths, skipped)
     state = None
     files: list[str] = []
     if checkpoint is not None:
@@ -72,6 +73,9 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
         summary["checkpoint"] = {"segments_read": len(globs), "segments_known": len(files),
                                  "carried_in": state.carried, "carried_out": state.carried_out}
     summary["seconds"] = round(time.monotonic() - started, 3)
+    summary["skipped_inputs"] = skipped
+    if write:  # summary.json again: the phases, seconds and checkpoint came after it was written
+        write_text(spark, f"{out.rstrip('/')}/summary.json", json.dumps(summary, indent=2, default=str))
     return summary
 
 
@@ -140,6 +144,4 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
         state.save(spark, pairs, everything, carry_ms)
         phases.done("checkpoint")
     summary["phases"] = phases.seconds
-    if write:  # summary.json again, with the phases that ran after it was first written
-        write_text(spark, f"{out}/summary.json", json.dumps(summary, indent=2, default=str))
     return summary

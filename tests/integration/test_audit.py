@@ -180,14 +180,21 @@ def test_the_cli_prints_the_table_and_exits_1_naming_the_problem_ids(tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=2000, rate=10, faults={"lost": 1, "duplicate": 1})
     private_tmp = tmp_path / "tmp"  # where the JVM's own output goes: a new file, removed after
     private_tmp.mkdir()
-    result = subprocess.run([CLI, "audit", str(tmp_path / "fleet"), "--out", str(tmp_path / "out"),
+    idle = tmp_path / "idle"  # a bus that journaled nothing yet: said, skipped, not fatal
+    (idle / "store").mkdir(parents=True)
+    result = subprocess.run([CLI, "audit", str(tmp_path / "fleet"), str(idle), "--out", str(tmp_path / "out"),
                              "--master", "local[2]"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TMPDIR": str(private_tmp)})
     assert result.returncode == 1, result.stdout + result.stderr
     assert not [p for p in private_tmp.iterdir() if p.name.startswith("servicebus-audit-")]
     assert injected["lost"][0][0] in result.stdout and injected["duplicate"][0][0] in result.stdout
     assert "PROBLEMS FOUND" in result.stdout
-    assert result.stderr.strip() == ""  # Spark's console noise stays out of the output
+    assert f"skipped (an idle bus has no journal yet): {idle}: no journal segments" in result.stderr
+    assert "servicebus audit: starting Spark (local[2])" in result.stderr  # said before the JVM's wait
+    # Spark's console noise stays out of the output: every line on stderr is the audit's own.
+    assert all(line.startswith("servicebus audit: ") for line in result.stderr.splitlines()), result.stderr
+    helped = subprocess.run([CLI, "audit", "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "Usage: servicebus audit [OPTIONS]" in helped.stdout  # typer's, as every command
     bad = subprocess.run([CLI, "audit", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such file or directory" in bad.stderr
