@@ -13,6 +13,7 @@ in Python. ``timeline`` is the one other aggregate, per second, for the report's
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "owed", "lost")
@@ -144,6 +145,21 @@ def latency_histogram(rows: list[dict]) -> list[tuple[float, int]]:
     return [(10 ** (b / 10), n) for b, n in sorted(coarse.items())]
 
 
+def causes(reasons: dict[str, int], examples: int = 3) -> list[dict[str, Any]]:
+    """Dead-letter reasons grouped by cause: the exception type of a ``Type: text`` error
+    (one cause for every message its text names), else the reason itself (``expired``);
+    each with how many and a few of its texts, the biggest first."""
+    groups: dict[str, dict[str, Any]] = {}
+    for text, n in reasons.items():
+        head, sep, _rest = text.partition(":")
+        cause = head.strip() if sep and re.fullmatch(r"[A-Za-z_][\w.]*", head.strip()) else text
+        group = groups.setdefault(cause, {"cause": cause, "messages": 0, "examples": []})
+        group["messages"] += n
+        if len(group["examples"]) < examples:
+            group["examples"].append(text[:300])
+    return sorted(groups.values(), key=lambda g: (-g["messages"], g["cause"]))
+
+
 def build_summary(paths: list[str], n_events: int, rows: list[dict], grace_ms: int,
              since_ms: int | None) -> dict[str, Any]:
     classes = {c: 0 for c in CLASSES}
@@ -177,6 +193,7 @@ def build_summary(paths: list[str], n_events: int, rows: list[dict], grace_ms: i
         "retries": retries,
         "attempts": dict(sorted(attempts.items(), key=lambda kv: int(kv[0]))),
         "deadletter_reasons": reasons,
+        "deadletter_causes": causes(reasons),
         "published_from_ms": first,
         "published_to_ms": last,
         "grace_ms": grace_ms,

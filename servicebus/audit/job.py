@@ -222,7 +222,7 @@ def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
     p(f"  latency published->handled ms: p50 {fmt(lat['p50'])}  p95 {fmt(lat['p95'])}  "
       f"p99 {fmt(lat['p99'])}  max {fmt(lat['max'])}")
     p(f"  retries {summary['retries']:,}; dead letters by reason: "
-      + (", ".join(f"{k} {v}" for k, v in summary["deadletter_reasons"].items()) or "none"))
+      + (", ".join(f"{c['cause']} {c['messages']}" for c in summary.get("deadletter_causes", [])) or "none"))
     for row in (summary.get("by_topic") or [])[:10]:
         p(f"  topic {row['topic']}: {row['messages']:,} msgs, handled {row['handled']:,}, "
           f"lost {row['lost']:,}, dup {row['handled_more_than_once']:,}, p99 {fmt(row['latency_p99_ms'])} ms")

@@ -84,12 +84,18 @@ def _plots(histogram: list[tuple[float, int]],
     return images, both
 
 
+# Column names as a person reads them (summary.json keeps the keys).
+SHOWN = {"handled_more_than_once": "handled twice+", "in_flight": "in flight", "deadlettered": "dead letters",
+         "latency_p50_ms": "p50 ms", "latency_p95_ms": "p95 ms", "latency_p99_ms": "p99 ms",
+         "latency_max_ms": "max ms", "max_attempts": "most attempts"}
+
+
 def _table(rows: list[dict], key: str) -> str:
     if not rows:
         return "<p>none</p>"
     cols = [key, "messages", *CLASSES, "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
             "latency_max_ms", "retries", "max_attempts"]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    head = "".join(f"<th>{html.escape(SHOWN.get(c, c))}</th>" for c in cols)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape('-' if r.get(c) is None else str(r.get(c)))}</td>" for c in cols) + "</tr>"
         for r in rows)
@@ -102,7 +108,9 @@ def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
     """The page, and the PNG of its plots (None without data or matplotlib)."""
     images, png = _plots(histogram, timeline)
     verdict = ("Nothing lost or duplicated." if summary["ok"] else "Problems found: see below.")
-    classes = "".join(f"<tr><td>{c}</td><td>{summary['classes'][c]:,}</td></tr>" for c in CLASSES)
+    classes = "".join(f"<tr><td>{SHOWN.get(c, c)}</td><td>{summary['classes'][c]:,}</td></tr>" for c in CLASSES)
+    owed = "".join(f"<li>{r['messages']:,} waiting on {html.escape(str(r['receiver']))} since "
+                   f"{html.escape(str(r['since_ms']))} ms (publisher's clock)</li>" for r in summary.get("owed") or [])
     problems = ""
     for klass, ids in summary["problems"].items():
         if ids:
@@ -112,11 +120,15 @@ def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
     lat = summary["latency_ms"]
     img = lambda name, alt: (f'<img alt="{alt}" src="data:image/png;base64,{images[name]}">'  # noqa: E731
                              if name in images else f"<p>({alt}: no data or matplotlib missing)</p>")
-    reasons = "".join(f"<li>{html.escape(str(k))}: {v}</li>" for k, v in summary["deadletter_reasons"].items())
+    reasons = "".join(
+        f"<li>{html.escape(str(c['cause']))}: {c['messages']}<br><small>"
+        + "<br>".join(html.escape(e) for e in c["examples"]) + "</small></li>"
+        for c in summary.get("deadletter_causes") or [{"cause": k, "messages": v, "examples": []}
+                                                      for k, v in summary["deadletter_reasons"].items()])
     attempts = ", ".join(f"{k}: {v}" for k, v in summary["attempts"].items())
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>servicebus delivery audit</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:70em}}table{{border-collapse:collapse}}
+<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right;white-space:nowrap}}th{{background:#eee}}
 .wide{{max-width:100%;overflow-x:auto}}img{{max-width:100%}}
 .ok{{color:#16632b}}.bad{{color:#a31515}}</style></head><body>
@@ -127,6 +139,7 @@ td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right;white-space:nowr
 {summary['grace_ms'] / 1000:g}s.</p>
 <h2>Classes</h2><table>{classes}</table>
 {problems}
+{'<h3>owed (the senders still hold them; not a problem)</h3><ul>' + owed + '</ul>' if owed else ''}
 <h2>Latency</h2>
 <p>p50 {lat['p50']} ms, p95 {lat['p95']} ms, p99 {lat['p99']} ms, max {lat['max']} ms
 (handled on the receiver's clock minus published on the sender's; negative values from clock

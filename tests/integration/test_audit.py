@@ -47,6 +47,7 @@ def test_injected_faults_are_reported_exactly(spark, tmp_path):
     assert summary["ok"] is False
     assert {(p["id"], p["receiver"]) for p in summary["problems"]["lost"]} == set(injected["lost"])
     assert summary["deadletter_reasons"] == {"ValueError: bad order": 2}
+    assert summary["deadletter_causes"] == [{"cause": "ValueError", "messages": 2, "examples": ["ValueError: bad order"]}]
     assert summary["retries"] == 4
     written = json.loads((out / "summary.json").read_text())
     assert written["classes"] == summary["classes"]
