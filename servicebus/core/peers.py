@@ -130,8 +130,19 @@ class Roster:
         for (subscriber, topic), record in list(s.subscriptions.items()):
             if subscriber != old or (record.get("node") not in (None, node)):
                 continue  # another bus's (it subscribed from that address before)
-            if (new, topic) in s.subscriptions:
-                continue  # it subscribed there already: the old one ends as it would
+            newer = s.subscriptions.get((new, topic))
+            if newer is not None:
+                if newer.get("node") != node or newer.get("group") or record.get("group"):
+                    continue  # another bus's, or a group's: the old one ends as it would
+                # It subscribed again from there before we learnt it moved (a service calls
+                # subscribe at every start): that newer subscription goes, and the older one,
+                # with what it is still owed, takes its place (what both delivered is
+                # deduplicated by the receiver). Before, the older one's backlog stayed behind.
+                for consumer in [c for (peer, _st), c in list(s.consumers.items())
+                                 if peer == new and stream_target(c.stream) == topic]:
+                    self.remove_consumer(consumer)
+                    s.out.batch.delete_delivery(new, consumer.stream)
+                del s.subscriptions[(new, topic)]
             del s.subscriptions[(old, topic)]
             s.subscriptions[(new, topic)] = record
             s.out.batch.delete_subscription(old, topic)

@@ -212,3 +212,4 @@ def test_a_handlers_send_by_name_before_any_instance_is_known_waits_and_is_deliv
     mailer = buses("mailer", seeds=[shop.address])  # the service appears only now
     mailer.handle("mail.send", lambda payload, message: got.update([payload["n"]]))
     wait_until(lambda: got == Counter({1: 1}), timeout=15, message=lambda: f"mail.send handled: {got}")
+
