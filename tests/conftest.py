@@ -15,6 +15,7 @@ import pytest
 
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
+from .browser import browser, page  # noqa: F401 - fixtures for the tests of pages
 from .faults import forget_moved_clock, libfaketime, moved_clock_env, offset_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
