@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from .maintain import MEMBERS, OPS, Maintain
+from .maintain import COUNTERS, MEMBERS, OPS, Maintain
 from ..ops import admin as A
 from ..ops.export import export_rows
 from ..ops.views import run_view
@@ -92,6 +92,8 @@ class AdminServer:
                 live: dict[str, Any] = {"pid": os.getpid()}
                 if view == "fleet":  # discovery's table as the core has it now (ops/fleet.py)
                     live["members"] = self._members()
+                elif view == "status":  # what the console's rates are made of
+                    live["counters"] = self._ask(COUNTERS)
                 rows = run_view(self.store, self.datadir, view, args, live)
             data = A.encode_reply(rows)
         except Exception as exc:  # noqa: BLE001 - any failure goes back to the operator
@@ -104,8 +106,12 @@ class AdminServer:
     def _members(self) -> dict[str, Any]:
         """``{"on": discovery on, "rows": Core.members.view}``, asked of the engine (its
         thread owns the core) from the view thread; a closing bus fails it."""
+        return self._ask(MEMBERS)
+
+    def _ask(self, what: str) -> dict[str, Any]:
+        """A read-only answer of the engine (MEMBERS, COUNTERS), from the view thread."""
         future: Future = Future()
-        self._submit(Maintain(MEMBERS, {}, future))
+        self._submit(Maintain(what, {}, future))
         return dict(future.result(timeout=MEMBERS_TIMEOUT)[0])
 
     def _export_page(self, cursor: object) -> list[dict]:

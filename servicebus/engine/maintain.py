@@ -21,12 +21,15 @@ from ..core import Published
 from ..errors import StoreWriteError
 from ..ops import maintenance as M
 
-__all__ = ["Maintain", "OPS", "MEMBERS", "maintain"]
+__all__ = ["Maintain", "OPS", "MEMBERS", "COUNTERS", "maintain"]
 
 OPS = ("replay", "purge", "kick", "readmit")
 # Asked by the admin endpoint's view thread (adminserve.py), never by a client: discovery's
 # table as the core knows it now, for ``servicebus fleet`` (ops/fleet.py). Read-only.
 MEMBERS = "members"
+# Also the view thread's: the engine's counters since start (published, acked, handled...),
+# for the status view, whose rates the console plots. Read-only.
+COUNTERS = "counters"
 
 
 @dataclass
@@ -59,6 +62,9 @@ def maintain(engine: Any, cmd: Maintain, now: float, degraded: str | None) -> No
     if cmd.op == MEMBERS:  # reads the core only: answered at once, degraded or not
         members = engine.core.members
         cmd.future.set_result([{"on": members.on, "rows": members.view(now) if members.on else []}])
+        return
+    if cmd.op == COUNTERS:
+        cmd.future.set_result([engine._snapshot(now)["counters"]])
         return
     try:
         if degraded is not None:

@@ -22,7 +22,7 @@ from .clibase import EXIT_OK, EXIT_USAGE, CliError, app, describe
 from .clitable import err
 # Imported for what they do: each registers its commands on ``app``, in this order, which
 # is the order ``servicebus --help`` lists them in.
-from . import cliinspect, climaintain, clifleet, clijournal, cliasyncapi, cligateway  # noqa: F401
+from . import cliinspect, climaintain, clifleet, clijournal, cliasyncapi, cligateway, cliconsole  # noqa: F401
 
 __all__ = ["app", "main"]
 

@@ -115,6 +115,9 @@ def view_status(store: Store, datadir: Path, args: dict, live: dict | None) -> l
         "kv_keys": store.count("kv"),
         "store_bytes": store.size_on_disk(),
         "retained": _retained(store, now),
+        # New in 0.3, of a live bus only: its engine's counters since it started
+        # (published, sent, acked, received, handled, ...); None when read from a stopped one.
+        "counters": (live or {}).get("counters"),
     }]
 
 
@@ -133,15 +136,21 @@ def view_keys(store: Store, datadir: Path, args: dict, live: dict | None) -> lis
 
 
 def view_subscribers(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
+    now = wall_ms()
     rows: dict[str, dict] = {}
     for c in consumers(store):
         row = rows.setdefault(c.peer, {"address": c.peer, "topics": [], "commands": False,
-                                       "pending": 0, "last_ack": None})
+                                       "pending": 0, "last_ack": None, "oldest_pending_age_s": None})
         if is_command_stream(c.stream):
             row["commands"] = True
         elif c.topic not in row["topics"]:  # once, however many priority levels it has
             row["topics"].append(c.topic)
         row["pending"] += c.pending_count(store)  # messages, not segments
+        first = next(c.pending_ids(store), None)  # a segment's key: its oldest message's id
+        if first is not None:
+            age = _age(id_millis(first), now)
+            if age is not None and (row["oldest_pending_age_s"] is None or age > row["oldest_pending_age_s"]):
+                row["oldest_pending_age_s"] = age
         if c.last_ack and (row["last_ack"] is None or c.last_ack > row["last_ack"]):
             row["last_ack"] = c.last_ack
     return list(rows.values())
@@ -260,6 +269,15 @@ def letter_body(rec: dict) -> bytes | None:
     return body if isinstance(body, bytes) else None
 
 
+def _letter_headers(rec: dict) -> Any:
+    """A dead letter's message headers, where its record keeps them (an outgoing record's
+    sixth field, an incoming one's ninth: model/stored.py)."""
+    inner = rec.get("record") or []
+    at = 8 if rec.get("origin") == "incoming" else 5
+    headers = inner[at] if len(inner) > at else None
+    return jsonable(headers) if isinstance(headers, dict) else None
+
+
 def deadletter_row(mid: str, rec: dict, now: int) -> dict:
     body = letter_body(rec)
     return {
@@ -271,6 +289,7 @@ def deadletter_row(mid: str, rec: dict, now: int) -> dict:
         # letter that was never a message came from (a SQL outbox row: table, row, token).
         "not_replayable": rec.get("not_replayable"),
         "source": jsonable(rec.get("source")),
+        "headers": _letter_headers(rec),  # new in 0.3
     }
 
 

@@ -1,0 +1,148 @@
+"""``Console``: serve the web console for some data directories, in a thread of its own or in
+the foreground, reading each of them every ``interval`` seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any, Self
+
+from aiohttp import web
+
+from .app import Settings, make_app
+from .sources import Source
+
+__all__ = ["Console", "check_listen", "is_loopback"]
+
+log = logging.getLogger("servicebus.console")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(listen: str) -> tuple[str, int]:
+    """(host, port) of ``host:port``; ``ValueError`` if it is not one."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen must be host:port, not {listen!r}")
+    return host, int(port)
+
+
+class Console:
+    """``Console(["/var/lib/orders", ...], listen="127.0.0.1:8470", write=False)``.
+
+    ``write``: the replay, edit-and-replay and purge buttons work (read-only without it).
+    ``token``: needed on every API call; bound beyond loopback one is made if none is given
+    (``token`` then says it, and ``url`` carries it). ``audit``: the folder of the latest
+    ``servicebus audit --out``, whose verdict is shown and whose report is served.
+    ``interval``: seconds between two readings of each data directory (default 2)."""
+
+    def __init__(self, datadirs: Sequence[str | Path], *, listen: str = "127.0.0.1:8470", write: bool = False,
+                 token: str | None = None, audit: str | Path | None = None, interval: float = 2.0) -> None:
+        if not datadirs:
+            raise ValueError("name at least one data directory")
+        if not 0.2 <= interval <= 3600:
+            raise ValueError("interval must be from 0.2 to 3600 seconds")
+        if token is not None and len(token) < 16:
+            raise ValueError("a token must be at least 16 characters")
+        self.host, self.port = check_listen(listen)
+        self.loopback = is_loopback(self.host)
+        self.token = token if token is not None or self.loopback else secrets.token_urlsafe(24)
+        self.write = write
+        self.interval = interval
+        self.audit = Path(audit) if audit is not None else None
+        self.sources = [Source(i, Path(d), interval) for i, d in enumerate(datadirs)]
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="servicebus-console")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._sampled = threading.Event()
+        self.url = ""
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop, self._stopped = loop, asyncio.Event()
+
+        async def run(fn: Any, *args: Any) -> Any:
+            return await loop.run_in_executor(self._pool, fn, *args)
+
+        settings = Settings(self.sources, write=self.write, token=self.token, hosts=None,
+                            audit=self.audit, interval=self.interval, run=run)
+        runner = web.AppRunner(make_app(settings), access_log=None, handler_cancellation=True)
+        await runner.setup()
+        sampler: asyncio.Task | None = None
+        try:
+            site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+            await site.start()
+            sockets = getattr(site._server, "sockets", None) or []  # the port, when 0 was asked
+            port = sockets[0].getsockname()[1] if sockets else self.port
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            if self.loopback:  # a page of another site must not reach us by a name it controls
+                settings.hosts = {f"{h}:{port}" for h in (host, "localhost", "127.0.0.1", "[::1]")}
+            self.url = f"http://{host}:{port}/" + (f"#token={self.token}" if self.token else "")
+            sampler = asyncio.create_task(self._sample(run))
+            self._ready.set()
+            await self._stopped.wait()
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+            await runner.cleanup()
+            self._ready.set()
+
+    async def _sample(self, run: Any) -> None:
+        while True:
+            await asyncio.gather(*(run(src.read) for src in self.sources))
+            self._sampled.set()
+            await asyncio.sleep(self.interval)
+
+    def wait_sampled(self, timeout: float = 30.0) -> bool:
+        """Wait until every data directory was read once (for tests and scripts)."""
+        return self._sampled.wait(timeout)
+
+    def start(self) -> Self:
+        """Serve on a thread of its own; returns once listening (``url`` is set)."""
+        def main() -> None:
+            try:
+                asyncio.run(self._run())
+            except BaseException as exc:  # noqa: BLE001 - told to start()'s caller
+                self._error = exc
+                self._ready.set()
+
+        self._thread = threading.Thread(target=main, name="servicebus-console-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def close(self) -> None:
+        loop, stopped = self._loop, self._stopped
+        if loop is not None and stopped is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stopped.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
