@@ -23,6 +23,7 @@ from servicebus.testing import free_address, wait_until  # noqa: E402
 from ..browser import screenshot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+CLI = str(Path(sys.executable).parent / "servicebus")
 
 
 class Subscriber:
@@ -254,3 +255,34 @@ def test_a_stopped_bus_is_read_from_its_store_and_its_dead_letters_replayed_ther
         wait_until(lambda: 3 in again.done(), 30, message="the replayed order to be handled at restart")
     finally:
         again.stop()
+
+
+def test_the_console_command_serves_until_sigterm_and_says_what_is_wrong(tmp_path):
+    pub = Bus(free_address(), tmp_path / "orders", name="orders")
+    try:
+        port = free_address().rsplit(":", 1)[1]
+        proc = subprocess.Popen([CLI, "console", str(pub.datadir),
+                                 "--listen", f"127.0.0.1:{port}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert f"http://127.0.0.1:{port}/" in line and "read-only" in line, (line, proc.stderr.read()
+                                                                                 if proc.poll() is not None else "")
+            wait_until(lambda: _http(f"http://127.0.0.1:{port}/api/state")[1]["buses"][0].get("read"), 20,
+                       message="the bus read")
+            state = _http(f"http://127.0.0.1:{port}/api/state")[1]
+            assert state["buses"][0]["up"] and state["buses"][0]["service"] == "orders" and not state["write"]
+        finally:
+            proc.terminate()
+            assert proc.wait(20) == 0
+            proc.stdout.close()
+            proc.stderr.close()
+    finally:
+        pub.close()
+    for args, code, says in ((["console", str(tmp_path / "nope")], 2, "no such data directory"),
+                             (["console", str(pub.datadir), "--listen", "nowhere"], 1, "host:port"),
+                             (["console", str(pub.datadir), "--interval", "0"], 1, "interval"),
+                             (["console", str(pub.datadir), "--audit", str(tmp_path / "none")], 1, "no such folder")):
+        done = subprocess.run([CLI, *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == code and says in done.stderr, (args, done.returncode, done.stderr)
