@@ -154,6 +154,7 @@ def make_app(s: Settings) -> web.Application:
 
 
 _NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+             "Referrer-Policy": "no-referrer",
              "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
                                         "frame-ancestors 'none'"}
 

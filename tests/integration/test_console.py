@@ -286,3 +286,34 @@ def test_the_console_command_serves_until_sigterm_and_says_what_is_wrong(tmp_pat
         done = subprocess.run([CLI, *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == code and says in done.stderr, (args, done.returncode, done.stderr)
+
+
+def test_the_latest_audit_verdict_links_to_its_report_with_the_token(tmp_path, page):
+    pub = Bus(free_address(), tmp_path / "orders", name="orders")
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    (audit / "summary.json").write_text(json.dumps({
+        "ok": False, "events": 1234, "messages": 200,
+        "classes": {"ok": 196, "lost": 1, "deadlettered": 3, "owed": 0},
+        "problems": {"lost": [{"id": "01aaaaaaaaaaaaaaaaaaaaaaaa", "receiver": "tcp://127.0.0.1:9"}],
+                     "deadlettered": []}}))
+    (audit / "report.html").write_text("<!doctype html><title>delivery audit</title><h1>the report</h1>")
+    token = "k" * 24
+    try:
+        with Console([pub.datadir], listen="127.0.0.1:0", token=token, audit=audit) as console:
+            page.goto(console.url)
+            page.wait_for_selector("#audit .verdict-bad")
+            assert page.text_content("#audit-badge") == "audit: PROBLEMS"
+            text = page.text_content("#audit")
+            assert "1 lost" in text.replace(",", "") or "1 lost" in " ".join(text.split()), text
+            assert "01aaaaaaaaaaaaaaaaaaaaaaaa" in text
+            with page.context.expect_page() as opened:
+                page.click("#audit-link")
+            report = opened.value
+            report.wait_for_load_state()
+            assert report.text_content("h1") == "the report"
+            screenshot(page, "console-audit")
+            base = console.url.split("#")[0]
+            assert _http(base + "audit/report.html")[0] == 401  # not without the token
+    finally:
+        pub.close()

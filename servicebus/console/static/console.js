@@ -183,9 +183,10 @@ function renderAudit(audit) {
     el("p", {}, el("span", { class: audit.ok ? "verdict-ok" : "verdict-bad",
       text: audit.ok ? "OK: nothing lost or duplicated" : "PROBLEMS FOUND" }),
       el("span", { class: "muted", text: ` · ${fmt.n(audit.events)} events, ${fmt.n(audit.messages)} (message, receiver) pairs · written ${new Date(audit.written * 1000).toLocaleString()} · ` }),
-      audit.report ? el("a", { href: link, target: "_blank", id: "audit-link", text: "open the report" }) : null),
+      audit.report ? el("a", { href: link, target: "_blank", rel: "noopener noreferrer", id: "audit-link", text: "open the report" }) : null),
     el("div", { class: "classes" }, ...classes.map(([k, n]) => el("span", {}, el("b", { text: fmt.n(n) + " " }), k))),
-    ...problems.map(([k, ids]) => el("p", {}, el("b", { text: k + ": " }), el("span", { text: ids.join(", ") }))));
+    ...problems.map(([k, pairs]) => el("p", {}, el("b", { text: k + ": " }), el("span", {
+      text: pairs.map((p) => (typeof p === "string" ? p : `${p.id} at ${p.receiver}`)).join(", ") }))));
 }
 
 async function refresh() {
