@@ -97,7 +97,7 @@ def test_an_edited_expired_command_goes_back_to_outgoing_under_a_new_id_and_is_d
     rows = cli_json("replay", tmp_path / "client", mid, "--payload", json.dumps(FIXED))
     assert rows[0]["result"] == "replayed" and rows[0]["to"] == f"outgoing to {address}"
     new_id = rows[0]["new_id"]
-    assert journaled(tmp_path / "client", "replayed_at_sender") == {mid: f"as {new_id}, edited"}
+    assert journaled(tmp_path / "client", "replayed") == {mid: f"as {new_id}, edited"}  # the sender's
     got: list = []
     server = make_bus("server", address)
     server.handle("audit.record", lambda p, m: got.append((p, m.id, m.headers.get("h"))))
@@ -169,8 +169,11 @@ def test_edits_bus_replay_refuses_leave_the_letter_as_it_was(make_bus):
         sub.replay(mid, payload={"fixed": object()})
     with pytest.raises(ValueError, match="no such dead letter"):
         sub.replay("0" * 24, payload=FIXED)
-    assert [(d.id, d.payload) for d in sub.deadletters()] == [(mid, {"n": 1})]
+    assert [(d.id, d.attempts) for d in sub.deadletters()] == [(mid, 1)]
     assert got == []
+    sub.close()
+    assert letter_payloads(sub.datadir) == [(mid, {"n": 1})]
+    assert "replayed" not in {e["event"] for e in journal_lines(sub.datadir)}
 
 
 def test_an_edit_of_a_letter_not_replayable_is_refused_and_of_a_damaged_one_skipped(tmp_path):
