@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 from .bus import Bus
+from .busstate import OWN_PAYLOAD
 from .handling.handlers import Handler, handler_name
 from .handling.typed import registration
 from .model.outgoing import check_seconds
@@ -77,8 +78,8 @@ class AsyncBus:
         return await asyncio.to_thread(self.bus.deadletters, limit)
 
     async def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
-                     reason: str | None = None) -> int:
-        return await asyncio.to_thread(self.bus.replay, ids, topic=topic, reason=reason)
+                     reason: str | None = None, payload: Any = OWN_PAYLOAD) -> int:
+        return await asyncio.to_thread(self.bus.replay, ids, topic=topic, reason=reason, payload=payload)
 
     async def purge(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
                     reason: str | None = None) -> int:

@@ -19,7 +19,9 @@ from .model.records import BusStatus, DeadLetter, Message
 from .store.status import live_status
 from .wire.topics import validate_pattern
 
-__all__ = ["BusState"]
+__all__ = ["BusState", "OWN_PAYLOAD"]
+
+OWN_PAYLOAD = object()  # replay's payload when none is given: each letter's own
 
 
 class BusState(Lifecycle):
@@ -104,7 +106,7 @@ class BusState(Lifecycle):
         return dead_letters(self._store.deadletters(), limit)
 
     def replay(self, ids: Iterable[str] | None = None, *, topic: str | None = None,
-               reason: str | None = None) -> int:
+               reason: str | None = None, payload: Any = OWN_PAYLOAD) -> int:
         """Put dead letters back, as ``servicebus replay`` does, while the bus runs: received
         ones are handled again (attempts reset), undeliverable ones are owed again under a
         new id and without TTL; each journaled ``replayed``. Selects by ``ids``, ``topic``
@@ -112,8 +114,18 @@ class BusState(Lifecycle):
         Returns how many were put back: a letter that cannot be as it is (a message whose
         own fields were not valid) stays, and so does the first message of a publish still
         being handled here, until it is done. ``ValueError``, and nothing done, if an id
-        named is no dead letter."""
-        rows = self._call(lambda f: E.Maintain("replay", _selection(ids, topic, reason), f, strict=True))
+        named is no dead letter.
+
+        ``payload`` (None too) edits the one letter ``ids`` names (its id alone: no topic or
+        reason): it is replayed with this payload instead of its own, encoded as ``publish``
+        encodes one, its topic, headers and correlation id kept; journaled ``replayed`` with
+        detail ``edited``. Nothing done, and ``TypeError`` if a receiver could not decode it
+        (as ``publish``), ``ValueError`` if it is over ``max_payload``, more than one letter is
+        named or the letter is not replayable."""
+        args = _selection(ids, topic, reason)
+        if payload is not OWN_PAYLOAD:
+            args["payload"] = payload
+        rows = self._call(lambda f: E.Maintain("replay", args, f, strict=True))
         return sum(1 for row in rows if row.get("result") == "replayed")
 
     def purge(self, ids: Iterable[str] | None = None, *, topic: str | None = None,

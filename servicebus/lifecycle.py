@@ -162,6 +162,7 @@ class Lifecycle:
         # What is retained, for the offline tools (servicebus status): empty when nothing.
         batch.put_meta("retention", msgpack.packb(
             [self.config.retention or {}, self.config.retention_bytes] if self.config.retention else []))
+        batch.put_meta("max_payload", str(self.config.max_payload).encode())  # for offline replay edits
         store.write(batch, sync=False)
 
         hooks = self.hooks

@@ -35,7 +35,8 @@ COUNTERS = "counters"
 @dataclass
 class Maintain:
     """``op`` (one of OPS) of the dead letters ``args`` select: ``ids`` (None: any),
-    ``topic``, ``reason``. ``strict``: an id named that is no dead letter fails the call
+    ``topic``, ``reason``; for replay, ``payload`` (present: any value msgpack encodes, None
+    too) replays the one letter ``ids`` names with it instead of its own payload. ``strict``: an id named that is no dead letter fails the call
     (``ValueError``) before anything changes (the API); otherwise it is reported (the CLI).
     The future gets replay's report rows, or for purge ``[{"removed": {"deadletters": n},
     "missing": [ids]}]``."""
@@ -96,6 +97,10 @@ def _run(engine: Any, cmd: Maintain, now: float) -> list[dict[str, Any]]:
             return [core.members.kick(target, why[:500], core.handshake)]
         return [core.members.readmit(target)]
     ids, topic, reason = _selection(cmd.args)
+    body = None
+    if cmd.op == "replay" and "payload" in cmd.args:  # an edit: encoded and checked as a publish's
+        M.check_edit(ids, topic, reason)
+        body = M.edited_body(cmd.args["payload"], engine.config.max_payload)
     store = engine.store
     if cmd.strict and ids:
         _letters, missing = M.select_letters(store, ids, None, None)
@@ -106,7 +111,7 @@ def _run(engine: Any, cmd: Maintain, now: float) -> list[dict[str, Any]]:
     if cmd.op == "purge":
         removed, missing = M.purge_letters(store, ids, topic, reason, context=context)
         return [{"removed": {"deadletters": removed}, "missing": missing}]
-    rows = M.replay(store, ids, topic, reason=reason, context=context)
+    rows = M.replay(store, ids, topic, reason=reason, context=context, body=body)
     for stream, key, record in context.outgoing:  # owed again: the core sends them
         engine.core.command(Published(stream, [(key, record, 1)]), now)
     if context.incoming:  # to run again: the handlers read them from the store

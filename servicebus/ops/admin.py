@@ -11,7 +11,11 @@ rows in all, more than those sent when ``args["limit"]`` cut them) or ``{"ok": f
 "error": text}``. The views are read-only (``check`` reads a snapshot of the store); the
 operations that write, ``replay`` and ``purge`` of dead letters (args ``ids``, ``topic``,
 ``reason``), and ``kick`` and ``readmit`` (args ``target``, ``why``), are run by the bus's
-engine on its own thread (engine/maintain.py).
+engine on its own thread (engine/maintain.py). ``replay`` also takes ``payload`` (new in
+0.2; any value msgpack encodes, nil too: present means an edit) with ``ids`` naming one dead
+letter alone: it goes back with that payload instead of its own, or the reply is an error
+(``ValueError: ...``: more than one letter, not replayable, over the bus's max_payload;
+``TypeError: ...``: a payload a receiver could not decode), and nothing changed.
 """
 
 from __future__ import annotations

@@ -176,10 +176,17 @@ def _alive(path: Path) -> bool:
     return probe(path)[1]
 
 
-def _ask_live(path: Path, name: str, args: dict) -> V.Rows:
-    """View or operation ``name`` of the live bus holding ``path``, over its admin endpoint."""
+def _ask_live(path: Path, name: str, args: dict, *, checked: bool = False) -> V.Rows:
+    """View or operation ``name`` of the live bus holding ``path``, over its admin endpoint.
+    ``checked``: the bus refusing the request as wrong (its ``ValueError`` or ``TypeError``:
+    nothing was done) exits ``EXIT_USAGE`` with its text, not as a bus that cannot answer."""
     try:
         return A.query_live(path.resolve(), name, args)
+    except A.AdminRefused as exc:
+        kind, _, text = exc.error.partition(": ")
+        if checked and kind in ("ValueError", "TypeError"):
+            raise CliError(f"{path}: {text}", EXIT_USAGE) from None
+        raise CliError(str(exc), EXIT_LOCKED) from None
     except A.AdminDenied as exc:
         raise _denied(Path(exc.path), str(exc)) from None
     except A.AdminUnavailable as exc:

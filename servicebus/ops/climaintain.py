@@ -19,6 +19,7 @@ from . import maintenance as M
 from . import repair as R
 from ..hooks.journal import flush_datadir
 from ..errors import LockedError, StoreError
+from ..model.config import BusConfig
 from ..store.lockfile import LOCK_NAME, probe
 from .clibase import DATADIR, DATADIRS, EXIT_CORRUPT, EXIT_LOCKED, EXIT_NO_DATADIR, EXIT_NOTHING, EXIT_USAGE
 from .clibase import JSON, CliError, _alive, _ask_live, _datadir, _each, _heading, _holding_lock, _offline_store
@@ -131,28 +132,72 @@ def _labelled(rows: list[dict], label: str | None) -> list[dict]:
     return rows if label is None else [{"datadir": label, **row} for row in rows]
 
 
+PAYLOAD = typer.Option(None, "--payload", metavar="JSON",
+                       help="replay the one dead letter named with this payload instead of its own "
+                            "(JSON, or @FILE of JSON)")
+
+
 @app.command()
 def replay(targets: Optional[list[str]] = TARGETS,
            all_: bool = typer.Option(False, "--all", help="every dead letter"),
-           topic: Optional[str] = TOPIC, reason: Optional[str] = REASON, as_json: bool = JSON) -> None:
+           topic: Optional[str] = TOPIC, reason: Optional[str] = REASON,
+           payload: Optional[str] = PAYLOAD, as_json: bool = JSON) -> None:
     """Move dead letters back to incoming (or outgoing, for undeliverable ones), by id, by
-    topic, by reason or all; a live bus does it at once (over its admin endpoint). Exit 6
-    if nothing matched or an id named is no dead letter."""
+    topic, by reason or all; a live bus does it at once (over its admin endpoint). With
+    --payload, one dead letter (DATADIR ID) goes back with that payload instead of its own.
+    Exit 6 if nothing matched or an id named is no dead letter."""
     dirs, ids = _targets(targets)
-    if not ids and not all_ and not topic and not reason:
+    edit: list = []  # [the new payload] with --payload
+    if payload is not None:
+        if len(dirs) != 1 or len(ids) != 1 or all_ or topic or reason:
+            raise CliError("--payload is for one dead letter: name one data directory and one dead "
+                           "letter id (no --all, --topic or --reason)", EXIT_USAGE)
+        edit.append(_payload(payload))
+    elif not ids and not all_ and not topic and not reason:
         raise CliError("name dead letter ids, or pass --all, --topic or --reason", EXIT_USAGE)
-    _each(dirs, lambda path, label: _replay(path, label, ids, topic, reason, as_json))
+    _each(dirs, lambda path, label: _replay(path, label, ids, topic, reason, as_json, edit))
+
+
+def _payload(given: str) -> object:
+    """``--payload``'s value: JSON, or ``@FILE`` of JSON (``CliError`` saying what is wrong),
+    checked as a publish checks a payload (its size is the bus's to check)."""
+    what = "--payload"
+    if given.startswith("@"):
+        what = given[1:]
+        try:
+            given = Path(what).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"--payload: cannot read {what}: {exc}", EXIT_USAGE) from None
+    try:
+        value = json.loads(given)
+    except RecursionError:
+        raise CliError(f"{what} is not JSON this reads: nested too deep", EXIT_USAGE) from None
+    except ValueError as exc:
+        raise CliError(f"{what} is not JSON: {exc}", EXIT_USAGE) from None
+    try:
+        M.edited_body(value, 1 << 62)
+    except TypeError as exc:
+        raise CliError(f"{what}: {exc}", EXIT_USAGE) from None
+    return value
 
 
 def _replay(datadir: Path, label: str | None, ids: list[str], topic: str | None, reason: str | None,
-            as_json: bool) -> None:
+            as_json: bool, edit: list) -> None:
     datadir = _datadir(datadir)
     if _alive(datadir):  # the bus's engine writes, on its own thread (engine/maintain.py)
-        rows = list(_ask_live(datadir, "replay", {"ids": ids or None, "topic": topic, "reason": reason}))
+        args = {"ids": ids or None, "topic": topic, "reason": reason}
+        rows = list(_ask_live(datadir, "replay", {**args, "payload": edit[0]} if edit else args,
+                              checked=bool(edit)))
     else:
         with _offline_store(datadir, writing=True, command="replay") as store:
-            with _progress("replaying", None) as step:
-                rows = M.replay(store, ids or None, topic, step, reason=reason)
+            try:
+                body = M.edited_body(edit[0], M.max_payload_of(store, BusConfig.max_payload)) if edit else None
+                with _progress("replaying", None) as step:
+                    rows = M.replay(store, ids or None, topic, step, reason=reason, body=body)
+            except ValueError as exc:
+                if not edit:
+                    raise
+                raise CliError(f"{datadir}: {exc}", EXIT_USAGE) from None  # refused: nothing was done
             flush_datadir(store, datadir)  # its journal events, for an audit run next
     _heading(None if as_json else label)
     missing = [r["id"] for r in rows if r.get("detail") == "no such dead letter"]

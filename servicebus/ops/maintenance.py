@@ -17,18 +17,21 @@ from typing import Any
 from ..errors import StoreError
 from ..model.clock import wall_ms
 from ..model.packer import pack
+from ..model.segments import make_blob
 from ..store.cursors import consumers
 from ..model.delivery import is_command_stream, pack_outgoing, stream_target, unpack_outgoing
 from ..model.ids import IdGenerator
 from ..hooks.journal import Journal
 from ..model.letters import damaged_letter
 from ..model.stored import event
+from ..wire.payload import encode_payload
 from ..wire.protocol import Kind
 from ..store import FORMAT_VERSION, Store, schema
 from ..store.migrate import Upgrade, upgrade
 from .messages import outgoing_letters
 
-__all__ = ["migrate", "replay", "purge", "purge_letters", "select_letters", "Context", "REPLAYABLE"]
+__all__ = ["migrate", "replay", "purge", "purge_letters", "select_letters", "Context", "REPLAYABLE",
+           "edited_body", "check_edit", "max_payload_of"]
 
 Progress = Callable[[int], None] | None
 CHUNK = 5000
@@ -94,6 +97,49 @@ def _replayable(mid: str, rec: dict) -> str | None:
     return None
 
 
+def edited_body(payload: Any, max_payload: int) -> bytes:
+    """A replay's new payload, encoded as a publish encodes one: ``TypeError`` (where in it)
+    for what a receiver could not decode, ``ValueError`` if larger than ``max_payload``."""
+    body = encode_payload(payload, "the new payload")
+    if len(body) > max_payload:
+        raise ValueError(f"the new payload is {len(body)} bytes encoded; max_payload is {max_payload}")
+    return body
+
+
+def max_payload_of(store: Store, default: int) -> int:
+    """The ``max_payload`` the store's bus last ran with (it records it at start), or
+    ``default`` for a store of a bus that did not record it."""
+    try:
+        recorded = store.meta("max_payload")
+    except StoreError:  # damaged: check says so; the default limit holds meanwhile
+        recorded = None
+    return int(recorded) if recorded else default
+
+
+def check_edit(ids: list[str] | None, topic: str | None, reason: str | None) -> None:
+    """An edit (a new payload) is of one dead letter named by its id alone: ``ValueError``
+    otherwise."""
+    if ids is None or len(ids) != 1 or topic is not None or reason is not None:
+        raise ValueError("a new payload is for one dead letter: name its id alone (no topic, "
+                         "reason or other id)")
+
+
+def _check_edit(letters: list[tuple[str, dict]], ids: list[str] | None, topic: str | None,
+                reason: str | None) -> None:
+    """``check_edit``, and the letter can be replayed: ``ValueError``, before anything is
+    written, otherwise."""
+    check_edit(ids, topic, reason)
+    for mid, rec in letters:
+        if rec.get("not_replayable"):
+            raise ValueError(f"dead letter {mid} is not replayable: {rec['not_replayable']}; nothing was done")
+
+
+def _edited(record: Any, body: bytes | None) -> Any:
+    """A letter's message record (a segment of one: its blob last) with its payload
+    replaced by ``body`` (None: as it is)."""
+    return record if body is None else [*record[:-1], make_blob([body])]
+
+
 def select_letters(store: Store, ids: list[str] | None, topic: str | None,
                    reason: str | None) -> tuple[list[tuple[str, dict]], list[str]]:
     """The dead letters an operation names: by ``ids`` (None: any), of ``topic``, with
@@ -131,9 +177,14 @@ class Context:
 
 def replay(store: Store, ids: list[str] | None, topic: str | None,
            progress: Progress = None, *, reason: str | None = None,
-           context: Context | None = None) -> list[dict]:
+           context: Context | None = None, body: bytes | None = None) -> list[dict]:
     """Put dead letters back where they can be tried again; one report row per letter
     (and one ``skipped`` row per id named that is no dead letter).
+
+    ``body``: a new payload (``edited_body``) for the one letter ``ids`` names, replayed
+    with it instead of its own (its topic, headers and correlation id kept), journaled
+    ``replayed`` with detail ``edited``. ``ValueError`` and nothing done if more is named
+    or the letter is not replayable.
 
     Letters of received messages go back to the incoming store (handled at the next start,
     or at once by a running bus, attempts reset). Letters of messages this bus could not
@@ -142,6 +193,9 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
     """
     ctx = context or Context.offline(store)
     letters, missing = select_letters(store, ids, topic, reason)
+    if body is not None:
+        _check_edit(letters, ids, topic, reason)
+    edit = None if body is None else "edited"
     report: list[dict] = [{"id": mid, "result": "skipped", "detail": "no such dead letter"} for mid in missing]
     views = {(c.peer, c.stream): c for c in consumers(store)}
     subscribers_of: dict[str, set[str]] = {}
@@ -172,10 +226,10 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
                 # It keyed a publish handled since (its first message): that mark goes with
                 # its index entry, and comes back when the replayed message is handled.
                 batch.forget_handled(mid, at)
-            batch.put_incoming(mid, rec["record"])
+            inner = _edited(rec["record"], body)
+            batch.put_incoming(mid, inner)
             batch.delete_deadletter(mid)
-            inner = rec["record"]
-            ctx.record(batch, [event("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3])])
+            ctx.record(batch, [event("replayed", wall_ms(), mid, inner[1], rec.get("kind"), inner[3], 0, edit)])
             ctx.incoming.append(mid)
             row.update(result="replayed", to="incoming")
         elif origin == "outgoing":
@@ -200,14 +254,15 @@ def replay(store: Store, ids: list[str] | None, topic: str | None,
                 row.update(result="skipped", detail=f"subscriber {peer} {why_not}")
                 report.append(row)
                 continue
-            kind, topic_, _sent, _expires, corr, headers, _ids, blob = rec["record"]
+            kind, topic_, _sent, _expires, corr, headers, _ids, blob = _edited(rec["record"], body)
             new_id = gen.next()  # a segment of one, as the letter kept it
             packed = pack_outgoing(Kind(kind), topic_, wall_ms(), [new_id], blob, None, corr, headers)
             batch.put_outgoing(stream, new_id, packed)
             batch.delete_deadletter(mid)
             ctx.outgoing.append((stream, new_id, packed))
             ctx.record(batch, [
-                event("replayed_at_sender", wall_ms(), mid, topic_, rec.get("kind"), peer, 0, f"as {new_id}"),
+                event("replayed_at_sender", wall_ms(), mid, topic_, rec.get("kind"), peer, 0,
+                      f"as {new_id}" + (", edited" if edit else "")),
                 event("published", wall_ms(), new_id, topic_, rec.get("kind"), peer)])
             row.update(result="replayed", to=f"outgoing to {peer}", new_id=new_id)
         else:

@@ -231,7 +231,8 @@ META: dict[str, Callable[[bytes], Any]] = {
     "hwm": _decimal,  # the high-water mark (store/mark.py)
     "epoch": _decimal,  # starts of the bus so far: in every id it makes (model/ids.py)
     "retention": _retention,  # [rules, max bytes] the bus runs with, or [] (model/retention.py)
-    "members": _members,  # what discovery knows: {"members": [...], "kicked": {...}} (core/members.py)
+    "members": _members,
+    "max_payload": _decimal,  # the bus's max_payload at its last start, for offline replay edits  # what discovery knows: {"members": [...], "kicked": {...}} (core/members.py)
 }
 
 VALUES: dict[str, Callable[[bytes], Any]] = {

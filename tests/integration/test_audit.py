@@ -11,7 +11,7 @@ import pytest
 
 from servicebus.audit import job
 from servicebus.audit.synthetic import write_journals
-from servicebus.testing import wait_until
+from servicebus.testing import free_address, wait_until
 
 pytestmark = pytest.mark.spark
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'servicebus[audit]')")
@@ -175,6 +175,45 @@ def test_real_buses_publishing_segments_journal_lines_with_ids_that_the_audit_re
     assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
     assert summary["retries"] == len(failed) == 11  # 13, 110, ..., 983
     assert summary["ok"]
+
+
+def test_dead_letters_edited_and_replayed_are_journaled_so_and_audited_as_handled_once(spark, make_bus, tmp_path):
+    # A received event whose handler failed, replayed with a fixed payload by the
+    # subscriber; a command that expired at its sender, replayed edited (under a new id) and
+    # handled by a receiver started since. Each replay's journal line says "edited".
+    pub, sub, client = make_bus("pub"), make_bus("sub", max_attempts=1), make_bus("client")
+    got = []
+
+    def handle(payload, message):
+        if not payload.get("fixed"):
+            raise ValueError("poison payload")
+        got.append(message.id)
+
+    sub.every(TOPIC, handle)
+    sub.subscribe(pub.address, TOPIC, wait=10)
+    mid = pub.publish(TOPIC, {"n": 1})
+    address = free_address()
+    client.send(address, "audit.record", {"n": 2}, ttl=0.1)
+    wait_until(lambda: sub.status().deadletters == 1 and client.status().deadletters == 1, 10)
+    (expired,) = [d.id for d in client.deadletters()]
+    assert sub.replay(mid, payload={"n": 1, "fixed": True}) == 1
+    assert client.replay(expired, payload={"n": 2, "fixed": True}) == 1
+    server = make_bus("server", address)
+    server.handle("audit.record", handle)
+    wait_until(lambda: len(got) == 2, 20)
+    assert pub.drain(10) and sub.drain(10) and client.drain(10)
+    for bus in (pub, sub, client, server):
+        bus.close()
+    lines = [json.loads(text) for name in ("sub", "client") for path in (tmp_path / name / "journal").glob("*.jsonl")
+             for text in path.read_text().splitlines()]
+    replays = {e["id"]: e.get("error") for e in lines if e["event"] == "replayed"}
+    new_id = next(i for i in got if i != mid)
+    assert replays == {mid: "edited", expired: f"as {new_id}, edited"}
+    summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
+    found = classes_of(spark, tmp_path / "audit")
+    assert {(mid, sub.address), (new_id, address)} <= found["handled"], found
+    assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0, summary
+    assert summary["classes"]["deadlettered"] == 0, summary
 
 
 def test_the_cli_prints_the_table_and_exits_1_naming_the_problem_ids(tmp_path):
