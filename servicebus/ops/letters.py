@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import LockedError, StoreError
 from ..hooks.journal import flush_datadir
+from ..model.config import BusConfig
 from ..store import Store
 from ..store.lockfile import DataDirLock, probe
 from . import admin as A
@@ -62,7 +63,7 @@ def act(datadir: Path, action: str, args: dict[str, Any], *, by: str = "serviceb
     if action not in ACTIONS:
         raise ValueError(f"no such action: {action!r}")
     selection = {k: args.get(k) for k in ("ids", "topic", "reason")}
-    if args.get("payload") is not None:
+    if "payload" in args:  # an edit: None too is a payload
         selection["payload"] = args["payload"]
     if alive(datadir):  # the bus's engine writes, on its own thread (engine/maintain.py)
         return list(A.query_live(datadir.resolve(), action, selection, timeout=ADMIN_TIMEOUT))
@@ -80,8 +81,11 @@ def act(datadir: Path, action: str, args: dict[str, Any], *, by: str = "serviceb
                 removed, missing = M.purge_letters(store, ids, topic, reason)
                 rows = [{"removed": {"deadletters": removed}, "missing": missing}]
             else:
-                extra = {"payload": selection["payload"]} if "payload" in selection else {}
-                rows = M.replay(store, ids, topic, reason=reason, **extra)
+                body = None
+                if "payload" in selection:  # checked and encoded as a publish's, by the bus's limit
+                    M.check_edit(ids, topic, reason)
+                    body = M.edited_body(selection["payload"], M.max_payload_of(store, BusConfig.max_payload))
+                rows = M.replay(store, ids, topic, reason=reason, body=body)
             flush_datadir(store, datadir)  # its journal events, for an audit run next
             return rows
         finally:

@@ -110,6 +110,29 @@ def test_replay_clicked_on_a_dead_letter_is_handled_and_journaled(fleet, tmp_pat
         screenshot(page, "console-after-replay")
 
 
+def test_a_poison_payload_edited_in_the_browser_and_replayed_is_handled_with_the_new_payload(fleet, page):
+    pub, sub = fleet
+    by_n = {letter["payload"]["n"]: letter["id"] for letter in sub.letters()}
+    with Console([sub.datadir], listen="127.0.0.1:0", write=True, interval=0.3) as console:
+        page.goto(console.url)
+        page.click("#groups tr[data-cause='ValueError'] button:text('Show')")
+        row = page.locator(f"#letter-list tr[data-id='{by_n[3]}']")
+        row.locator("button:text('Edit & replay')").click()
+        area = page.locator("#edit-payload")
+        assert json.loads(area.input_value()) == {"n": 3, "bad": True, "customer": None}
+        area.fill("{not json")  # refused in the page: the dialog stays, saying why
+        page.click("#edit-ok")
+        assert "not JSON" in page.text_content("#edit-error") and page.locator("#edit[open]").count() == 1
+        area.fill(json.dumps({"n": 3, "bad": False, "customer": "c3"}))
+        screenshot(page, "console-edit-and-replay")
+        page.click("#edit-ok")
+        wait_until(lambda: 3 in sub.done(), 20, message="the edited order to be handled")
+        assert sub.done()[3] == {"n": 3, "bad": False, "customer": "c3"}  # while bad ones still fail
+        page.wait_for_selector(f"#letter-list tr[data-id='{by_n[3]}']", state="detached")
+        wait_until(lambda: _journaled(sub.datadir, by_n[3], "replayed"), 20, message="replayed in the journal")
+        assert [letter["id"] for letter in sub.letters()] == [by_n[1]]
+
+
 def sub_address(sub: Subscriber) -> str:
     return read_view(sub.datadir, "status", {})[0]["lock"]["address"]
 

@@ -270,6 +270,7 @@ function edit(bus, letter) {
   document.getElementById("edit-title").textContent = "Edit and replay " + letter.id;
   area.value = JSON.stringify(letter.payload, null, 2);
   problem.hidden = true;
+  area.oninput = () => { problem.hidden = true; };
   d.returnValue = "";
   document.getElementById("edit-ok").onclick = (ev) => {
     let payload;
