@@ -222,7 +222,10 @@ async function showLetters(group) {
   document.querySelector("#letter-list tbody").replaceChildren(...(data.letters.length ? data.letters.map((l) => el("tr", { "data-id": l.id },
     el("td", { text: l.id }), el("td", { text: l.topic }), el("td", { class: "num", text: fmt.n(l.attempts) }),
     el("td", { class: "num", text: fmt.age(l.age_s) }), el("td", {}, el("pre", { text: l.error || l.reason })),
-    el("td", {}, el("pre", { text: JSON.stringify({ payload: l.payload, headers: l.headers, origin: l.origin, peer: l.peer }, null, 1) })),
+    el("td", {}, el("pre", { text: JSON.stringify(l.payload) +
+      (l.headers ? "\nheaders: " + JSON.stringify(l.headers) : "") +
+      (l.origin === "outgoing" ? "\nundelivered to " + l.peer : "") +
+      (l.not_replayable ? "\nnot replayable: " + l.not_replayable : "") })),
     el("td", {},
       actionButton("Replay", () => run("replay", { bus: group.bus, ids: [l.id] })),
       actionButton("Edit & replay", () => edit(group.bus, l)),
