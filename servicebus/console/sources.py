@@ -21,7 +21,7 @@ from typing import Any
 from ..ops.letters import act, alive, read_view
 from ..ops.views import Rows
 
-__all__ = ["Source", "Sample", "cause_of", "fleet_view", "read_audit", "HISTORY_SECONDS"]
+__all__ = ["Source", "Sample", "cause_of", "fleet_view", "read_audit", "HISTORY_SECONDS", "LETTERS_SCANNED"]
 
 HISTORY_SECONDS = 1800.0  # what the plots show at most
 LETTERS_SCANNED = 2000  # dead letters read per sample for the groups (the count is exact)

@@ -1,0 +1,93 @@
+"""The web console (servicebus console) attacked as a hostile or unlucky user would: bulk
+actions that must touch only what they name, input the bus sends that the page must survive,
+odd requests, a bus starting while the console reads its store, a frozen bus."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="the console needs aiohttp (pip install 'servicebus[console]')")
+
+from servicebus import Bus  # noqa: E402
+from servicebus.console import Console  # noqa: E402
+from servicebus.ops.letters import read_view  # noqa: E402
+from servicebus.testing import free_address, wait_until  # noqa: E402
+
+from .test_console import _http  # noqa: E402
+
+
+@pytest.fixture
+def two_causes(tmp_path):
+    """A subscriber bus ``sub`` (in this process) with two dead letters of one topic and
+    one reason (handler_failed) but two causes: ValueError (k 1) and KeyError (k 2). The
+    ValueError one's payload holds what JSON cannot say: NaN, and an integer above 2**53."""
+    pub = Bus(free_address(), tmp_path / "pub", name="pub")
+    sub = Bus(free_address(), tmp_path / "sub", name="sub", max_attempts=1)
+
+    @sub.every("order.placed")
+    def handle(payload, message):
+        if payload["k"] == 1:
+            raise ValueError("no customer")
+        raise KeyError("k")
+
+    try:
+        sub.subscribe(pub.address, "order.placed", wait=20)
+        pub.publish("order.placed", {"k": 1, "x": float("nan"), "big": 12345678901234567891})
+        pub.publish("order.placed", {"k": 2})
+        wait_until(lambda: len(read_view(sub.datadir, "deadletters", {})) == 2, 20, message="two dead letters")
+        yield pub, sub
+    finally:
+        sub.close()
+        pub.close()
+
+
+def _not_json(word: str) -> None:
+    raise AssertionError(f"{word} is not JSON: a browser's JSON.parse refuses it")
+
+
+def _causes(datadir: Path) -> list[str]:
+    return sorted(str(letter["error"]).split(":")[0] for letter in read_view(datadir, "deadletters", {}))
+
+
+def test_purge_all_of_one_cause_leaves_the_letters_of_another_cause_alone(two_causes, page):
+    pub, sub = two_causes
+    with Console([sub.datadir], listen="127.0.0.1:0", write=True, interval=0.3) as console:
+        page.goto(console.url)
+        row = page.locator("#groups tr[data-cause='ValueError']")
+        row.wait_for()
+        page.wait_for_selector("#groups tr[data-cause='KeyError']")
+        row.locator("button:text('Purge all')").click()
+        page.click("#confirm-ok")
+        page.wait_for_selector("#action-result:text('purged')")
+        assert "purged 1 " in page.text_content("#action-result")
+    assert _causes(sub.datadir) == ["KeyError"]  # the other cause's letter is still there
+
+
+def test_what_a_bus_sends_that_json_cannot_say_still_reaches_the_page(two_causes, page):
+    pub, sub = two_causes
+    with Console([sub.datadir], listen="127.0.0.1:0", interval=0.3) as console:
+        with urllib.request.urlopen(console.url + "api/letters?bus=0", timeout=20) as res:
+            json.loads(res.read(), parse_constant=_not_json)  # strict JSON: as a browser parses it
+        page.goto(console.url)
+        page.click("#groups tr[data-cause='ValueError'] button:text('Show')")
+        shown = page.locator("#letter-list tr[data-id]")
+        shown.wait_for()
+        text = page.text_content("#letter-list")
+        assert "NaN" in text and "12345678901234567891" in text  # as they are, not rounded
+        assert not page.is_visible("#action-result.problem")
+
+
+def test_a_bus_index_that_only_looks_like_a_number_is_refused_with_a_reason(two_causes):
+    pub, sub = two_causes
+    with Console([sub.datadir], listen="127.0.0.1:0") as console:
+        for raw in ("%C2%B2", "%D9%A3", "-0", "0x0", "%2B0", "%200"):
+            status, reply = _http(console.url + f"api/history?bus={raw}")
+            assert status == 400 and "bus must be" in reply.get("error", ""), (raw, status, reply)
+        status, reply = _http(console.url + "api/replay", method="POST", body={"bus": "²", "ids": ["x"]})
+        assert status in (400, 403) and reply.get("error"), reply
+        status, reply = _http(console.url + "api/state")
+        assert status == 200 and json.dumps(reply)
