@@ -5,6 +5,7 @@ odd requests, a bus starting while the console reads its store, a frozen bus."""
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -91,3 +92,30 @@ def test_a_bus_index_that_only_looks_like_a_number_is_refused_with_a_reason(two_
         assert status in (400, 403) and reply.get("error"), reply
         status, reply = _http(console.url + "api/state")
         assert status == 200 and json.dumps(reply)
+
+
+def test_a_bus_starting_while_the_console_reads_its_stopped_store_starts(tmp_path, monkeypatch):
+    """The console reads a stopped bus's store (LevelDB open, its lock held for as long as
+    the read takes); a bus started on it at that moment must start, not fail as locked."""
+    import servicebus.ops.letters as letters
+
+    datadir = tmp_path / "orders"
+    Bus(free_address(), datadir, name="orders").close()
+    reading, held = threading.Event(), threading.Event()
+    real = letters.run_view
+
+    def slow_read(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread() and not held.is_set():
+            held.set()
+            reading.set()
+            threading.Event().wait(0.6)  # a read that takes a while: a big store, a slow disk
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(letters, "run_view", slow_read)
+    with Console([datadir], listen="127.0.0.1:0", interval=0.3):
+        assert reading.wait(20)
+        bus = Bus(free_address(), datadir, name="orders")  # LockedError: the store is in use
+        try:
+            bus.publish("order.placed", {"n": 1})
+        finally:
+            bus.close()
