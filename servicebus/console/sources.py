@@ -109,6 +109,11 @@ class Source:
         self.history.append((sample.at, point))
         return sample
 
+    def failed(self, exc: BaseException) -> None:
+        """A reading that could not even begin (``alive`` raised: a symlink loop...)."""
+        self._signature = None
+        self.latest = Sample(time.time(), False, f"{type(exc).__name__}: {exc}")
+
     def _read(self, up: bool) -> Sample:
         at = time.time()
         try:

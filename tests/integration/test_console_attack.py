@@ -5,7 +5,10 @@ odd requests, a bus starting while the console reads its store, a frozen bus."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from servicebus.console import Console  # noqa: E402
 from servicebus.ops.letters import read_view  # noqa: E402
 from servicebus.testing import free_address, wait_until  # noqa: E402
 
-from .test_console import _http  # noqa: E402
+from .test_console import Subscriber, _http  # noqa: E402
 
 
 @pytest.fixture
@@ -119,3 +122,51 @@ def test_a_bus_starting_while_the_console_reads_its_stopped_store_starts(tmp_pat
             bus.publish("order.placed", {"n": 1})
         finally:
             bus.close()
+
+
+def _at(base: str, bus: int) -> float:
+    status, state = _http(base + "api/state")
+    assert status == 200, state
+    return state["buses"][bus].get("at") or 0.0
+
+
+def test_a_frozen_bus_holds_up_neither_the_page_nor_the_other_buses(tmp_path):
+    pub = Bus(free_address(), tmp_path / "orders", name="orders")
+    sub = Subscriber(tmp_path, pub.address, failing=False)
+    askers: list[threading.Thread] = []
+    try:
+        with Console([pub.datadir, sub.datadir], listen="127.0.0.1:0", interval=0.3) as console:
+            base = console.url
+            assert console.wait_sampled()
+            os.kill(sub.proc.pid, signal.SIGSTOP)  # alive, holding its lock, answering nothing
+            try:
+                for _ in range(6):  # an operator clicking Show on it, again and again
+                    askers.append(threading.Thread(target=_http, args=(base + "api/letters?bus=1",), daemon=True))
+                    askers[-1].start()
+                start = time.monotonic()
+                first = _at(base, 0)
+                assert time.monotonic() - start < 3, "the page's state waited for the frozen bus"
+                seen = [first]
+                wait_until(lambda: seen.append(_at(base, 0)) or len(set(seen)) >= 4, 5,
+                           message="the other bus to be read again and again")
+            finally:
+                os.kill(sub.proc.pid, signal.SIGCONT)
+            for t in askers:
+                t.join(30)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_data_directory_that_cannot_be_read_stops_nothing_else(tmp_path):
+    good = tmp_path / "orders"
+    Bus(free_address(), good, name="orders").close()
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)  # a symlink loop: every path under it is ELOOP
+    with Console([loop, good], listen="127.0.0.1:0", interval=0.3) as console:
+        base = console.url
+        wait_until(lambda: _http(base + "api/state")[1]["buses"][0].get("error"), 5,
+                   message="the loop said to be unreadable")
+        seen = [_at(base, 1)]
+        wait_until(lambda: seen.append(_at(base, 1)) or len(set(seen)) >= 3, 5,
+                   message="the other directory to be read again and again")
