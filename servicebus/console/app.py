@@ -172,7 +172,7 @@ def make_app(s: Settings) -> web.Application:
         target = (root / request.match_info["path"]).resolve()
         if not target.is_relative_to(root) or not target.is_file():
             raise web.HTTPNotFound()
-        return web.FileResponse(target, headers=_NO_STORE)
+        return web.FileResponse(target, headers=_AUDIT_FILE)
 
     async def health(request: web.Request) -> web.Response:
         return _json(200, {"status": "ok", "buses": len(s.sources)})
@@ -191,7 +191,12 @@ def make_app(s: Settings) -> web.Application:
 
 _NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
              "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-                                        "frame-ancestors 'none'"}
+                                        "frame-ancestors 'none'",
+             "Referrer-Policy": "no-referrer"}  # an audit page's URL holds the token (?token=)
+# The audit's report styles itself inline; it runs no script, and holds what buses sent
+# (topics, errors): sandboxed, it could not reach the console's API if it ever did.
+_AUDIT_FILE = {**_NO_STORE, "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                                       "img-src data:; frame-ancestors 'none'; sandbox"}
 
 
 class _Refused(Exception):

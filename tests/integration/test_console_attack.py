@@ -170,3 +170,25 @@ def test_a_data_directory_that_cannot_be_read_stops_nothing_else(tmp_path):
         seen = [_at(base, 1)]
         wait_until(lambda: seen.append(_at(base, 1)) or len(set(seen)) >= 3, 5,
                    message="the other directory to be read again and again")
+
+
+def test_the_audit_report_opens_styled_and_sends_no_token_to_another_site(tmp_path, page):
+    good = tmp_path / "orders"
+    Bus(free_address(), good, name="orders").close()
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    (audit / "summary.json").write_text(json.dumps({"ok": True, "classes": {}, "events": 1, "messages": 1}))
+    # As audit/report.py writes it: its style inline; a link out, as a topic's text could make
+    (audit / "report.html").write_text("<!doctype html><title>audit</title><style>body{font-family:monospace}"
+                                       "</style><p>report</p><a href='https://example.com/'>out</a>")
+    with Console([good], listen="127.0.0.1:0", audit=audit, token="k" * 20) as console:
+        page.goto(console.url)
+        page.wait_for_selector("#audit-link")
+        with page.context.expect_page() as opened:
+            page.click("#audit-link")
+        report = opened.value
+        report.wait_for_load_state()
+        assert "monospace" in report.evaluate("getComputedStyle(document.body).fontFamily")
+        res = report.request.get(report.url)
+        assert res.headers.get("referrer-policy") == "no-referrer"  # the token is in this URL
+        report.close()
