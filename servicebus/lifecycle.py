@@ -27,7 +27,7 @@ from .engine import loop as E
 from .engine.keys import load_keys
 from .engine.seeds import SeedFinder
 from .engine.sockets import Sockets
-from .errors import BusClosedError, BusError, StoreError
+from .errors import BusClosedError, BusError, LockedError, StoreError
 from .handling.dispatch import Dispatcher
 from .handling.requests import PendingRequests
 from .handling.timeouts import Watchdog
@@ -138,7 +138,7 @@ class Lifecycle:
             raise StoreError(f"data directory {self.datadir} is not writable")
         self._lock = lock = DataDirLock.acquire(self.datadir, address=bind)
         stack.callback(lock.release)
-        self._store = store = Store.open(self.datadir / "store", compression=self.config.store_compression)
+        self._store = store = _open_store(self.datadir / "store", self.config.store_compression)
         stack.callback(self._close_store, store)
         node = store.meta("node")
         if node is None:
@@ -337,3 +337,20 @@ class Lifecycle:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and not self._forked:
             log.warning("%r was never closed", self)
+
+
+STORE_BUSY_WAIT = 10.0  # seconds a starting bus waits for a reader to close its store
+
+
+def _open_store(path: Path, compression: bool) -> Store:
+    """The bus's store. Holding DATADIR/LOCK, no other bus has it; LevelDB's own lock held
+    means a reader that does not take DATADIR/LOCK has it open for a moment (the web console
+    or a read-only command reading a stopped bus): the bus waits for it rather than fail."""
+    deadline = time.monotonic() + STORE_BUSY_WAIT
+    while True:
+        try:
+            return Store.open(path, compression=compression)
+        except LockedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from ..errors import AdminUnavailable, BusError, LockedError
 from ..ops.admin import AdminRefused
-from .sources import Source, cause_of, fleet_view, read_audit
+from .sources import LETTERS_SCANNED, Source, cause_of, fleet_view, read_audit
 
 __all__ = ["make_app", "Settings", "MAX_BODY", "MAX_IDS"]
 
@@ -43,7 +44,26 @@ class Settings:
 
 
 def _json(status: int, body: Any) -> web.Response:
-    return web.json_response(body, status=status, dumps=lambda v: json.dumps(v, default=str))
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
+def _dumps(value: Any) -> str:
+    """Strict JSON, as a browser parses it: a NaN or an infinity a bus sent (a payload may
+    hold one) is said as the string Python writes for it, not as a bare ``NaN``."""
+    try:
+        return json.dumps(value, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -110,8 +130,8 @@ def make_app(s: Settings) -> web.Application:
             args["topic"] = topic
         rows = await _call(s.run(src.view, "deadletters", args))
         reason, cause = request.query.get("reason"), request.query.get("cause")
-        shown = [r for r in rows if (not reason or r.get("reason") == reason)
-                 and (not cause or cause_of(r) == cause)]
+        shown = [{**r, "payload_text": json.dumps(r.get("payload"), indent=1, ensure_ascii=False, default=str)}
+                 for r in rows if (not reason or r.get("reason") == reason) and (not cause or cause_of(r) == cause)]
         return _json(200, {"bus": src.index, "letters": shown, "total": rows.total})
 
     async def action(request: web.Request) -> web.Response:
@@ -126,8 +146,24 @@ def make_app(s: Settings) -> web.Application:
             raise _Refused(400, "the body must be a JSON object")
         src = _source(s, body.get("bus"))
         args = _selection(name, body)
+        more = False
+        cause = args.pop("cause", None)
+        if cause is not None:  # a group of the page: its letters, not the others of its topic
+            args["ids"], more = await _of_cause(src, args, cause)
+            if not args["ids"]:
+                empty = [{"removed": {"deadletters": 0}, "missing": []}] if name == "purge" else []
+                return _json(200, {"bus": src.index, "action": name, "rows": empty, "more": False})
         rows = await _call(s.run(src.act, name, args))
-        return _json(200, {"bus": src.index, "action": name, "rows": rows})
+        return _json(200, {"bus": src.index, "action": name, "rows": rows, "more": more})
+
+    async def _of_cause(src: Source, args: dict[str, Any], cause: str) -> tuple[list[str], bool]:
+        """The ids of the dead letters of ``cause`` (and topic and reason), as many as one
+        action names at most, and whether more may be left (the page says so)."""
+        query = {"limit": LETTERS_SCANNED} | ({"topic": args["topic"]} if args["topic"] else {})
+        rows = await _call(s.run(src.view, "deadletters", query))
+        ids = [str(r["id"]) for r in rows if (not args["reason"] or r.get("reason") == args["reason"])
+               and cause_of(r) == cause]
+        return ids[:MAX_IDS], len(ids) > MAX_IDS or (rows.total or 0) > len(rows)
 
     async def audit_file(request: web.Request) -> web.StreamResponse:
         if s.audit is None:
@@ -136,7 +172,7 @@ def make_app(s: Settings) -> web.Application:
         target = (root / request.match_info["path"]).resolve()
         if not target.is_relative_to(root) or not target.is_file():
             raise web.HTTPNotFound()
-        return web.FileResponse(target, headers=_NO_STORE)
+        return web.FileResponse(target, headers=_AUDIT_FILE)
 
     async def health(request: web.Request) -> web.Response:
         return _json(200, {"status": "ok", "buses": len(s.sources)})
@@ -156,7 +192,12 @@ def make_app(s: Settings) -> web.Application:
 _NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
              "Referrer-Policy": "no-referrer",
              "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-                                        "frame-ancestors 'none'"}
+                                        "frame-ancestors 'none'",
+             "Referrer-Policy": "no-referrer"}  # an audit page's URL holds the token (?token=)
+# The audit's report styles itself inline; it runs no script, and holds what buses sent
+# (topics, errors): sandboxed, it could not reach the console's API if it ever did.
+_AUDIT_FILE = {**_NO_STORE, "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                                       "img-src data:; frame-ancestors 'none'; sandbox"}
 
 
 class _Refused(Exception):
@@ -182,7 +223,7 @@ def _source(s: Settings, raw: Any) -> Source:
     index = -1
     if isinstance(raw, int) and not isinstance(raw, bool):
         index = raw
-    elif isinstance(raw, str) and raw.isdigit() and len(raw) < 6:
+    elif isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) < 6:  # not "²"
         index = int(raw)
     if not 0 <= index < len(s.sources):
         raise _Refused(400, f"bus must be a number from 0 to {len(s.sources) - 1}, not {raw!r}")
@@ -192,7 +233,7 @@ def _source(s: Settings, raw: Any) -> Source:
 def _selection(action: str, body: dict[str, Any]) -> dict[str, Any]:
     """The dead letters an action names, checked: ``ids`` (strings), ``topic``, ``reason``;
     ``payload`` for a replay of one letter with a new payload; ``all`` to name every one."""
-    unknown = set(body) - {"bus", "ids", "topic", "reason", "payload", "all"}
+    unknown = set(body) - {"bus", "ids", "topic", "reason", "cause", "payload", "payload_text", "all"}
     if unknown:
         raise _Refused(400, f"unknown fields: {', '.join(sorted(map(str, unknown)))}")
     ids = body.get("ids")
@@ -201,7 +242,7 @@ def _selection(action: str, body: dict[str, Any]) -> dict[str, Any]:
             raise _Refused(400, "ids must be a list of message ids")
         if not 0 < len(ids) <= MAX_IDS:
             raise _Refused(400, f"ids must name from 1 to {MAX_IDS} dead letters")
-    for name in ("topic", "reason"):
+    for name in ("topic", "reason", "cause"):
         value = body.get(name)
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 512):
             raise _Refused(400, f"{name} must be a non-empty string")
@@ -213,6 +254,17 @@ def _selection(action: str, body: dict[str, Any]) -> dict[str, Any]:
     if named and body.get("all") is True:
         raise _Refused(400, "all: true names every dead letter; leave ids, topic and reason out")
     args: dict[str, Any] = {"ids": ids, "topic": body.get("topic"), "reason": body.get("reason")}
+    if body.get("cause") is not None:
+        if ids is not None or not (body.get("topic") or body.get("reason")):
+            raise _Refused(400, "a cause names the dead letters of a topic or reason: leave ids out")
+        args["cause"] = body["cause"]
+    if "payload_text" in body:  # the payload as the operator wrote it: 2**64 stays 2**64, NaN NaN
+        if "payload" in body or not isinstance(body["payload_text"], str):
+            raise _Refused(400, "payload_text is the new payload as JSON text, instead of payload")
+        try:
+            body = {**body, "payload": json.loads(body["payload_text"])}
+        except ValueError as exc:
+            raise _Refused(400, f"payload_text is not JSON: {exc}") from None
     if "payload" in body:
         if action != "replay" or ids is None or len(ids) != 1:
             raise _Refused(400, "a new payload replaces one dead letter's: replay with ids of one")

@@ -65,13 +65,17 @@ class Console:
         self.interval = interval
         self.audit = Path(audit) if audit is not None else None
         self.sources = [Source(i, Path(d), interval) for i, d in enumerate(datadirs)]
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="servicebus-console")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="servicebus-console")
+        # A thread for each data directory: a bus that does not answer (frozen, SIGSTOP) holds
+        # up its own reads and actions, never another's nor the page's.
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"servicebus-console-{s.index}") for s in self.sources]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._sampled = threading.Event()
+        self._read: set[int] = set()
         self.url = ""
 
     async def _run(self) -> None:
@@ -79,13 +83,16 @@ class Console:
         self._loop, self._stopped = loop, asyncio.Event()
 
         async def run(fn: Any, *args: Any) -> Any:
-            return await loop.run_in_executor(self._pool, fn, *args)
+            """``fn(*args)`` off the loop: a source's method on that source's own thread."""
+            owner = getattr(fn, "__self__", None)
+            pool = self._pools[owner.index] if isinstance(owner, Source) else self._pool
+            return await loop.run_in_executor(pool, fn, *args)
 
         settings = Settings(self.sources, write=self.write, token=self.token, hosts=None,
                             audit=self.audit, interval=self.interval, run=run)
         runner = web.AppRunner(make_app(settings), access_log=None, handler_cancellation=True)
         await runner.setup()
-        sampler: asyncio.Task | None = None
+        samplers: list[asyncio.Task] = []
         try:
             site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
             await site.start()
@@ -95,19 +102,26 @@ class Console:
             if self.loopback:  # a page of another site must not reach us by a name it controls
                 settings.hosts = {f"{h}:{port}" for h in (host, "localhost", "127.0.0.1", "[::1]")}
             self.url = f"http://{host}:{port}/" + (f"#token={self.token}" if self.token else "")
-            sampler = asyncio.create_task(self._sample(run))
+            samplers = [asyncio.create_task(self._sample(run, src)) for src in self.sources]
             self._ready.set()
             await self._stopped.wait()
         finally:
-            if sampler is not None:
+            for sampler in samplers:
                 sampler.cancel()
             await runner.cleanup()
             self._ready.set()
 
-    async def _sample(self, run: Any) -> None:
+    async def _sample(self, run: Any, src: Source) -> None:
+        """Read ``src`` every interval, on its own: a bus slow to answer slows only itself,
+        and a directory that cannot be read (a symlink loop...) is said, not the end of it."""
         while True:
-            await asyncio.gather(*(run(src.read) for src in self.sources))
-            self._sampled.set()
+            try:
+                await run(src.read)
+            except Exception as exc:  # noqa: BLE001 - shown on the page; the next read tries again
+                src.failed(exc)
+            self._read.add(src.index)
+            if len(self._read) == len(self.sources):
+                self._sampled.set()
             await asyncio.sleep(self.interval)
 
     def wait_sampled(self, timeout: float = 30.0) -> bool:
@@ -139,7 +153,8 @@ class Console:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, *self._pools):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -21,7 +21,7 @@ from typing import Any
 from ..ops.letters import act, alive, read_view
 from ..ops.views import Rows
 
-__all__ = ["Source", "Sample", "cause_of", "fleet_view", "read_audit", "HISTORY_SECONDS"]
+__all__ = ["Source", "Sample", "cause_of", "fleet_view", "read_audit", "HISTORY_SECONDS", "LETTERS_SCANNED"]
 
 HISTORY_SECONDS = 1800.0  # what the plots show at most
 LETTERS_SCANNED = 2000  # dead letters read per sample for the groups (the count is exact)
@@ -108,6 +108,11 @@ class Source:
             point[f"oldest {sub['address']}"] = sub.get("oldest_pending_age_s")
         self.history.append((sample.at, point))
         return sample
+
+    def failed(self, exc: BaseException) -> None:
+        """A reading that could not even begin (``alive`` raised: a symlink loop...)."""
+        self._signature = None
+        self.latest = Sample(time.time(), False, f"{type(exc).__name__}: {exc}")
 
     def _read(self, up: bool) -> Sample:
         at = time.time()

@@ -151,9 +151,9 @@ function renderGroups(buses) {
       el("td", {},
         el("button", { text: "Show", onclick: () => showLetters({ bus: bus.id, reason: g.reason, topic: g.topic, cause: g.cause }) }),
         actionButton("Replay all", () => confirmThen(`Replay the ${g.count} dead letters of ${g.topic} (${g.cause}) on ${bus.label}?`,
-          () => run("replay", { bus: bus.id, topic: g.topic, reason: g.reason }))),
+          () => run("replay", { bus: bus.id, topic: g.topic, reason: g.reason, cause: g.cause }))),
         actionButton("Purge all", () => confirmThen(`Delete the ${g.count} dead letters of ${g.topic} (${g.cause}) on ${bus.label}? This cannot be undone.`,
-          () => run("purge", { bus: bus.id, topic: g.topic, reason: g.reason })), "danger"))));
+          () => run("purge", { bus: bus.id, topic: g.topic, reason: g.reason, cause: g.cause })), "danger"))));
   }
   document.querySelector("#groups tbody").replaceChildren(...(rows.length ? rows :
     [el("tr", {}, el("td", { colspan: 7, class: "muted", text: "no dead letters" }))]));
@@ -222,7 +222,8 @@ async function showLetters(group) {
   document.querySelector("#letter-list tbody").replaceChildren(...(data.letters.length ? data.letters.map((l) => el("tr", { "data-id": l.id },
     el("td", { text: l.id }), el("td", { text: l.topic }), el("td", { class: "num", text: fmt.n(l.attempts) }),
     el("td", { class: "num", text: fmt.age(l.age_s) }), el("td", {}, el("pre", { text: l.error || l.reason })),
-    el("td", {}, el("pre", { text: JSON.stringify(l.payload) +
+    // payload_text: the payload as the bus holds it (NaN, integers above 2**53: JSON.parse would lose them)
+    el("td", {}, el("pre", { text: l.payload_text +
       (l.headers ? "\nheaders: " + JSON.stringify(l.headers) : "") +
       (l.origin === "outgoing" ? "\nundelivered to " + l.peer : "") +
       (l.not_replayable ? "\nnot replayable: " + l.not_replayable : "") })),
@@ -246,12 +247,14 @@ async function run(action, body) {
   try { data = await api("/api/" + action, body); } catch (e) { return say(action + " failed: " + e.message, true); }
   if (action === "purge") {
     const r = data.rows[0] || { removed: { deadletters: 0 } };
-    say(`purged ${r.removed.deadletters} dead letter(s)` + (r.missing && r.missing.length ? `; not found: ${r.missing.join(", ")}` : ""));
+    say(`purged ${r.removed.deadletters} dead letter(s)` + (r.missing && r.missing.length ? `; not found: ${r.missing.join(", ")}` : "") +
+      (data.more ? "; more may be left: purge again" : ""));
   } else {
     const done = data.rows.filter((r) => r.result === "replayed");
     const skipped = data.rows.filter((r) => r.result !== "replayed");
     say(`replayed ${done.length}: ${done.map((r) => r.id + " → " + r.to).join(", ")}` +
-      (skipped.length ? `; skipped ${skipped.length}: ${skipped.map((r) => r.id + " (" + r.detail + ")").join(", ")}` : ""),
+      (skipped.length ? `; skipped ${skipped.length}: ${skipped.map((r) => r.id + " (" + r.detail + ")").join(", ")}` : "") +
+      (data.more ? "; more may be left: replay again" : ""),
       done.length === 0);
   }
   await refresh();
@@ -271,16 +274,20 @@ function edit(bus, letter) {
   const area = document.getElementById("edit-payload");
   const problem = document.getElementById("edit-error");
   document.getElementById("edit-title").textContent = "Edit and replay " + letter.id;
-  area.value = JSON.stringify(letter.payload, null, 2);
+  area.value = letter.payload_text; // sent back as text: the console parses it, exactly
   problem.hidden = true;
   area.oninput = () => { problem.hidden = true; };
   d.returnValue = "";
   document.getElementById("edit-ok").onclick = (ev) => {
-    let payload;
-    try { payload = JSON.parse(area.value); } catch (e) {
-      ev.preventDefault(); problem.textContent = "not JSON: " + e.message; problem.hidden = false; return;
+    const text = area.value;
+    // Its syntax checked here, so the dialog stays open to mend it; its value is parsed by
+    // the console (JSON.parse would round integers above 2**53).
+    try { JSON.parse(text); } catch (e) {
+      if (!/NaN|Infinity/.test(text)) {
+        ev.preventDefault(); problem.textContent = "not JSON: " + e.message; problem.hidden = false; return;
+      }
     }
-    d.onclose = () => { if (d.returnValue === "ok") run("replay", { bus, ids: [letter.id], payload }); };
+    d.onclose = () => { if (d.returnValue === "ok") run("replay", { bus, ids: [letter.id], payload_text: text }); };
   };
   d.onclose = null;
   d.showModal();
