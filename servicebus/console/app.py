@@ -79,8 +79,9 @@ def make_app(s: Settings) -> web.Application:
             return _error(421, f"this console answers to {sorted(s.hosts)[0]}, not {request.host!r}")
         path = request.path
         if s.token is not None and (path.startswith("/api/") or path.startswith("/audit/")):
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip() \
-                or request.query.get("token", "")
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not given and path.startswith("/audit/"):  # a link cannot send a header
+                given = request.query.get("token", "")
             if not hmac.compare_digest(given.encode(), s.token.encode()):
                 return _error(401, "a token is needed: open the console's URL with #token=... "
                                    "or send Authorization: Bearer <token>")
@@ -190,7 +191,6 @@ def make_app(s: Settings) -> web.Application:
 
 
 _NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
-             "Referrer-Policy": "no-referrer",
              "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
                                         "frame-ancestors 'none'",
              "Referrer-Policy": "no-referrer"}  # an audit page's URL holds the token (?token=)

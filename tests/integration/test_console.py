@@ -340,3 +340,17 @@ def test_the_latest_audit_verdict_links_to_its_report_with_the_token(tmp_path, p
             assert _http(base + "audit/report.html")[0] == 401  # not without the token
     finally:
         pub.close()
+
+
+def test_the_token_in_a_query_opens_only_the_audit_files(tmp_path):
+    pub = Bus(free_address(), tmp_path / "orders", name="orders")
+    (tmp_path / "audit").mkdir()
+    (tmp_path / "audit" / "report.html").write_text("<h1>report</h1>")
+    token = "q" * 24
+    try:
+        with Console([pub.datadir], listen="127.0.0.1:0", token=token, audit=tmp_path / "audit") as console:
+            base = console.url.split("#")[0]
+            assert _http(base + f"audit/report.html?token={token}")[0] == 200
+            assert _http(base + f"api/state?token={token}")[0] == 401  # a URL is logged, shared, kept
+    finally:
+        pub.close()
