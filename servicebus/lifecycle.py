@@ -168,7 +168,8 @@ class Lifecycle:
         hooks = self.hooks
         if self.config.journal:  # first: its events ride in every batch before others look
             hooks.prepend(Journal(store, self.datadir, self.node_id, self.address,
-                                  retention=self.config.journal_retention, clock=clock))
+                                  retention=self.config.journal_retention, clock=clock,
+                                  name=self.config.name))
         stack.callback(hooks.detach)  # after the engine's last turn (the journal flushes it)
         self._requests = PendingRequests()
         self._dispatcher = dispatcher = Dispatcher(

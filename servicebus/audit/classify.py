@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .reconcile import last_event_columns
+
 CLASSES = ("handled", "handled_more_than_once", "in_flight", "deadlettered", "dropped", "owed", "lost")
 PROBLEMS = ("lost", "handled_more_than_once")
 
@@ -52,7 +54,9 @@ def classify(spark, pairs, clocks: dict[str, int], *, grace_ms: int, since_ms: i
     latency = when(col("handled_ts").isNotNull() & col("published_ts").isNotNull(),
                    F.greatest(col("handled_ts") - col("published_ts"), F.lit(0)))
     return pairs.select(
-        "id", "receiver", "sender", "topic", "kind", klass.alias("class"), "published_ts",
+        "id", "receiver", "sender", "topic", "kind", klass.alias("class"), *last_event_columns(),
+        F.when(col("sender_deadlettered") > 0, "sender").when(col("deadlettered") > 0, "receiver")
+        .alias("deadlettered_at"), "received", "published_ts",
         "received_ts", "handled_ts", latency.alias("latency_ms"), "handled_count",
         F.coalesce(col("attempts"), F.lit(0)).alias("attempts"), "send_attempts", "retries",
         "deadletter_reason", "age_ms", *[c for c in ("touched", "was_open") if c in pairs.columns])

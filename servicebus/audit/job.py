@@ -29,9 +29,12 @@ across machines are latencies (``handled`` on the receiver's clock minus ``publi
 the sender's); negative ones (clock skew) are clamped to 0. A message's age, for the
 grace, is measured on the sender's own clock.
 
-The job writes Parquet tables ``messages``, ``by_topic``, ``by_receiver`` and ``timeline``,
-``summary.json``, ``report.html`` and ``report.png`` to DIR, prints a short table, and exits
-0 when nothing is lost or duplicated, 1 when something is (the first 20 ids are printed).
+The job writes Parquet tables ``messages``, ``problems``, ``by_topic``, ``by_receiver`` and
+``timeline``, ``summary.json``, ``report.html`` and ``report.png`` to DIR, prints a short
+table, and exits 0 when nothing is lost or duplicated, 1 when something is (the first 20 ids
+are printed). ``problems`` holds every lost, duplicated, dead-lettered, in-flight and owed
+pair with the service names beside its addresses, its last event and the command that acts
+on it (problems.py); summary.json and the report list the first 1,000 of each class.
 
 Cost: the input is parsed once, with an explicit schema, and shuffled once (one ``groupBy``
 of the events by pair, with conditional aggregates); each journal's "now" comes from the
@@ -204,6 +207,11 @@ def _start_quietly(builder):
 # --- the command line ----------------------------------------------------------------------
 
 
+def named(address: str | None, name: str | None) -> str:
+    """An address with its service's name beside it, when the journals said it."""
+    return f"{address} ({name})" if name else str(address)
+
+
 def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
     p = lambda *a: print(*a, file=file)  # noqa: E731
     lat = summary["latency_ms"]
@@ -226,10 +234,15 @@ def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
     for row in (summary.get("by_topic") or [])[:10]:
         p(f"  topic {row['topic']}: {row['messages']:,} msgs, handled {row['handled']:,}, "
           f"lost {row['lost']:,}, dup {row['handled_more_than_once']:,}, p99 {fmt(row['latency_p99_ms'])} ms")
+    counts = summary.get("problem_counts") or {}
     for klass in PROBLEMS:
-        ids = summary["problems"][klass]
+        ids = summary["problems"][klass][:SHOW_IDS]
         if ids:
-            p(f"  {klass} (first {len(ids)}): " + ", ".join(f"{i['id']}->{i['receiver']}" for i in ids))
+            p(f"  {klass} (first {len(ids)} of {counts.get(klass, len(ids)):,}): "
+              + ", ".join(f"{i['id']}->{named(i['receiver'], i.get('receiver_name'))}" for i in ids))
+    if any(counts.values()):
+        p("  every problem pair (lost, duplicated, dead-lettered, in flight, owed) with the command "
+          "that acts on it: report.html, summary.json, and all of them in the table problems")
     p(f"  verdict: {'OK: nothing lost or duplicated' if summary['ok'] else 'PROBLEMS FOUND'}; "
       f"tables and report.html in {out}")
 

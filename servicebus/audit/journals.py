@@ -11,10 +11,17 @@ message of a segment: then ``ids`` names them all (``id`` is the first) and the 
 for one event per id, the same in every other field. reconcile.py spreads such lines out.
 A line whose ``ids`` is not an array is malformed, and dropped as any line that does not
 parse (the journal sets such a record aside instead of writing it).
+
+Beside the segments, a bus writes ``<node>.bus.json`` (hooks/journal.py): its data directory
+and its service name at each address it journaled from. ``read_buses`` reads them into
+address -> (name, data directory): the names shown beside addresses, and where the
+commands the report prints act. Journals written before the file existed have none: their
+addresses show no name, and the data directory is the one the file would have been in.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -70,3 +77,41 @@ def segment_files(spark, globs: list[str]) -> list[str]:
         statuses = path.getFileSystem(conf).globStatus(path) or []
         found += [str(st.getPath().toString()) for st in statuses if st.isFile()]
     return sorted(set(found))
+
+
+BUS_FILE = "*.bus.json"
+
+
+def bus_globs(globs: list[str]) -> list[str]:
+    """Where the ``<node>.bus.json`` files are beside the segments ``globs`` match."""
+    out = []
+    for pattern in globs:
+        folder, _, last = pattern.rpartition("/")
+        out.append(f"{folder}/{BUS_FILE}" if last == "*.jsonl" or last.endswith(".jsonl") else pattern)
+    return sorted(set(out))
+
+
+def parse_bus_file(text: str, found_in: str) -> dict[str, dict[str, str | None]]:
+    """address -> {"name", "datadir"} from one bus file, found in the journal folder
+    ``found_in``; {} for a file that is not one (a power cut may leave it empty)."""
+    try:
+        data = json.loads(text)
+        addresses = data["addresses"]
+        datadir = data.get("datadir") or found_in.rpartition("/")[0]
+        return {str(a): {"name": None if n is None else str(n), "datadir": str(datadir)}
+                for a, n in addresses.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def read_buses(spark, globs: list[str]) -> dict[str, dict[str, str | None]]:
+    """address -> {"name", "datadir"} for every bus whose journal the segment ``globs`` read.
+    Where several files name one address (a port reused), the last file read wins."""
+    from .hadoopfs import read_text
+
+    buses: dict[str, dict[str, str | None]] = {}
+    for path in segment_files(spark, bus_globs(globs)):
+        text = read_text(spark, path)
+        if text:
+            buses.update(parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:")))
+    return buses

@@ -20,13 +20,15 @@ def write_outputs(spark, out: str, summary: dict, rows: list[dict], times) -> No
     for name in ("by_topic", "by_receiver"):
         key = "topic" if name == "by_topic" else "receiver"
         table = summary[name]
-        schema = (f"{key} STRING, messages LONG, " + ", ".join(f"{c} LONG" for c in CLASSES)
+        schema = (f"{key} STRING, " + ("receiver_name STRING, " if key == "receiver" else "")
+                  + "messages LONG, " + ", ".join(f"{c} LONG" for c in CLASSES)
                   + ", latency_max_ms LONG, retries LONG, max_attempts INT, latency_p50_ms DOUBLE, "
                   "latency_p95_ms DOUBLE, latency_p99_ms DOUBLE")
-        frame = spark.createDataFrame([tuple(r[c.split()[0]] for c in schema.split(", ")) for r in table], schema)
+        frame = spark.createDataFrame([tuple(r.get(c.split()[0]) for c in schema.split(", ")) for r in table], schema)
         frame.coalesce(1).write.mode("overwrite").parquet(f"{out}/{name}")
-    summary["by_topic"] = summary["by_topic"][:200]
-    summary["by_receiver"] = summary["by_receiver"][:200]
+    for name in ("by_topic", "by_receiver"):  # all of them in the tables; the count beside
+        summary[f"{name}_count"] = len(summary[name])
+        summary[name] = summary[name][:200]
     histogram = latency_histogram(rows)
     write_text(spark, f"{out}/summary.json", json.dumps(summary, indent=2, default=str))
     page, png = report.render(summary, histogram, timeline_rows)

@@ -15,11 +15,12 @@ import json
 import time
 
 from .checkpoint import Checkpoint
-from .classify import PROBLEMS, build_summary, classify, rollup, timeline
+from .classify import build_summary, classify, rollup, timeline
 from .errors import AuditError
 from .hadoopfs import delete_path, write_text
-from .journals import input_paths, read_events, segment_files
+from .journals import input_paths, read_buses, read_events, segment_files
 from .outputs import write_outputs
+from .problems import LISTED, listed, name_addresses, problem_table
 from .reconcile import combine, journal_clocks, partials
 
 SHOW_IDS = 20
@@ -39,6 +40,7 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     started = time.monotonic()
     skipped: list[str] = []
     globs = input_paths(paths, skipped)
+    buses = read_buses(spark, globs)  # every bus's, a checkpointed run's old segments' too
     state = None
     files: list[str] = []
     if checkpoint is not None:
@@ -65,7 +67,7 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     # events, caching the pairs in Spark's memory took 14 s, writing and reading them 1.3 s.
     work = f"{out.rstrip('/')}/_work"
     try:
-        summary = _audit(spark, pairs, paths, out.rstrip("/"), work, state, grace_ms=grace_ms,
+        summary = _audit(spark, pairs, paths, out.rstrip("/"), work, state, buses, grace_ms=grace_ms,
                          since_ms=since_ms, write=write, carry_ms=carry_ms)
     finally:
         delete_path(spark, work)
@@ -92,7 +94,8 @@ class _Phases:
         self._last = now
 
 
-def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoint | None", *,
+def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoint | None",
+           buses: dict[str, dict[str, str | None]], *,
            grace_ms: int, since_ms: int | None, write: bool, carry_ms: int) -> dict:
     from pyspark.sql import functions as F
 
@@ -119,14 +122,13 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
     reported = spark.read.parquet(table)
     rows = rollup(reported)
     summary = build_summary(paths, n_events, rows, grace_ms, since_ms)
-    problems = {}
-    for klass in PROBLEMS:
-        found = []
-        if summary["classes"][klass]:
-            found = (reported.where(F.col("class") == klass).select("id", "receiver")
-                     .orderBy("id", "receiver").limit(SHOW_IDS).collect())
-        problems[klass] = [{"id": r["id"], "receiver": r["receiver"]} for r in found]
-    summary["problems"] = problems
+    table = f"{out}/problems" if write else f"{work}/problems"
+    if write or any(summary["classes"][k] for k in LISTED):
+        problem_table(spark, reported, buses).write.mode("overwrite").parquet(table)
+        summary["problems"] = listed(spark.read.parquet(table), summary["classes"])
+    else:
+        summary["problems"] = {k: [] for k in LISTED}
+    summary["problem_counts"] = {k: summary["classes"][k] for k in LISTED}
     owed = []
     if summary["classes"].get("owed"):  # waiting on which receiver, since when
         owed = (reported.where(F.col("class") == "owed")
@@ -135,6 +137,7 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
                 .orderBy(F.desc("messages")).limit(SHOW_IDS).collect())
     summary["owed"] = [{"receiver": r["receiver"], "messages": r["messages"], "since_ms": r["since_ms"]}
                        for r in owed]
+    name_addresses(summary, buses)
     phases.done("summarize")
     if write:
         write_outputs(spark, out, summary, rows, timeline(reported))

@@ -22,10 +22,28 @@ _COMBINE = {
     "published_ts": "min", "received_ts": "min", "handled_ts": "min", "first_ts": "min",
     "received": "sum", "handled_count": "sum", "deadlettered": "sum", "dropped": "sum",
     "acked": "sum", "replayed": "sum",
-    "retries": "sum", "n_events": "sum",
+    "retries": "sum", "n_events": "sum", "sender_deadlettered": "sum",
+    "last_event": "max",
     "deadletter_reason": "first",
     "attempts": "max", "send_attempts": "max", "sender_max_ts": "max", "receiver_max_ts": "max",
 }
+
+
+# The pair's latest event in one number, so that it aggregates as a number (see partials):
+# ts * 32 + the event's code, the later in a delivery the higher where two share a ts.
+EVENTS = ("?", "published", "sent", "acked", "received", "handler_failed", "retried", "handled",
+          "dropped", "expired", "deadlettered", "replayed")
+_CODE_SPAN = 32
+
+
+def last_event_columns():
+    """``last_event`` (its name) and ``last_ts`` from a pair's packed ``last_event``."""
+    from pyspark.sql import functions as F
+
+    packed = F.col("last_event")
+    names = F.create_map(*[F.lit(x) for i, name in enumerate(EVENTS) for x in (i, name)])
+    return (names[(packed % _CODE_SPAN).cast("int")].alias("last_event"),
+            F.floor(packed / _CODE_SPAN).cast("long").alias("last_ts"))
 
 
 def one_per_message(events):
@@ -70,6 +88,8 @@ def partials(events):
          .withColumn("sender", when(sender_side, col("address")).otherwise(col("peer")))
          .withColumn("deadletter_reason",
                      when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event")))))
+    codes = F.create_map(*[F.lit(x) for i, name in enumerate(EVENTS) for x in (name, i)])
+    code = F.coalesce(codes[col("event")], F.lit(0)).cast("long")  # [], not element_at: null if absent, ANSI or not
     partitions = int(events.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     by_strings = e.repartition(partitions, "id", "receiver").groupBy(
         "id", "receiver", "topic", "kind", "sender", "deadletter_reason").agg(
@@ -84,6 +104,9 @@ def partials(events):
         count_of("acked").alias("acked"),  # the receiver acknowledged it: it had it
         count_of("replayed").alias("replayed"),  # a dead letter put back (servicebus replay)
         count_of("retried").alias("retries"),
+        # where a dead letter is, for the command that replays it
+        F.sum(when(sender_side & is_("deadlettered", "expired"), 1).otherwise(0)).alias("sender_deadlettered"),
+        F.max(col("ts") * _CODE_SPAN + code).alias("last_event"),
         F.count(F.lit(1)).alias("n_events"),
         F.max(when(is_("handled", "handler_failed"), col("attempt"))).alias("attempts"),
         F.max(when(is_("sent"), col("attempt"))).alias("send_attempts"),
@@ -102,6 +125,9 @@ def combine(frames):
     from pyspark.sql import functions as F
 
     union = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames)
+    for c in ("sender_deadlettered", "last_event"):  # a checkpoint an older audit wrote
+        if c not in union.columns:
+            union = union.withColumn(c, F.lit(None).cast("long"))
     fold = {"first": lambda c: F.first(c, ignorenulls=True), "min": F.min, "max": F.max, "sum": F.sum}
     extra = [F.max(c).alias(c) for c in ("touched", "was_open") if c in union.columns]
     if "new_events" in union.columns:  # events read by this run (not carried in)

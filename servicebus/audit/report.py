@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from collections.abc import Callable
 from typing import Any
 
+from . import reportlist
 from .classify import CLASSES  # the table's rows, in the order the job prints them
 
 
@@ -90,17 +91,35 @@ SHOWN = {"handled_more_than_once": "handled twice+", "in_flight": "in flight", "
          "latency_max_ms": "max ms", "max_attempts": "most attempts"}
 
 
+def _who(address: Any, name: Any) -> str:
+    """An address with its service's name above it, when the journals said it."""
+    shown = f"<b>{html.escape(str(name))}</b><br>" if name else ""
+    return f"{shown}<small>{html.escape('?' if address is None else str(address))}</small>"
+
+
 def _table(rows: list[dict], key: str) -> str:
+    """Per topic or receiver: latency first (p50 to max), then the classes. It fits the
+    page: header cells wrap and a long key breaks, rather than hide columns to the right."""
     if not rows:
         return "<p>none</p>"
-    cols = [key, "messages", *CLASSES, "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-            "latency_max_ms", "retries", "max_attempts"]
-    head = "".join(f"<th>{html.escape(SHOWN.get(c, c))}</th>" for c in cols)
+    cols = ["messages", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "latency_max_ms",
+            *CLASSES, "retries", "max_attempts"]
+    head = f'<th class="text">{key}</th>' + "".join(f"<th>{html.escape(SHOWN.get(c, c))}</th>" for c in cols)
+    cell = lambda v: ("-" if v is None else f"{v:,}" if isinstance(v, int)  # noqa: E731
+                      else f"{v:,.{1 if v < 1000 else 0}f}" if isinstance(v, float) else str(v))
+    first = (lambda r: _who(r.get(key), r.get("receiver_name"))) if key == "receiver" else (  # noqa: E731
+        lambda r: html.escape(str(r.get(key))))
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape('-' if r.get(c) is None else str(r.get(c)))}</td>" for c in cols) + "</tr>"
+        f'<tr><td class="text key">{first(r)}</td>'
+        + "".join(f"<td>{html.escape(cell(r.get(c)))}</td>" for c in cols) + "</tr>"
         for r in rows)
-    # Wide tables scroll inside their box, not the page.
-    return f'<div class="wide"><table><tr>{head}</tr>{body}</table></div>'
+    # In a box that scrolls, should a key too long to break still widen it: its own, not the page.
+    return f'<div class="wide"><table><thead><tr>{head}</tr></thead>{body}</table></div>'
+
+
+def _cut(summary: dict[str, Any], name: str) -> str:
+    total, shown = summary.get(f"{name}_count"), len(summary.get(name) or [])
+    return f"<p>The first {shown:,} of {total:,}; the table {name} has every one.</p>" if total and total > shown else ""
 
 
 def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
@@ -109,14 +128,10 @@ def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
     images, png = _plots(histogram, timeline)
     verdict = ("Nothing lost or duplicated." if summary["ok"] else "Problems found: see below.")
     classes = "".join(f"<tr><td>{SHOWN.get(c, c)}</td><td>{summary['classes'][c]:,}</td></tr>" for c in CLASSES)
-    owed = "".join(f"<li>{r['messages']:,} waiting on {html.escape(str(r['receiver']))} since "
-                   f"{html.escape(str(r['since_ms']))} ms (publisher's clock)</li>" for r in summary.get("owed") or [])
-    problems = ""
-    for klass, ids in summary["problems"].items():
-        if ids:
-            items = "".join(f"<li><code>{html.escape(i['id'])}</code> to {html.escape(i['receiver'] or '?')}</li>"
-                            for i in ids)
-            problems += f"<h3>{klass} (first {len(ids)})</h3><ul>{items}</ul>"
+    owed = "".join(f"<li>{r['messages']:,} waiting on {html.escape(str(r['receiver']))}"
+                   + (f" (<b>{html.escape(r['receiver_name'])}</b>)" if r.get("receiver_name") else "") + " since "
+                   f"{html.escape(reportlist.when(r['since_ms']))} (publisher's clock)</li>"
+                   for r in summary.get("owed") or [])
     lat = summary["latency_ms"]
     img = lambda name, alt: (f'<img alt="{alt}" src="data:image/png;base64,{images[name]}">'  # noqa: E731
                              if name in images else f"<p>({alt}: no data or matplotlib missing)</p>")
@@ -128,9 +143,14 @@ def render(summary: dict[str, Any], histogram: list[tuple[float, int]],
     attempts = ", ".join(f"{k}: {v}" for k, v in summary["attempts"].items())
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>servicebus delivery audit</title>
-<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right;white-space:nowrap}}th{{background:#eee}}
-.wide{{max-width:100%;overflow-x:auto}}img{{max-width:100%}}
+<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse;margin:.3em 0}}
+td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right;vertical-align:top}}th{{background:#eee}}
+td{{white-space:nowrap}}.text{{text-align:left}}td.text{{white-space:normal}}
+.wide{{max-width:100%;overflow-x:auto}}table.list{{width:100%}}.wide table{{font-size:.92em}}.key{{overflow-wrap:anywhere;min-width:14em}}
+td.nowrap,.nowrap{{white-space:nowrap}}
+td.cmd{{text-align:left;white-space:normal;overflow-wrap:anywhere;min-width:18em}}
+.list code{{font-size:.85em}}small{{color:#555}}img{{max-width:100%}}
+.pager{{margin:.6em 0}}.pager input{{width:24em}}
 .ok{{color:#16632b}}.bad{{color:#a31515}}</style></head><body>
 <h1>servicebus delivery audit</h1>
 <p class="{'ok' if summary['ok'] else 'bad'}"><b>{verdict}</b></p>
@@ -138,7 +158,7 @@ td,th{{border:1px solid #ccc;padding:.2em .5em;text-align:right;white-space:nowr
 {summary['messages']:,} (message, receiver) pairs. Grace for in-flight messages:
 {summary['grace_ms'] / 1000:g}s.</p>
 <h2>Classes</h2><table>{classes}</table>
-{problems}
+{reportlist.section(summary)}
 {'<h3>owed (the senders still hold them; not a problem)</h3><ul>' + owed + '</ul>' if owed else ''}
 <h2>Latency</h2>
 <p>p50 {lat['p50']} ms, p95 {lat['p95']} ms, p99 {lat['p99']} ms, max {lat['max']} ms
@@ -150,8 +170,8 @@ skew count as 0).</p>
 <h2>Retries and dead letters</h2>
 <p>Handler retries: {summary['retries']:,}. Attempts per message: {attempts or '-'}.</p>
 <ul>{reasons or '<li>no dead letters</li>'}</ul>
-<h2>By topic</h2>{_table(summary.get('by_topic') or [], 'topic')}
-<h2>By receiver</h2>{_table(summary.get('by_receiver') or [], 'receiver')}
+<h2>By topic</h2>{_table(summary.get('by_topic') or [], 'topic')}{_cut(summary, 'by_topic')}
+<h2>By receiver</h2>{_table(summary.get('by_receiver') or [], 'receiver')}{_cut(summary, 'by_receiver')}
 </body></html>
 """
     return page, png

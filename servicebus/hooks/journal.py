@@ -27,6 +27,12 @@ either side. An event about several messages (those of one stored segment: publi
 sent, acked, received, handled, a dead letter of several) is one line with ``ids``, the
 array of their ids (``id`` is the first): it stands for one event per id, the same in
 every other field, and the audit reads it so. A line without ``ids`` is about ``id`` alone.
+
+Beside the segments, ``<node>.bus.json`` says who this journal belongs to: the bus's data
+directory and, per address it has journaled from, its service name (``Bus(name=...)``, null
+for none), so that the audit can name the services behind addresses and point its commands
+at data directories. The lines do not carry the name: that would repeat it on every line,
+and older journals (without the file) must read as before.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment fil
 # ... and about this many packed bytes: a flush that fell behind (a busy process) must not
 # read a backlog of millions of events into memory at once.
 FLUSH_BYTES = 1 << 20
+ADDRESSES_KEPT = 100  # in <node>.bus.json: a bus on a new port at every start must not grow it
 PENDING = "journal_pending"  # meta: [segment name, its records' seqs] while it is moved
 
 
@@ -89,8 +96,9 @@ class Journal(Hook):
 
     def __init__(self, store: Store, datadir: Path, node_id: str, address: str, *,
                  enabled: bool = True, retention: float = 7 * 86400.0,
-                 clock: BusClock | None = None) -> None:
+                 clock: BusClock | None = None, name: str | None = None) -> None:
         self.store = store
+        self.name = name
         # Retention counts the bus's own running time, not the wall clock (clock.py).
         self.clock = clock if clock is not None else store.bus_clock()
         self.dir = Path(datadir) / "journal"
@@ -140,6 +148,7 @@ class Journal(Hook):
     def start(self) -> None:
         if not self.enabled:
             return
+        self.describe()
         self._thread = threading.Thread(target=self._run, name="servicebus-journal", daemon=True)
         self._thread.start()
 
@@ -207,6 +216,26 @@ class Journal(Hook):
                     # for the next flush: under a steady stream this loop would otherwise go on
                     # writing a segment of a few records, with three fsyncs, after every one.
                     return moved
+
+    def describe(self) -> None:
+        """Write ``<node>.bus.json``: this address's service name added to those of earlier
+        starts (their segments still name those addresses). Best effort: the audit only
+        loses a name without it, and a bus must not fail to start over it."""
+        path = self.dir / f"{self.node_id}.bus.json"
+        try:
+            known = json.loads(path.read_text()).get("addresses", {}) if path.exists() else {}
+            if not isinstance(known, dict):
+                known = {}
+            known.pop(self.address, None)  # re-added last: the newest are kept
+            known[self.address] = self.name
+            data = {"node": self.node_id, "datadir": str(self.dir.parent.resolve()),
+                    "addresses": dict(list(known.items())[-ADDRESSES_KEPT:])}
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            os.replace(tmp, path)
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("cannot write %s (the audit will show no service name): %s", path, exc)
 
     def _pending(self) -> tuple[str, list[int]] | None:
         """The segment being moved when the bus stopped, if its delete did not happen."""

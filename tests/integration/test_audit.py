@@ -3,14 +3,16 @@ written by real buses (one of them killed with SIGKILL mid-run)."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from servicebus import Bus
 from servicebus.audit import job
-from servicebus.audit.synthetic import write_journals
+from servicebus.audit.synthetic import SENDER, write_journals
 from servicebus.testing import free_address, wait_until
 
 pytestmark = pytest.mark.spark
@@ -33,6 +35,13 @@ def classes_of(spark, out: Path) -> dict[str, set]:
 def test_injected_faults_are_reported_exactly(spark, tmp_path):
     injected = write_journals(tmp_path / "fleet", messages=3000, receivers=2, rate=10,  # 5 minutes
                               faults={"lost": 3, "duplicate": 2, "deadletter": 2, "in_flight": 2, "owed": 4})
+    # Who the journals are: the sender's file names its data directory; the first receiver's
+    # does not (where it was found tells); the second receiver's journal is older than the file.
+    fleet, rcv0, rcv1 = tmp_path / "fleet", "tcp://10.0.1.0:6000", "tcp://10.0.1.1:6000"
+    (fleet / "sender0000000000" / "journal" / "sender0000000000.bus.json").write_text(json.dumps(
+        {"node": "sender0000000000", "datadir": "/srv/my shop", "addresses": {SENDER: "shop"}}))
+    (fleet / "receiver00000000" / "journal" / "receiver00000000.bus.json").write_text(json.dumps(
+        {"node": "receiver00000000", "addresses": {rcv0: "email"}}))
     out = tmp_path / "audit"
     summary = job.run(spark, [str(tmp_path / "fleet")], str(out), grace_ms=60_000)
     found = classes_of(spark, out)
@@ -60,6 +69,41 @@ def test_injected_faults_are_reported_exactly(spark, tmp_path):
     by_topic = {r["topic"]: r for r in spark.read.parquet(str(out / "by_topic")).collect()}
     assert sum(r["lost"] for r in by_topic.values()) == 3
     assert all(r["latency_p50_ms"] is not None for r in by_topic.values())
+
+    # Every problem pair, with names, its last event and the command that acts on it.
+    wanted = {"lost": "lost", "handled_more_than_once": "duplicate", "deadlettered": "deadletter",
+              "in_flight": "in_flight", "owed": "owed"}
+    assert summary["problem_counts"] == {k: len(injected[v]) for k, v in wanted.items()}
+    for klass, fault in wanted.items():
+        assert {(p["id"], p["receiver"]) for p in summary["problems"][klass]} == set(injected[fault]), klass
+    where = {rcv0: shlex.quote(str((fleet / "receiver00000000").resolve())),
+             rcv1: "<data directory of tcp://10.0.1.1:6000>"}
+    last = {"lost": "acked", "handled_more_than_once": "handled", "deadlettered": "deadlettered",
+            "in_flight": "published", "owed": "sent"}
+    for klass, pairs in summary["problems"].items():
+        for p in pairs:
+            assert (p["sender"], p["sender_name"]) == (SENDER, "shop")
+            assert p["receiver_name"] == {rcv0: "email", rcv1: None}[p["receiver"]]
+            assert p["topic"].startswith("orders.t") and p["last_event"] == last[klass], p
+            assert p["published_ts"] <= p["last_ts"] <= p["published_ts"] + 10
+            assert p["command"] == {
+                "lost": f"servicebus check {where[p['receiver']]}",
+                "handled_more_than_once": f"grep -h {p['id']} {where[p['receiver']]}/journal/*.jsonl",
+                "deadlettered": f"servicebus replay {where[p['receiver']]} {p['id']}",
+                "in_flight": f"servicebus outgoing '/srv/my shop' --subscriber {p['receiver']}",
+                "owed": f"servicebus outgoing '/srv/my shop' --subscriber {p['receiver']}"}[klass], p
+    table = spark.read.parquet(str(out / "problems"))
+    assert table.count() == sum(summary["problem_counts"].values())
+    assert {r["command"] for r in table.collect()} == {p["command"] for v in summary["problems"].values() for p in v}
+    assert written["problems"] == summary["problems"] and written["problem_counts"] == summary["problem_counts"]
+    assert [(r["receiver"], r["receiver_name"]) for r in written["by_receiver"]] == [(rcv0, "email"), (rcv1, None)]
+    assert {r["receiver"]: r["receiver_name"] for r in summary["owed"]}.items() <= {rcv0: "email", rcv1: None}.items()
+    assert {(r["receiver"], r["receiver_name"]) for r in spark.read.parquet(str(out / "by_receiver")).collect()} == {
+        (rcv0, "email"), (rcv1, None)}
+    for row in written["by_topic"] + written["by_receiver"]:  # the report's latency columns, in the summary
+        assert None not in (row["latency_p50_ms"], row["latency_p95_ms"], row["latency_p99_ms"], row["latency_max_ms"])
+        assert row["latency_p50_ms"] <= row["latency_p95_ms"] <= row["latency_p99_ms"] <= row["latency_max_ms"]
+    assert 'id="problem-data"' in report and "servicebus check" in report and "<b>email</b>" in report
 
 
 def journal_counts(root: Path) -> tuple[int, int, int]:
@@ -270,25 +314,39 @@ def test_messages_dropped_by_an_unsubscribe_or_an_operator_are_not_reported_lost
     assert summary["classes"]["dropped"] == 2 and summary["classes"]["deadlettered"] == 1
 
 
-def test_a_message_sent_twice_for_an_exact_and_a_pattern_subscription_is_audited_once(
-        spark, make_bus, tmp_path):
+def test_a_message_sent_twice_for_an_exact_and_a_pattern_subscription_is_audited_once(spark, tmp_path):
     # One subscriber with "orders.created" and "orders.*": each orders.created message is
     # stored, sent and acked once per subscription, received twice, handled once.
-    pub, sub = make_bus("pub"), make_bus("sub")
-    sub.every("orders.created", lambda p, m: None, name="exact")
-    sub.every("orders.*", lambda p, m: None, name="pattern")
-    sub.subscribe(pub.address, "orders.created", wait=10)
-    sub.subscribe(pub.address, "orders.*", wait=10)
-    for n in range(5):
-        pub.publish("orders.created", n)
-        pub.publish("orders.deleted", n)
-    assert pub.drain(10) and sub.drain(10)
-    sub.close()
-    pub.close()
+    # (Bus itself: make_bus's first argument is the data directory's name, not the service's.)
+    with Bus(free_address(), tmp_path / "pub", name="shop") as pub, \
+            Bus(free_address(), tmp_path / "sub", name="email", max_attempts=1) as sub:
+        sub.every("orders.created", lambda p, m: None, name="exact")
+        sub.every("orders.*", lambda p, m: 1 / 0 if p == "bad" else None, name="pattern")
+        sub.subscribe(pub.address, "orders.created", wait=10)
+        sub.subscribe(pub.address, "orders.*", wait=10)
+        for n in range(5):
+            pub.publish("orders.created", n)
+            pub.publish("orders.deleted", n)
+        pub.publish("orders.failed", "bad")  # a dead letter at the subscriber, for its command
+        wait_until(lambda: sub.status().deadletters == 1, 10)
+        assert pub.drain(10) and sub.drain(10)
+        sub_address = sub.address
+        sub.close()
     summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
     assert summary["classes"]["handled"] == 10, summary["classes"]
     assert summary["classes"]["lost"] == 0 and summary["classes"]["handled_more_than_once"] == 0
     assert summary["ok"]
+
+    # The journals name the services; the command printed for the dead letter replays it.
+    assert [(r["receiver"], r["receiver_name"]) for r in summary["by_receiver"]] == [(sub_address, "email")]
+    (dead,) = summary["problems"]["deadlettered"]
+    assert (dead["sender_name"], dead["receiver_name"], dead["topic"]) == ("shop", "email", "orders.failed")
+    assert dead["command"] == f"servicebus replay {shlex.quote(str((tmp_path / 'sub').resolve()))} {dead['id']}"
+    replay = subprocess.run([CLI, *shlex.split(dead["command"])[1:]], capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    left = subprocess.run([CLI, "deadletters", str(tmp_path / "sub"), "--json"], capture_output=True, text=True,
+                          timeout=60)
+    assert left.returncode == 0 and not left.stdout.strip(), left.stdout + left.stderr
 
 
 def test_a_group_is_audited_per_member_and_a_reassigned_message_is_not_lost(spark, make_bus, tmp_path):
@@ -398,6 +456,6 @@ def test_a_message_owed_to_a_receiver_that_is_down_is_owed_not_lost_and_the_audi
     assert found["owed"] == {(mid(0), sub), (mid(1), sub), (mid(3), sub)}
     assert found["in_flight"] == {(mid(2), sub), (mid(99), "tcp://10.0.0.3:1")}  # replayed: owed again
     assert found["lost"] == {(mid(4), sub)}  # acked, then nothing in the receiver's journal
-    assert summary["owed"] == [{"receiver": sub, "messages": 3, "since_ms": t0}]
+    assert summary["owed"] == [{"receiver": sub, "messages": 3, "since_ms": t0, "receiver_name": None}]
     written = json.loads((tmp_path / "audit" / "summary.json").read_text())
     assert {"classify_and_write_messages", "tables_and_report"} <= set(written["phases"])

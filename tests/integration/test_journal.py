@@ -162,3 +162,20 @@ def test_a_segment_cut_to_one_message_for_its_receiver_journals_and_hands_over_t
     assert received == {small}
     sent = {e["id"] for e in journal_lines(pub.datadir) if e["event"] == "sent"}
     assert sent == {small}
+
+
+def test_the_journal_says_whose_it_is_the_service_name_at_each_address(tmp_path):
+    # The audit names the services behind the addresses in the journal lines, and points its
+    # commands at data directories, from this file: a bus that came back on another port
+    # keeps its older address there (its older segments name it).
+    first, second = free_address(), free_address()
+    for address in (first, second):
+        with Bus(address, tmp_path / "email", name="email") as bus:
+            node = bus.node_id
+    with Bus(free_address(), tmp_path / "anon") as anon:
+        anon_address = anon.address
+    described = json.loads((tmp_path / "email" / "journal" / f"{node}.bus.json").read_text())
+    assert described == {"node": node, "datadir": str((tmp_path / "email").resolve()),
+                         "addresses": {first: "email", second: "email"}}
+    (anon_file,) = (tmp_path / "anon" / "journal").glob("*.bus.json")
+    assert json.loads(anon_file.read_text())["addresses"] == {anon_address: None}

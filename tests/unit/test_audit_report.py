@@ -1,6 +1,8 @@
 """The audit report (issue 17): per-second throughput with the empty seconds drawn as
 zero, wide tables that scroll in their box, and a PNG of the plots beside the page."""
 
+import re
+
 import pytest
 
 from servicebus.audit import report
@@ -53,3 +55,75 @@ def test_the_report_uses_the_full_width_readable_column_names_and_lists_what_is_
     assert "<th>handled twice+</th>" in page and "<th>p99 ms</th>" in page
     assert "handled_more_than_once</th>" not in page
     assert "960 waiting on tcp://10.0.0.2:5555" in page
+
+
+def test_the_buses_files_are_found_beside_the_segments_and_name_each_address():
+    from servicebus.audit.journals import bus_globs, parse_bus_file
+
+    assert bus_globs(["/f/journal/*.jsonl", "/f/*/journal/*.jsonl", "/f/journal/n-000000000001.jsonl",
+                      "hdfs://nn/f/{journal,*/journal}/*.jsonl"]) == [
+        "/f/*/journal/*.bus.json", "/f/journal/*.bus.json", "hdfs://nn/f/{journal,*/journal}/*.bus.json"]
+    described = '{"node": "n", "datadir": "/srv/email", "addresses": {"tcp://a:1": "email", "tcp://a:2": null}}'
+    assert parse_bus_file(described, "file:/copy/email/journal") == {
+        "tcp://a:1": {"name": "email", "datadir": "/srv/email"}, "tcp://a:2": {"name": None, "datadir": "/srv/email"}}
+    # Without its data directory: the one the file was found in.
+    assert parse_bus_file('{"addresses": {"tcp://a:1": "email"}}', "/copy/email/journal") == {
+        "tcp://a:1": {"name": "email", "datadir": "/copy/email"}}
+    for junk in ("", "[]", '{"addresses": 3}', '{"node": "n"}', "{"):  # a power cut, a hand edit
+        assert parse_bus_file(junk, "/x/journal") == {}
+
+
+def _pairs(n: int, **fields) -> list[dict]:
+    return [{"id": f"{n:024d}", "topic": "t", "sender": "tcp://s:1", "sender_name": "shop", "receiver": "tcp://r:1",
+             "receiver_name": "email", "last_event": "acked", "last_ts": 1_790_000_000_000,
+             "command": f"servicebus check /srv/email{n}", **fields} for n in range(n)]
+
+
+def test_the_problem_list_embeds_its_rows_safely_and_says_what_is_cut():
+    import json
+
+    from servicebus.audit import reportlist
+
+    hostile = "</script><script>alert(1)</script><!--"
+    problems = {"lost": _pairs(3, topic=hostile), "owed": _pairs(2)}
+    counts = {"lost": 3, "handled_more_than_once": 0, "deadlettered": 0, "in_flight": 0, "owed": 2500}
+    page, _png = report.render({**SUMMARY, "problems": problems, "problem_counts": counts, "by_topic": []}, [], [])
+    assert hostile not in page and "alert(1)" in page
+    data = re.search(r'<script type="application/json" id="problem-data">(.*?)</script>', page, re.S)
+    rows = json.loads(data.group(1))
+    assert [r[0] for r in rows] == ["lost"] * 3 + ["owed"] * 2
+    assert rows[0][2] == hostile and rows[0][6] == "email" and rows[0][8] == "2026-09-21 14:13:20.000 UTC"
+    assert rows[0][9] == "servicebus check /srv/email0"
+    assert "<td>2,500</td><td>2</td>" in page  # the true count beside what is listed
+    assert "the table <code>problems</code>" in page
+    assert reportlist.section({"problems": {}, "problem_counts": {}}).endswith("<p>None.</p>")
+
+
+def test_the_printed_summary_names_the_services_and_prints_20_ids_of_a_longer_list():
+    import io
+
+    from servicebus.audit import job
+
+    lost = _pairs(1000)
+    summary = {**SUMMARY, "ok": False, "retries": 0, "by_topic": [], "problems": {"lost": lost, "handled_more_than_once": []},
+               "problem_counts": {"lost": 1000, "handled_more_than_once": 0}}
+    out = io.StringIO()
+    job.print_summary(summary, "DIR", file=out)
+    line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("lost (first"))
+    assert line.strip().startswith("lost (first 20 of 1,000): ")
+    assert line.count("->") == 20 and f"{0:024d}->tcp://r:1 (email)" in line
+    assert "the command that acts on it" in out.getvalue()
+
+
+def test_the_receivers_table_names_each_receiver_and_puts_latency_first():
+    rows = [{"receiver": "tcp://10.0.1.0:6000", "receiver_name": "email", "messages": 6, "latency_p50_ms": 1.5,
+             "latency_p95_ms": 2.0, "latency_p99_ms": 1234.5, "latency_max_ms": 98765},
+            {"receiver": "tcp://10.0.1.1:6000", "receiver_name": None, "messages": 1}]
+    page, _png = report.render({**SUMMARY, "by_receiver": rows, "by_receiver_count": 300}, [], [])
+    table = page[page.index("<h2>By receiver</h2>"):]
+    assert "<b>email</b><br><small>tcp://10.0.1.0:6000</small>" in table
+    assert "<td class=\"text key\"><small>tcp://10.0.1.1:6000</small>" in table  # no name known: none shown
+    heads = re.findall(r"<th>([^<]+)</th>", table)
+    assert heads[:5] == ["messages", "p50 ms", "p95 ms", "p99 ms", "max ms"]
+    assert "<td>1.5</td><td>2.0</td><td>1,234</td><td>98,765</td>" in table
+    assert "The first 2 of 300; the table by_receiver has every one." in table
