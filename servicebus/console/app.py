@@ -194,10 +194,13 @@ _NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY", "X-Content-
              "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
                                         "frame-ancestors 'none'",
              "Referrer-Policy": "no-referrer"}  # an audit page's URL holds the token (?token=)
-# The audit's report styles itself inline; it runs no script, and holds what buses sent
-# (topics, errors): sandboxed, it could not reach the console's API if it ever did.
+# The audit's report styles itself and pages its lists inline (audit/reportlist.py escapes
+# what buses sent into it). Sandboxed without same-origin, a script there is of no origin:
+# it cannot read the console's API (no CORS) nor send it an action (JSON needs a preflight),
+# and may fetch nothing at all (default-src 'none').
 _AUDIT_FILE = {**_NO_STORE, "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                                                       "img-src data:; frame-ancestors 'none'; sandbox"}
+                                                       "script-src 'unsafe-inline'; img-src data:; "
+                                                       "frame-ancestors 'none'; sandbox allow-scripts"}
 
 
 class _Refused(Exception):

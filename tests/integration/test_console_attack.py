@@ -172,15 +172,20 @@ def test_a_data_directory_that_cannot_be_read_stops_nothing_else(tmp_path):
                    message="the other directory to be read again and again")
 
 
-def test_the_audit_report_opens_styled_and_sends_no_token_to_another_site(tmp_path, page):
+def test_the_audit_report_opens_styled_and_paged_and_sends_no_token_to_another_site(tmp_path, page):
+    from servicebus.audit import report as audit_report
+
+    from .test_audit_report_page import sample_summary
+
     good = tmp_path / "orders"
     Bus(free_address(), good, name="orders").close()
     audit = tmp_path / "audit"
     audit.mkdir()
-    (audit / "summary.json").write_text(json.dumps({"ok": True, "classes": {}, "events": 1, "messages": 1}))
-    # As audit/report.py writes it: its style inline; a link out, as a topic's text could make
-    (audit / "report.html").write_text("<!doctype html><title>audit</title><style>body{font-family:monospace}"
-                                       "</style><p>report</p><a href='https://example.com/'>out</a>")
+    summary = sample_summary()
+    (audit / "summary.json").write_text(json.dumps(summary))
+    # The report as audit/report.py writes it: its style and its paging script inline.
+    html, _png = audit_report.render(summary, [(1.0, 3), (10.0, 2)], [(100, 5, 4), (103, 2, 2)])
+    (audit / "report.html").write_text(html.replace("</body>", "<a href='https://example.com/'>out</a></body>"))
     with Console([good], listen="127.0.0.1:0", audit=audit, token="k" * 20) as console:
         page.goto(console.url)
         page.wait_for_selector("#audit-link")
@@ -188,7 +193,11 @@ def test_the_audit_report_opens_styled_and_sends_no_token_to_another_site(tmp_pa
             page.click("#audit-link")
         report = opened.value
         report.wait_for_load_state()
-        assert "monospace" in report.evaluate("getComputedStyle(document.body).fontFamily")
+        assert report.evaluate("getComputedStyle(document.body).fontFamily") != "Times New Roman"
+        listed = sum(len(v) for v in summary["problems"].values())
+        assert report.inner_text("#ppos") == f"rows 1-50 of {listed}"  # its script ran
+        report.click("#pnext")
+        assert report.inner_text("#ppos") == f"rows 51-100 of {listed}"
         res = report.request.get(report.url)
         assert res.headers.get("referrer-policy") == "no-referrer"  # the token is in this URL
         report.close()

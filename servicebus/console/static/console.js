@@ -185,7 +185,9 @@ function renderAudit(audit) {
       el("span", { class: "muted", text: ` · ${fmt.n(audit.events)} events, ${fmt.n(audit.messages)} (message, receiver) pairs · written ${new Date(audit.written * 1000).toLocaleString()} · ` }),
       audit.report ? el("a", { href: link, target: "_blank", rel: "noopener noreferrer", id: "audit-link", text: "open the report" }) : null),
     el("div", { class: "classes" }, ...classes.map(([k, n]) => el("span", {}, el("b", { text: fmt.n(n) + " " }), k))),
-    ...problems.map(([k, pairs]) => el("p", {}, el("b", { text: k + ": " }), el("span", {
+    ...problems.map(([k, pairs]) => el("p", {}, audit.report
+      ? el("a", { href: link + "#problems", target: "_blank", rel: "noopener noreferrer", text: k + ": " })
+      : el("b", { text: k + ": " }), el("span", {
       text: pairs.map((p) => (typeof p === "string" ? p : `${p.id} at ${p.receiver}`)).join(", ") }))));
 }
 
