@@ -5,7 +5,17 @@ faults (its table is in the README).
 
 tools/chaos audits each run itself, with a JVM of its own; here it runs with --no-audit
 and --keep, and the test audits the kept journals with the session's one Spark session
-(tests/conftest.py), through the comparison tools/chaos uses (tools/chaos_audit.py)."""
+(tests/conftest.py), through the comparison tools/chaos uses (tools/chaos_audit.py).
+
+Not every kind here: an audit costs 3-4 s once Spark is warm (67 s for all 15 kinds, 2
+cores, measured 2026-11-26). AUDITED are the kinds that each change what the journals say
+in a way of their own: a receiver's events left unmoved by SIGKILL (kill-subscriber), a
+journal flush failing on a full disk, clocks moved under the grace (clock), repairs and
+dead letters (store-damage), a group's per-member pairs and reassignments (group-kill), a
+third bus and the forwarded events (transaction-kill), unsynced writes dropped
+(power-loss), retained events replayed to a late subscriber (replay-kill) and a receiver at
+a new address (move-subscriber). The others add resends and restarts to the two-bus shape
+kill-subscriber has; tools/chaos itself audits every kind."""
 
 import json
 import shutil
@@ -19,6 +29,8 @@ from tools.chaos import KINDS
 from tools.chaos_audit import audit_run, read_facts, spark_problem
 
 pytestmark = pytest.mark.slow
+AUDITED = ("kill-subscriber", "disk-full", "clock", "store-damage", "group-kill", "transaction-kill",
+           "power-loss", "replay-kill", "move-subscriber")
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -44,6 +56,8 @@ def test_nothing_acknowledged_is_lost_or_duplicated_under(kind, request):
         kept = {p.parent.parent.name: p for p in (work / "journals").glob("*/journal/*.jsonl")}
         assert {"pub", "sub"} <= set(kept), sorted(kept)
         assert all(p.stat().st_size > 0 for p in kept.values())
+        if kind not in AUDITED:
+            return
         problem = spark_problem()
         if problem:
             pytest.skip(f"the delivery audit of the run: {problem}")
