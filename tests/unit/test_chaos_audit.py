@@ -1,6 +1,8 @@
 """tools/chaos_audit.compare: what the delivery audit of a chaos run must agree on with the
 run's own counts (no Spark here: the audit's rows are given)."""
 
+import sys
+
 from tools.chaos_audit import compare
 
 SUB, SUB2, SINK = "tcp://127.0.0.1:2", "tcp://127.0.0.1:3", "tcp://127.0.0.1:4"
@@ -81,3 +83,15 @@ def test_forwarded_events_are_handled_at_the_sink_and_their_loss_is_the_harness_
     (why,) = compare(facts(forwarded=["f1"]), CLEAN + lost)
     assert why.startswith("1 messages the audit finds lost, the harness not: f2")
     assert compare(facts(forwarded=["f1"], lost=["forward of c"]), CLEAN + lost) == []
+
+
+def test_without_pyspark_the_audit_says_why_it_cannot_run(monkeypatch):
+    from tools import chaos_audit
+
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark raises ImportError
+    assert chaos_audit.spark_problem() == "pyspark is not installed (pip install 'servicebus[audit]')"
+    said = []
+    auditor = chaos_audit.Auditor(True, said.append)
+    assert auditor.skipped == chaos_audit.spark_problem() and "pyspark is not installed" in said[0]
+    assert auditor.audit(None, {}, report=False) == {"skipped": auditor.skipped}
+    assert chaos_audit.Auditor(False, said.append).skipped == "--no-audit"
