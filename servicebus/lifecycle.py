@@ -33,7 +33,7 @@ from .handling.requests import PendingRequests
 from .handling.timeouts import Watchdog
 from .handling.transaction import KeyValue
 from .hooks.base import Hook, Hooks
-from .hooks.journal import Journal
+from .hooks.journal import Journal, flush_datadir
 from .hooks.watch import Watches
 from .model.config import BusConfig
 from .model.records import BusStatus
@@ -157,6 +157,15 @@ class Lifecycle:
         self._admin = (admin_endpoint, sockets.admin_off)  # (endpoint, or why there is none)
         self.address = self.config.advertise or endpoint
         lock.update(self.address)
+        before = store.get_meta("address")
+        if self.config.journal and before is not None and before.decode() != self.address:
+            # Events a crash left unmoved happened at the address the bus had then: moved
+            # out under its new one, the audit would pair them with the wrong receiver.
+            try:
+                flush_datadir(store, self.datadir)
+            except Exception as exc:  # noqa: BLE001 - a full disk: the journal moves them later
+                log.error("journal events of %s not moved out before starting at %s: %s",
+                          before.decode(), self.address, exc)
         batch = store.batch()
         batch.put_meta("address", self.address.encode())  # for offline journal flushes
         # What is retained, for the offline tools (servicebus status): empty when nothing.

@@ -1,6 +1,6 @@
 """tools/chaos: real buses in real processes under real faults, counted Jepsen-style.
 
-    tools/chaos [--long] [--only KIND ...] [--seed N] [--json] [--keep]
+    tools/chaos [--long] [--only KIND ...] [--seed N] [--json] [--keep] [--no-audit]
 
 Each fault kind gets a run of its own: a publisher and a subscriber process (tools/
 chaos_node.py) on their own data directories, publishing about 500 messages a second,
@@ -48,7 +48,13 @@ notwithstanding (a rerun's staged writes die with the run that was killed). In a
 acknowledged is also given to the other member: counted apart ("group handovers"), the
 bound the README states. Faults
 that need root or a kernel feature this machine lacks are skipped with a note saying why.
-Exit code 0 when nothing was lost or duplicated, 1 otherwise.
+
+Each run's journals are then audited (servicebus/audit, one Spark session for the whole
+invocation) and the audit's classes compared, message by message, with the counts above
+(tools/chaos_audit.py says what must agree); a disagreement fails the run, printed and in
+the JSON (``audit``: classes, disagreements, seconds). Without pyspark or Java 17+ the audit
+is skipped, said on stderr and in the JSON (``audit.skipped``); ``--no-audit`` skips it on
+purpose. Exit code 0 when nothing was lost or duplicated and the audit agreed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ sys.path.insert(0, str(ROOT))
 from tests.faults import (  # noqa: E402
     Partition, PowerLossDisk, SmallDisk, cannot_cut_power, cannot_drop_packets, cannot_mount,
     cannot_partition, forget_moved_clock, libfaketime, moved_clock_env)
+from tools.chaos_audit import Auditor, write_facts  # noqa: E402
 
 NODE = str(ROOT / "tools" / "chaos_node.py")
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -236,6 +243,10 @@ class Run:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     skipped: str | None = None
+    # The ids behind the counts, for the delivery audit's comparison (tools/chaos_audit.py;
+    # WORK/counts.json with --keep); not in the JSON output.
+    facts: dict = field(default_factory=dict)
+    audit: dict | None = None  # the audit's classes and its disagreements with the counts
 
 
 class Chaos:
@@ -497,7 +508,7 @@ class Chaos:
         run.unacknowledged_handled = len(set(handlings) - set(acked))
         listings = [subprocess.Popen([CLI, "deadletters", str(node.datadir), "--json", "--limit", "0"],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                    for node in (self.pub, self.sub)]  # both at once: each is a CLI's start-up
+                    for node in self.nodes]  # all at once: each is a CLI's start-up
         for listing in listings:
             stdout, _ = listing.communicate()
             run.deadletters |= {json.loads(line)["id"] for line in stdout.splitlines()}
@@ -525,8 +536,10 @@ class Chaos:
             run.out_of_order = sum(1 for a, b in zip(order, order[1:]) if b < a)
         if self.kind == "power-loss":
             self.count_power_loss(handlings, ended)
-        if self.sink is not None:
-            self.count_effects(acked, handlings)
+        forwarded = self.count_effects(acked, handlings) if self.sink is not None else []
+        run.facts = {"acknowledged": acked, "handled": sorted(handlings), "forwarded": forwarded,
+                     "lost": list(run.lost), "duplicated": list(run.duplicated),
+                     "reported_lost": sorted(run.reported_lost), "deadletters": sorted(run.deadletters)}
         if len(self.subs) > 1:  # proof that the group shared the work
             share = {sub.name: sum(1 for pids in handlings.values() if members.get(pids[0]) == sub.name)
                      for sub in self.subs}
@@ -559,10 +572,11 @@ class Chaos:
             f"{len(self.moved)} journal events moved out before a cut, {len(vanished)} gone; reruns: "
             f"{len(ages)}, the oldest ended {max(ages, default=0.0):.3f} s before its cut")
 
-    def count_effects(self, acked: list[str], handlings: dict[str, list[int]]) -> None:
+    def count_effects(self, acked: list[str], handlings: dict[str, list[int]]) -> list[str]:
         """A transacting handler's effects: one forwarded event per acknowledged message at the
         sink (never killed, so any second one is a duplicate), and the stored count equal to
-        the distinct messages handled, whatever reruns a kill -9 caused."""
+        the distinct messages handled, whatever reruns a kill -9 caused. Returns the ids of
+        the forwarded events the sink handled."""
         forwarded: dict[str, list[str]] = {}
         if self.sink is not None and self.sink.handled.exists():
             for line in self.sink.handled.read_text().splitlines():
@@ -579,6 +593,7 @@ class Chaos:
             run.state_errors.append(f"kv count {stored} != {handled} messages handled")
         run.notes.append(f"forwarded events at the sink: {len(forwarded)} for {handled} messages handled "
                          f"({sum(len(p) - 1 for p in handlings.values())} handler reruns); kv count {stored}")
+        return sorted({fid for ids in forwarded.values() for fid in ids})
 
     def evidence(self) -> None:
         """What the buses themselves logged about the faults: proof they were real."""
@@ -692,7 +707,10 @@ def keep_journals(nodes: list, to: Path) -> None:
             shutil.copytree(source, to / node.name / "journal", dirs_exist_ok=True)
 
 
-def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: bool) -> Run:
+def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: bool,
+             auditor: Auditor | None = None) -> Run:
+    """One kind's run; then, with an ``auditor`` that can, the delivery audit of its journals
+    compared with its counts (``run.audit``). Its work directory is removed unless ``keep``."""
     if kind in env.why_not:
         run = Run(kind)
         run.skipped = env.why_not[kind]
@@ -717,10 +735,15 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
                 chaos.sink.stop()
             chaos.count()
             chaos.evidence()
-            if keep:  # before the stack unmounts the small disks the data directories are on
-                keep_journals(chaos.nodes, work / "journals")
-    finally:
+            # Before the stack unmounts the small disks the data directories are on.
+            keep_journals(chaos.nodes, work / "journals")
         chaos.run.seconds = time.monotonic() - began
+        if keep:
+            write_facts(work, chaos.run.facts)
+        if auditor is not None:
+            chaos.run.audit = auditor.audit(work, chaos.run.facts, report=keep)
+    finally:
+        chaos.run.seconds = chaos.run.seconds or time.monotonic() - began
         if env.partition is not None:
             env.partition.heal()
             env.partition.clear()
@@ -731,10 +754,20 @@ def run_kind(kind: str, count: int, env: Environment, rng: random.Random, keep: 
     return chaos.run
 
 
+def audit_cell(audit: dict | None) -> str:
+    if not audit:
+        return "-"
+    if audit.get("skipped"):
+        return "skipped"
+    if not audit["agrees"]:
+        return f"{len(audit['disagreements'])} disagree"
+    return f"agrees ({audit['seconds']:.0f} s)"
+
+
 def table(runs: list[Run]) -> str:
     head = ("fault", "injected", "acknowledged", "handled", "handled, publish never returned", "lost", "duplicated",
             "reruns after kill -9", "reruns after power cut", "group handovers after kill -9", "out of order",
-            "reported lost by repair", "state errors", "dead letters", "seconds")
+            "reported lost by repair", "state errors", "dead letters", "seconds", "audit")
     rows = []
     for r in runs:
         if r.skipped:
@@ -742,7 +775,8 @@ def table(runs: list[Run]) -> str:
             continue
         rows.append((r.kind, r.faults, r.acknowledged, r.handled, r.unacknowledged_handled, len(r.lost), len(r.duplicated),
                      r.reruns_after_kill, r.reruns_after_power_cut, r.handovers_after_kill, r.out_of_order,
-                     len(r.reported_lost), len(r.state_errors), len(r.deadletters), f"{r.seconds:.0f}"))
+                     len(r.reported_lost), len(r.state_errors), len(r.deadletters), f"{r.seconds:.0f}",
+                     audit_cell(r.audit)))
     done = [r for r in runs if not r.skipped]
     rows.append(("total", sum(r.faults for r in done), sum(r.acknowledged for r in done),
                  sum(r.handled for r in done), sum(r.unacknowledged_handled for r in done),
@@ -751,7 +785,8 @@ def table(runs: list[Run]) -> str:
                  sum(r.reruns_after_power_cut for r in done), sum(r.handovers_after_kill for r in done), sum(r.out_of_order for r in done),
                  sum(len(r.reported_lost) for r in done), sum(len(r.state_errors) for r in done),
                  sum(len(r.deadletters) for r in done),
-                 f"{sum(r.seconds for r in done):.0f}"))
+                 f"{sum(r.seconds for r in done):.0f}",
+                 f"{sum(len(r.audit.get('disagreements', ())) for r in done if r.audit)} disagree"))
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
     line = lambda row: "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
@@ -764,23 +799,32 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="random seed (printed; repeat a run with it)")
     ap.add_argument("--json", action="store_true", help="print the runs as JSON")
     ap.add_argument("--keep", action="store_true",
-                    help="keep each run's work directory, with a copy of every journal in WORK/journals")
+                    help="keep each run's work directory: a copy of every journal in WORK/journals, the "
+                         "counts' ids in WORK/counts.json, the audit's tables and report in WORK/audit")
+    ap.add_argument("--no-audit", action="store_true",
+                    help="skip the delivery audit of each run's journals (PySpark; compared with the counts)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     log(f"tools/chaos: seed {seed}, {'long' if args.long else 'short'} profile")
     runs = []
+    auditor = Auditor(not args.no_audit, log)
     with ExitStack() as stack:
+        stack.callback(auditor.close)
         env = environment(stack)
         for kind in args.only or KINDS:
             count = KINDS[kind][1 if args.long else 0]
             log(f"== {kind}: {count} fault(s)")
-            run = run_kind(kind, count, env, rng, args.keep)
+            run = run_kind(kind, count, env, rng, args.keep, auditor)
             log(f"   {run.skipped and 'skipped: ' + run.skipped or f'acknowledged {run.acknowledged}, lost {len(run.lost)}, duplicated {len(run.duplicated)}, out of order {run.out_of_order}'}")
+            if run.audit and not run.audit.get("skipped"):
+                log(f"   audit ({run.audit.get('seconds', '?')} s): {run.audit.get('classes')}; "
+                    + ("agrees with the counts" if run.audit["agrees"] else "DISAGREES: " + "; ".join(run.audit["disagreements"])))
             runs.append(run)
     if args.json:
-        print(json.dumps({"seed": seed, "runs": [{
-            **{k: v for k, v in r.__dict__.items() if k not in ("reported_lost", "deadletters", "lost", "duplicated")},
+        print(json.dumps({"seed": seed, "audit": {"skipped": auditor.skipped} if auditor.skipped else {"skipped": None},
+                          "runs": [{
+            **{k: v for k, v in r.__dict__.items() if k not in ("reported_lost", "deadletters", "lost", "duplicated", "facts")},
             "lost": r.lost[:50], "duplicated": r.duplicated[:50], "reported_lost": len(r.reported_lost),
             "deadletters": len(r.deadletters)} for r in runs]}, indent=1))
     else:
@@ -795,7 +839,14 @@ def main() -> int:
                 print(f"DUPLICATED ({r.kind}): {' '.join(r.duplicated[:20])}")
             for error in r.state_errors:
                 print(f"STATE ({r.kind}): {error}")
-    bad = any(r.lost or r.duplicated or r.out_of_order or r.state_errors for r in runs)
+            if r.audit and r.audit.get("classes"):
+                print(f"audit ({r.kind}): " + ", ".join(f"{k} {v}" for k, v in r.audit["classes"].items() if v))
+            for disagreement in (r.audit or {}).get("disagreements", []):
+                print(f"AUDIT DISAGREES ({r.kind}): {disagreement}")
+        if auditor.skipped:
+            print(f"the delivery audit was skipped: {auditor.skipped}")
+    bad = any(r.lost or r.duplicated or r.out_of_order or r.state_errors or (r.audit and r.audit.get("disagreements"))
+              for r in runs)
     return 1 if bad else 0
 
 

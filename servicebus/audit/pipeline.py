@@ -27,8 +27,13 @@ SHOW_IDS = 20
 
 
 def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: int | None = None,
-        write: bool = True, checkpoint: str | None = None, carry_ms: int = 7 * 86_400_000) -> dict:
+        write: bool = True, checkpoint: str | None = None, carry_ms: int = 7 * 86_400_000,
+        report: bool = True) -> dict:
     """The whole audit; returns the summary (also written to ``out`` when ``write``).
+
+    ``report=False`` (with ``write``) leaves only the ``messages`` table and summary.json in
+    ``out``, without the small tables, report.html and report.png (seconds a run does not
+    need when a program reads the table, as tools/chaos does after every fault kind).
 
     With ``checkpoint`` (a directory or URI): read only the segments no earlier run with
     that checkpoint read, fold in the pairs it carried forward, report the pairs the new
@@ -68,7 +73,7 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     work = f"{out.rstrip('/')}/_work"
     try:
         summary = _audit(spark, pairs, paths, out.rstrip("/"), work, state, buses, grace_ms=grace_ms,
-                         since_ms=since_ms, write=write, carry_ms=carry_ms)
+                         since_ms=since_ms, write=write, carry_ms=carry_ms, report=report)
     finally:
         delete_path(spark, work)
     if state is not None:
@@ -96,7 +101,7 @@ class _Phases:
 
 def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoint | None",
            buses: dict[str, dict[str, str | None]], *,
-           grace_ms: int, since_ms: int | None, write: bool, carry_ms: int) -> dict:
+           grace_ms: int, since_ms: int | None, write: bool, carry_ms: int, report: bool) -> dict:
     from pyspark.sql import functions as F
 
     phases = _Phases()
@@ -139,7 +144,7 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
                        for r in owed]
     name_addresses(summary, buses)
     phases.done("summarize")
-    if write:
+    if write and report:
         write_outputs(spark, out, summary, rows, timeline(reported))
         phases.done("tables_and_report")
     if state is not None:

@@ -459,3 +459,14 @@ def test_a_message_owed_to_a_receiver_that_is_down_is_owed_not_lost_and_the_audi
     assert summary["owed"] == [{"receiver": sub, "messages": 3, "since_ms": t0, "receiver_name": None}]
     written = json.loads((tmp_path / "audit" / "summary.json").read_text())
     assert {"classify_and_write_messages", "tables_and_report"} <= set(written["phases"])
+
+
+def test_an_audit_without_the_report_writes_the_messages_table_and_the_summary_only(spark, tmp_path):
+    # What tools/chaos asks for after each fault kind: the table it reads, in less time.
+    injected = write_journals(tmp_path / "fleet", messages=300, rate=10, faults={"lost": 2})
+    out = tmp_path / "audit"
+    summary = job.run(spark, [str(tmp_path / "fleet")], str(out), grace_ms=1_000, report=False)
+    assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {"messages", "summary.json"}
+    assert classes_of(spark, out)["lost"] == set(injected["lost"])
+    assert json.loads((out / "summary.json").read_text())["classes"] == summary["classes"]
+    assert "tables_and_report" not in summary["phases"]

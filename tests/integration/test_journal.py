@@ -97,6 +97,28 @@ def test_records_left_by_a_kill_are_flushed_by_the_cli_or_the_next_start(make_bu
     assert "moved 0 journal events" in again.stdout
 
 
+def test_events_a_kill_left_behind_keep_the_address_they_happened_at_when_the_bus_starts_elsewhere(
+        make_bus, bus_process):
+    # A bus killed before its journal moved its last events out, started again from the same
+    # data directory at another address (a service moved: tools/chaos --only move-subscriber):
+    # those events happened at the old address, and the audit pairs a receiver's events with
+    # its sender's by address. Moved under the new one, a delivery acked at the old address
+    # looked lost there.
+    sub = make_bus("sub")
+    sub.every(TOPIC, lambda p, m: None)
+    pub = bus_process("pub")
+    sub.subscribe(pub.address, TOPIC)
+    pub.start("--publish", TOPIC, "--count", "500", "--batch", "100", "--kill-after-publish",
+              wait_ready=False)
+    assert pub.wait_exit(60) == -9
+    moved = free_address()
+    with Bus(moved, pub.datadir):
+        pass
+    published = [e for e in journal_lines(Path(pub.datadir)) if e["event"] == "published"]
+    assert len(published) == 500
+    assert {e["address"] for e in published} == {pub.address}
+
+
 def test_a_restarted_bus_never_overwrites_an_earlier_segment(tmp_path):
     for run in range(3):
         with Bus(free_address(), tmp_path / "node") as bus:
