@@ -127,8 +127,9 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
     reported = spark.read.parquet(table)
     rows = rollup(reported)
     summary = build_summary(paths, n_events, rows, grace_ms, since_ms)
-    table = f"{out}/problems" if write else f"{work}/problems"
-    if write or any(summary["classes"][k] for k in LISTED):
+    full = write and report  # without the report (tools/chaos), the problem list stays in _work
+    table = f"{out}/problems" if full else f"{work}/problems"
+    if full or any(summary["classes"][k] for k in LISTED):
         problem_table(spark, reported, buses).write.mode("overwrite").parquet(table)
         summary["problems"] = listed(spark.read.parquet(table), summary["classes"])
     else:
