@@ -10,11 +10,12 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Sequence
-from typing import Any, Self
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from aiohttp import web
 
+from ..aioserve import LoopThread
 from .app import Settings, make_app
 from .sources import Source
 
@@ -41,7 +42,7 @@ def check_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class Console:
+class Console(LoopThread):
     """``Console(["/var/lib/orders", ...], listen="127.0.0.1:8470", write=False)``.
 
     ``write``: the replay, edit-and-replay and purge buttons work (read-only without it).
@@ -50,12 +51,15 @@ class Console:
     ``servicebus audit --out``, whose verdict is shown and whose report is served.
     ``interval``: seconds between two readings of each data directory (default 2)."""
 
+    thread_name = "servicebus-console-loop"
+
     def __init__(self, datadirs: Sequence[str | Path], *, listen: str = "127.0.0.1:8470", write: bool = False,
                  token: str | None = None, audit: str | Path | None = None, interval: float = 2.0) -> None:
         if not datadirs:
             raise ValueError("name at least one data directory")
         if not 0.2 <= interval <= 3600:
             raise ValueError("interval must be from 0.2 to 3600 seconds")
+        super().__init__()
         if token is not None and len(token) < 16:
             raise ValueError("a token must be at least 16 characters")
         self.host, self.port = check_listen(listen)
@@ -69,11 +73,6 @@ class Console:
         # A thread for each data directory: a bus that does not answer (frozen, SIGSTOP) holds
         # up its own reads and actions, never another's nor the page's.
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"servicebus-console-{s.index}") for s in self.sources]
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopped: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._sampled = threading.Event()
         self._read: set[int] = set()
         self.url = ""
@@ -128,36 +127,10 @@ class Console:
         """Wait until every data directory was read once (for tests and scripts)."""
         return self._sampled.wait(timeout)
 
-    def start(self) -> Self:
-        """Serve on a thread of its own; returns once listening (``url`` is set)."""
-        def main() -> None:
-            try:
-                asyncio.run(self._run())
-            except BaseException as exc:  # noqa: BLE001 - told to start()'s caller
-                self._error = exc
-                self._ready.set()
-
-        self._thread = threading.Thread(target=main, name="servicebus-console-loop", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self
+    def _serve(self) -> Coroutine[Any, Any, None]:
+        return self._run()
 
     def close(self) -> None:
-        loop, stopped = self._loop, self._stopped
-        if loop is not None and stopped is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(stopped.set)
-            except RuntimeError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._stop_loop()
         for pool in (self._pool, *self._pools):
             pool.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

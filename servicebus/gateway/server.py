@@ -12,14 +12,15 @@ import asyncio
 import logging
 import socket
 import ssl
-import threading
 from collections import Counter
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 from aiohttp import web
 
+from ..aioserve import LoopThread
 from ..bus import Bus
 from .app import Routes, make_app, reply
 from .auth import load_tokens
@@ -65,16 +66,19 @@ def _pull_address(datadir: Path) -> str:
     return address
 
 
-class Gateway:
+class Gateway(LoopThread):
     """``Gateway(bus, listen="127.0.0.1:8080", tokens="tokens.toml")``: routes in
     README "HTTP gateway". ``tokens``: a file of bearer tokens (gateway/auth.py); without
     one the gateway must listen on a loopback address. ``ssl``: an ``ssl.SSLContext`` for
     HTTPS. ``max_body``: bytes of a request body at most (default 1 MiB). ``threads``: bus
     calls in parallel (each waits on a shared fsync)."""
 
+    thread_name = "servicebus-gateway-loop"
+
     def __init__(self, bus: Bus, *, listen: str = "127.0.0.1:8080", tokens: str | Path | None = None,
                  datadir: str | Path | None = None, ssl_context: ssl.SSLContext | None = None,
                  max_body: int = 1 << 20, threads: int = 32) -> None:
+        super().__init__()
         self.host, self.port = check_listen(listen, tokens)
         self.tokens = load_tokens(tokens)
         if not 1024 <= max_body <= 64 << 20:
@@ -85,11 +89,6 @@ class Gateway:
         self.max_body = max_body
         self.counters: Counter[str] = Counter()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="servicebus-gateway")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._stopped: asyncio.Event | None = None
-        self._error: BaseException | None = None
         self.pull: Bus | None = None
         self.url = ""
 
@@ -148,42 +147,16 @@ class Gateway:
         assert self._loop is not None
         return await self._loop.run_in_executor(self._pool, fn, *args)
 
-    def start(self) -> Self:
-        """Serve on a thread of its own; returns once listening (``url`` is set)."""
-        def main() -> None:
-            try:
-                asyncio.run(self._run(foreground=False))
-            except BaseException as exc:  # noqa: BLE001 - told to start()'s caller
-                self._error = exc
-                self._ready.set()
-
-        self._thread = threading.Thread(target=main, name="servicebus-gateway-loop", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self
+    def _serve(self) -> Coroutine[Any, Any, None]:
+        return self._run(foreground=False)
 
     def serve_forever(self) -> None:
         """Serve in this thread until ``close()`` (from a signal handler, another thread)."""
         asyncio.run(self._run(foreground=True))
 
     def close(self) -> None:
-        loop, stopped = self._loop, self._stopped
-        if loop is not None and stopped is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(stopped.set)
-            except RuntimeError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._stop_loop()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- the routes that are the gateway's own ----------------------------------------------
 

@@ -33,6 +33,7 @@ PARTS = {
     "Outbox": ["sql/", "sql.py"],
     "Gateway": ["gateway/"],
     "Console": ["console/"],
+    "Serving": ["aioserve.py"],  # the HTTP fronts' loop on a thread (gateway, console)
     "Errors": ["errors.py"],
 }
 # (from, to, why): no module of the first layer may import one of the second, directly or
@@ -61,6 +62,7 @@ NEVER = [
     ("Console", "Core", "the console reads and acts through the admin endpoint and the ops"),
     ("Console", "Store", "the console reads and acts through the admin endpoint and the ops"),
     ("Face", "Console", "the bus does not depend on its console"),
+    ("Serving", "Face", "a loop on a thread knows nothing of what it serves"),
 ]
 # Third-party imports a layer must never make: the sans-IO layers know no sockets or disk.
 NEVER_EXTERNAL = [
