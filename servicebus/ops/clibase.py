@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import pwd
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -245,6 +248,17 @@ def _each(datadirs: list[Path] | None, run: Callable[[Path, str | None], None]) 
             codes.append(code)
     if _worst(codes) != EXIT_OK:
         raise typer.Exit(_worst(codes))
+
+
+def _serve_until_stopped(server: Any, line: str) -> None:
+    """Run ``server`` (started by ``with``), print ``line`` once it listens, and stop it on
+    Ctrl-C or SIGTERM (the long-running commands: gateway, console)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        print(line.format(url=server.url), flush=True)
+        stop.wait()
 
 
 def _heading(label: str | None) -> None:

@@ -3,14 +3,12 @@ console in the foreground until SIGINT or SIGTERM (the ``console`` extra)."""
 
 from __future__ import annotations
 
-import signal
-import threading
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .clibase import EXIT_USAGE, CliError, _datadir, app
+from .clibase import EXIT_USAGE, CliError, _datadir, _serve_until_stopped, app
 
 __all__ = ["console"]
 
@@ -47,10 +45,5 @@ def console(datadirs: Optional[list[Path]] = typer.Argument(None, metavar="DATAD
         server = Console(dirs, listen=listen, write=write, token=token, audit=audit, interval=interval)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with server:
-        mode = "read and write" if write else "read-only"
-        print(f"servicebus console: {server.url} ({mode}; Ctrl-C stops)", flush=True)
-        stop.wait()
+    mode = "read and write" if write else "read-only"
+    _serve_until_stopped(server, "servicebus console: {url} (" + mode + "; Ctrl-C stops)")

@@ -4,14 +4,12 @@ gateway in the foreground until SIGINT or SIGTERM (the ``gateway`` extra)."""
 from __future__ import annotations
 
 import logging
-import signal
 import ssl
-import threading
 from pathlib import Path
 
 import typer
 
-from .clibase import EXIT_USAGE, CliError, app
+from .clibase import EXIT_USAGE, CliError, _serve_until_stopped, app
 
 __all__ = ["gateway"]
 
@@ -53,9 +51,4 @@ def gateway(datadir: Path = typer.Argument(..., help="the gateway bus's data dir
             server = Gateway(bus, listen=listen, tokens=tokens, ssl_context=context, max_body=max_body)
         except ValueError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        with server:
-            print(f"servicebus gateway: {server.url} for {bus.address} (Ctrl-C stops)", flush=True)
-            stop.wait()
+        _serve_until_stopped(server, "servicebus gateway: {url} for " + bus.address + " (Ctrl-C stops)")
