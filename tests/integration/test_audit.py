@@ -511,7 +511,7 @@ def _move_and_audit(spark, tmp_path, bus):
     moved.close()
     orders.close()
     summary = job.run(spark, [str(tmp_path / "orders"), str(tmp_path / "email")], str(tmp_path / "audit"),
-                      grace_ms=0)
+                      grace_ms=0, report=False)
     found = classes_of(spark, tmp_path / "audit")
     at_old = {(mid, old) for mid in ids + commands}
     assert found.get("dropped") == at_old, summary["classes"]
