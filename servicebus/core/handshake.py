@@ -13,11 +13,12 @@ import logging
 from typing import Any
 
 from ..wire import protocol as P
-from ..model.delivery import Consumer, base_stream, event_stream, group_peer, stream_target, unpack_outgoing
+from ..model.delivery import Consumer, base_stream, event_stream, group_peer, stream_target
 from ..errors import SubscribeRefused
 from ..model.stored import IntentRecord, SubscriptionRecord, subscription_options
 from ..wire.topics import is_pattern
 from .commands import SubscribeCmd
+from .owed import owed
 from .peers import PeerLimit, Roster
 from .starts import Begin, plan
 from .state import Intent, State
@@ -403,18 +404,5 @@ class Handshake:
         take them for lost): those in flight and those stored after its cursor."""
         s = self.s
         ts, peer = s.wall(), consumer.peer
-        owed: list[tuple[str, tuple[str, ...] | list[str]]] = [(key, f.ids) for key, f in consumer.inflight.items()]
-        after = consumer.pos
-        while True:
-            items = s.store.iter_stream(consumer.stream, after=after, limit=1000)
-            for key, data in items:
-                if key not in consumer.skip:
-                    try:
-                        owed.append((key, unpack_outgoing(data).ids))
-                    except Exception:  # noqa: BLE001 - damaged: its key is all there is to name
-                        owed.append((key, ()))
-            if len(items) < 1000:
-                break
-            after = items[-1][0]
-        for key, ids in owed:
+        for key, _record, ids in owed(s, consumer):
             s.event("dropped_at_sender", ts, key, topic, "event", peer, 0, why, ids or None)

@@ -13,6 +13,7 @@ import logging
 from ..wire import protocol as P
 from ..model.delivery import Consumer, group_peer, is_command_stream, stream_target
 from ..model.stored import DeliveryRecord
+from .owed import journal_moved, owed, owed_to_member
 from .state import Peer, State
 
 __all__ = ["Roster", "PeerLimit", "DOWN_PING", "WAITING_PING", "WAITING_FAST"]
@@ -122,7 +123,10 @@ class Roster:
         """The instance ``node`` listens at ``new`` now, no longer at ``old`` (discovery,
         core/members.py): its subscriptions, their cursors and what they are owed, and
         the commands queued for it go there. What it had in flight is resent there at
-        once (its dedupe makes a resend of what it had handled harmless)."""
+        once (its dedupe makes a resend of what it had handled harmless). The journal says
+        of each message it was owed that it was ``dropped`` at ``old`` (error ``moved to
+        NEW``) and ``published`` to ``new`` (core/owed.py): one read of what it is owed,
+        here, not a cost per frame."""
         s = self.s
         if old == new or old in s.own or new in s.own:
             return
@@ -154,6 +158,8 @@ class Roster:
             if not is_command_stream(consumer.stream) and stream_target(consumer.stream) not in topics:
                 continue
             if consumer.members is not None:  # a group: the member's address changes
+                journal_moved(s, consumer.stream, old, new,
+                              owed_to_member(s, consumer, old) if s.events_on else [])
                 consumer.members[consumer.members.index(old)] = new
                 for mid, member in list(consumer.assigned.items()):
                     if member == old:
@@ -167,6 +173,9 @@ class Roster:
                 continue
             if (new, consumer.stream) in s.consumers:
                 continue
+            # The journal says it is owed at ``new`` now, not at ``old`` (else the audit
+            # reads every pair left at ``old`` as still held for it): read before it moves.
+            journal_moved(s, consumer.stream, old, new, owed(s, consumer) if s.events_on else [])
             self.remove_consumer(consumer)
             s.out.batch.delete_delivery(old, consumer.stream)
             consumer.peer = new

@@ -470,3 +470,53 @@ def test_an_audit_without_the_report_writes_the_messages_table_and_the_summary_o
     assert classes_of(spark, out)["lost"] == set(injected["lost"])
     assert json.loads((out / "summary.json").read_text())["classes"] == summary["classes"]
     assert "tables_and_report" not in summary["phases"]
+
+
+def test_what_a_moved_subscriber_was_owed_is_dropped_at_its_old_address_and_handled_at_its_new_one(
+        spark, tmp_path):
+    # An instance that restarts at a new address with its data directory (discovery tells
+    # the publisher): what it was owed at the old one, events and a command queued for it,
+    # is delivered at the new one. Before, the journal said nothing at the old address, so
+    # every such pair read "owed" there, a message the publisher no longer held for it.
+    opened: list[Bus] = []
+
+    def bus(name: str, directory: str, **options) -> Bus:
+        opened.append(Bus(free_address(), tmp_path / directory, name=name, gossip_interval=0.2, down_after=1.0,
+                          **options))
+        return opened[-1]
+
+    try:
+        _move_and_audit(spark, tmp_path, bus)
+    finally:
+        for each in opened:
+            each.close()
+
+
+def _move_and_audit(spark, tmp_path, bus):
+    orders = bus("orders", "orders")
+    email = bus("email", "email", seeds=[orders.address])
+    email.subscribe("orders", TOPIC, wait=10)
+    old = email.address
+    wait_until(lambda: any(m["name"] == "email" and not m.get("self") for m in orders.fleet()), 10)
+    email.close()
+    wait_until(lambda: any(m["name"] == "email" and not m["up"] for m in orders.fleet()), 10)
+    ids = orders.publish_many(TOPIC, list(range(100))) + [orders.publish(TOPIC, n) for n in range(100, 110)]
+    commands = [orders.send("email", "note", n) for n in range(5)]
+    moved = bus("email", "email")
+    got: list[str] = []
+    moved.every(TOPIC, lambda payload, message: got.append(message.id))
+    moved.handle("note", lambda payload, message: got.append(message.id))
+    wait_until(lambda: len(got) == 115, 15, message=lambda: f"{len(got)} of 115")
+    assert orders.drain(10) and moved.drain(10)
+    moved.close()
+    orders.close()
+    summary = job.run(spark, [str(tmp_path / "orders"), str(tmp_path / "email")], str(tmp_path / "audit"),
+                      grace_ms=0, report=False)
+    found = classes_of(spark, tmp_path / "audit")
+    at_old = {(mid, old) for mid in ids + commands}
+    assert found.get("dropped") == at_old, summary["classes"]
+    assert found.get("handled") == {(mid, moved.address) for mid in ids + commands}, summary["classes"]
+    assert summary["classes"]["handled"] == 115 and summary["ok"], summary["classes"]
+    lines = [json.loads(text) for path in (tmp_path / "orders" / "journal").glob("*.jsonl")
+             for text in path.read_text().splitlines()]
+    assert {e.get("error") for e in lines if e["event"] == "dropped"} == {f"moved to {moved.address}"}
