@@ -25,7 +25,9 @@ def _chromium() -> str | None:
     return next((p for p in map(shutil.which, CHROMIUM) if p), None)
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: Playwright's sync API runs an event loop in this thread for
+# as long as it is open, and every later test calling asyncio.run() here would fail.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     try:
         from playwright.sync_api import sync_playwright

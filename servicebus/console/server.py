@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from collections.abc import Coroutine, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from ..aioserve import LoopThread
+from ..ops.letters import ADMIN_TIMEOUT
 from .app import Settings, make_app
 from .sources import Source
 
@@ -132,5 +134,12 @@ class Console(LoopThread):
 
     def close(self) -> None:
         self._stop_loop()
-        for pool in (self._pool, *self._pools):
+        pools = (self._pool, *self._pools)
+        for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
+        # Then wait for their threads, but not for ever: a read of a frozen bus ends at
+        # its admin timeout (ops/letters.py), after which its thread ends too.
+        deadline = time.monotonic() + ADMIN_TIMEOUT + 5
+        for pool in pools:
+            for thread in list(getattr(pool, "_threads", ())):
+                thread.join(max(0.0, deadline - time.monotonic()))
