@@ -31,6 +31,7 @@ ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
 MAX_BODY = 4 << 20  # an edited payload may be as big as a message (the bus checks its own limit)
 MAX_IDS = 1000  # ids one action names at most
 MAX_LETTERS = 500  # dead letters one page lists at most
+SHOWN_SUBSCRIBERS = 50  # subscribers a bus's card lists, those most behind first
 Run = Callable[..., Awaitable[Any]]
 
 
@@ -119,7 +120,9 @@ def make_app(s: Settings) -> web.Application:
     async def history(request: web.Request) -> web.Response:
         src = _source(s, request.query.get("bus"))
         times = [t for t, _ in src.history]
-        names = sorted({name for _, point in src.history for name in point})
+        shown = {sub["address"] for sub in _shown(src)}  # the plots of the rows the page shows
+        names = sorted({name for _, point in src.history for name in point
+                        if " " not in name or name.split(" ", 1)[1] in shown})
         series = {name: [point.get(name) for _, point in src.history] for name in names}
         return _json(200, {"bus": src.index, "t": times, "series": series})
 
@@ -160,7 +163,7 @@ def make_app(s: Settings) -> web.Application:
     async def _of_cause(src: Source, args: dict[str, Any], cause: str) -> tuple[list[str], bool]:
         """The ids of the dead letters of ``cause`` (and topic and reason), as many as one
         action names at most, and whether more may be left (the page says so)."""
-        query = {"limit": LETTERS_SCANNED} | ({"topic": args["topic"]} if args["topic"] else {})
+        query = {"limit": LETTERS_SCANNED, "brief": True} | ({"topic": args["topic"]} if args["topic"] else {})
         rows = await _call(s.run(src.view, "deadletters", query))
         ids = [str(r["id"]) for r in rows if (not args["reason"] or r.get("reason") == args["reason"])
                and cause_of(r) == cause]
@@ -292,6 +295,13 @@ async def _call(pending: Awaitable[Any]) -> Any:
         raise _Refused(503, f"{type(exc).__name__}: {exc}") from None
 
 
+def _shown(src: Source) -> list[dict[str, Any]]:
+    """The subscribers a bus's card shows: those most behind first, SHOWN_SUBSCRIBERS at most
+    (a publisher with thousands must not make every poll and page that big)."""
+    subs = src.latest.subscribers if src.latest is not None else []
+    return sorted(subs, key=lambda sub: (-(sub.get("pending") or 0), str(sub.get("address"))))[:SHOWN_SUBSCRIBERS]
+
+
 def _bus(src: Source, names: dict[str, str]) -> dict[str, Any]:
     """A data directory as the page shows it; ``names``: service names by address, as
     every bus read knows them."""
@@ -306,6 +316,7 @@ def _bus(src: Source, names: dict[str, str]) -> dict[str, Any]:
         "address": me.get("address") or (status.get("lock") or {}).get("address"),
         "counts": {k: status.get(k) for k in ("outgoing", "pending", "incoming", "deadletters",
                                               "oldest_pending_age_s", "store_bytes", "handled")},
-        "subscribers": [{**sub, "service": names.get(str(sub.get("address"))) or ""} for sub in sample.subscribers],
+        "subscribers": [{**sub, "service": names.get(str(sub.get("address"))) or ""} for sub in _shown(src)],
+        "subscribers_total": len(sample.subscribers),
         "letters": sample.letters, "groups": sample.groups, "rates": sample.rates,
     }

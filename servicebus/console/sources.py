@@ -120,7 +120,7 @@ class Source:
             status = read_view(self.datadir, "status", {})[0]
             subscribers = list(read_view(self.datadir, "subscribers", {}))
             fleet = read_view(self.datadir, "fleet", {})[0]
-            letters = read_view(self.datadir, "deadletters", {"limit": LETTERS_SCANNED})
+            letters = read_view(self.datadir, "deadletters", {"limit": LETTERS_SCANNED, "brief": True})
         except Exception as exc:  # noqa: BLE001 - shown on the page; the next read tries again
             self._signature = None
             return Sample(at, up, f"{type(exc).__name__}: {exc}")

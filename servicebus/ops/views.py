@@ -278,8 +278,9 @@ def _letter_headers(rec: dict) -> Any:
     return jsonable(headers) if isinstance(headers, dict) else None
 
 
-def deadletter_row(mid: str, rec: dict, now: int) -> dict:
-    body = letter_body(rec)
+def deadletter_row(mid: str, rec: dict, now: int, *, brief: bool = False) -> dict:
+    """A dead letter as the views show it; ``brief``: without its payload (not decoded)."""
+    body = None if brief else letter_body(rec)
     return {
         "id": mid, "origin": rec.get("origin"), "reason": rec.get("reason"), "error": rec.get("error"),
         "kind": rec.get("kind"), "topic": rec.get("topic"), "attempts": rec.get("attempts"),
@@ -294,7 +295,9 @@ def deadletter_row(mid: str, rec: dict, now: int) -> dict:
 
 
 def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
-    now, limit, topic = wall_ms(), args.get("limit"), args.get("topic")
+    """``limit``, ``topic``; ``brief`` (new in 0.3): rows without payloads (the console's
+    groups, read every few seconds, need only reasons, topics and errors)."""
+    now, limit, topic, brief = wall_ms(), args.get("limit"), args.get("topic"), bool(args.get("brief"))
     rows: list[dict] = []
     total = 0
     for mid, rec in store.deadletters():
@@ -306,7 +309,7 @@ def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None)
             total += 1
             continue
         total += 1
-        rows.append(deadletter_row(mid, rec, now))
+        rows.append(deadletter_row(mid, rec, now, brief=brief))
     return Rows(rows, total)
 
 

@@ -354,3 +354,10 @@ def test_the_token_in_a_query_opens_only_the_audit_files(tmp_path):
             assert _http(base + f"api/state?token={token}")[0] == 401  # a URL is logged, shared, kept
     finally:
         pub.close()
+
+
+def test_the_brief_dead_letter_view_the_console_polls_decodes_no_payload(fleet):
+    pub, sub = fleet
+    brief = list(read_view(sub.datadir, "deadletters", {"brief": True}))
+    assert len(brief) == 2 and all(r["payload"] is None and r["error"].startswith("ValueError") for r in brief)
+    assert all(r["payload"]["bad"] for r in read_view(sub.datadir, "deadletters", {}))

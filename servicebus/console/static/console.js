@@ -131,6 +131,8 @@ async function renderBus(bus) {
       el("td", { text: (s.topics || []).join(", ") + (s.commands ? (s.topics.length ? ", " : "") + "(commands)" : "") }),
       el("td", { class: "num", text: fmt.n(s.pending) }), el("td", { class: "num", text: fmt.age(s.oldest_pending_age_s) }),
       el("td", {}, plot("spark", hist.t, [hist.series["backlog " + s.address] || []], 160, 28))));
+    if (bus.subscribers_total > subs.length)
+      card.append(el("p", { class: "muted", text: `the ${subs.length} most behind of ${fmt.n(bus.subscribers_total)} subscribers` }));
     card.append(el("table", { class: "subscribers" },
       el("thead", {}, el("tr", {}, ...["subscriber", "address", "topics", "backlog", "oldest pending", "backlog over time"]
         .map((h, i) => el("th", { class: i === 3 || i === 4 ? "num" : null, text: h })))),
