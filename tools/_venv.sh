@@ -18,13 +18,13 @@ find_python() {
 }
 
 if [ ! -x "$VENV/bin/python" ]; then
-    echo "==> creating $VENV"
+    echo "==> creating $VENV" >&2
     "$(find_python)" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
 STAMP="$VENV/.installed-$EXTRAS"
 if [ ! -f "$STAMP" ] || [ "$ROOT/setup.cfg" -nt "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-    echo "==> installing servicebus[$EXTRAS] into $VENV"
+    echo "==> installing servicebus[$EXTRAS] into $VENV" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[$EXTRAS]"
     touch "$STAMP"
 fi
@@ -45,7 +45,7 @@ ensure_debian_packages() {
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "==> installing ${missing[*]} (Debian packages) for the fault tests"
+        echo "==> installing ${missing[*]} (Debian packages) for the fault tests" >&2
         if DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 ||
            { apt-get update -q >/dev/null 2>&1 &&
              DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; }; then
