@@ -80,6 +80,7 @@ FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment fil
 # read a backlog of millions of events into memory at once.
 FLUSH_BYTES = 1 << 20
 ADDRESSES_KEPT = 100  # in <node>.bus.json: a bus on a new port at every start must not grow it
+BUS_FILE_MAX = 1 << 20  # bytes: a larger <node>.bus.json is not this bus's (it writes ~10 KB at most)
 PENDING = "journal_pending"  # meta: [segment name, its records' seqs] while it is moved
 
 
@@ -88,6 +89,20 @@ PENDING = "journal_pending"  # meta: [segment name, its records' seqs] while it 
 def _json_str(text: str | None) -> str:
     # Only on a line-prefix cache miss (see _write_segment): no cache of its own needed.
     return json.dumps(text, ensure_ascii=False)
+
+
+def _addresses(path: Path) -> dict[str, str | None]:
+    """The addresses an earlier start wrote to ``path``; {} for none, or for a file that is
+    not one (a power cut, a hand edit, another program's): it is then written anew."""
+    try:
+        if path.stat().st_size > BUS_FILE_MAX:
+            return {}
+        known = json.loads(path.read_text(encoding="utf-8")).get("addresses")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(known, dict):
+        return {}
+    return {str(a): n if n is None or isinstance(n, str) else str(n) for a, n in known.items()}
 
 
 class Journal(Hook):
@@ -222,20 +237,27 @@ class Journal(Hook):
         starts (their segments still name those addresses). Best effort: the audit only
         loses a name without it, and a bus must not fail to start over it."""
         path = self.dir / f"{self.node_id}.bus.json"
+        tmp = path.with_suffix(".tmp")
         try:
-            known = json.loads(path.read_text()).get("addresses", {}) if path.exists() else {}
-            if not isinstance(known, dict):
-                known = {}
+            self.dir.mkdir(parents=True, exist_ok=True)
+            known = _addresses(path)
             known.pop(self.address, None)  # re-added last: the newest are kept
             known[self.address] = self.name
             data = {"node": self.node_id, "datadir": str(self.dir.parent.resolve()),
                     "addresses": dict(list(known.items())[-ADDRESSES_KEPT:])}
-            self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            # Written whole, synced, then renamed over the old one: a crash or a full disk
+            # leaves the old file or the new one, never half of one.
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(data, indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
-        except (OSError, ValueError, AttributeError) as exc:
+        except (OSError, ValueError) as exc:
             log.warning("cannot write %s (the audit will show no service name): %s", path, exc)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def _pending(self) -> tuple[str, list[int]] | None:
         """The segment being moved when the bus stopped, if its delete did not happen."""
