@@ -212,8 +212,14 @@ def named(address: str | None, name: str | None) -> str:
     return f"{address} ({name})" if name else str(address)
 
 
+# Every control character, newline included: ids, topics, names and error texts come from
+# journals and side files anyone may have written; one must not drive the terminal or forge
+# a line of the summary ("verdict: OK").
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7f, 0xa0))}
+
+
 def print_summary(summary: dict, out: str, file=sys.stdout) -> None:
-    p = lambda *a: print(*a, file=file)  # noqa: E731
+    p = lambda line: print(line.translate(_CONTROL), file=file)  # noqa: E731
     lat = summary["latency_ms"]
     fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     p(f"delivery audit: {summary['events']:,} events, {summary['messages']:,} (message, receiver) pairs")
