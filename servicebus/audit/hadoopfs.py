@@ -21,12 +21,13 @@ def write_bytes(spark, path: str, data: bytes) -> None:
         stream.close()
 
 
-def read_text(spark, path: str) -> str | None:
-    """A small file through Hadoop's FileSystem, or None if there is none."""
+def read_text(spark, path: str, limit: int | None = None) -> str | None:
+    """A small file through Hadoop's FileSystem, or None if there is none (or it is larger
+    than ``limit`` bytes: not the small file it should be)."""
     jvm = spark.sparkContext._jvm
     target = jvm.org.apache.hadoop.fs.Path(path)
     fs = target.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    if not fs.exists(target):
+    if not fs.exists(target) or (limit is not None and fs.getFileStatus(target).getLen() > limit):
         return None
     stream = fs.open(target)
     try:

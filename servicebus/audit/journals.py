@@ -80,6 +80,7 @@ def segment_files(spark, globs: list[str]) -> list[str]:
 
 
 BUS_FILE = "*.bus.json"
+BUS_FILE_MAX = 1 << 20  # bytes; a bus writes ~10 KB at most: a larger file is not one, and is not read
 
 
 def bus_globs(globs: list[str]) -> list[str]:
@@ -104,14 +105,35 @@ def parse_bus_file(text: str, found_in: str) -> dict[str, dict[str, str | None]]
         return {}
 
 
+def merge_buses(files: list[dict[str, dict[str, str | None]]]) -> dict[str, dict[str, str | None]]:
+    """The bus files' addresses together. An address several buses claim (a port reused by
+    another bus, a copy of a data directory) is not one bus's more than the other's: its
+    names are all shown ("billing or email") and its data directory is None, so that a
+    command says ``<data directory of ADDRESS>`` rather than act on the wrong bus."""
+    seen: dict[str, list[dict[str, str | None]]] = {}
+    for found in files:
+        for address, bus in found.items():
+            if bus not in seen.setdefault(address, []):
+                seen[address].append(bus)
+    out: dict[str, dict[str, str | None]] = {}
+    for address, claims in seen.items():
+        if len(claims) == 1:
+            out[address] = claims[0]
+            continue
+        names = sorted({b["name"] for b in claims if b["name"]})
+        dirs = {b["datadir"] for b in claims}
+        out[address] = {"name": " or ".join(names) or None, "datadir": dirs.pop() if len(dirs) == 1 else None}
+    return out
+
+
 def read_buses(spark, globs: list[str]) -> dict[str, dict[str, str | None]]:
-    """address -> {"name", "datadir"} for every bus whose journal the segment ``globs`` read.
-    Where several files name one address (a port reused), the last file read wins."""
+    """address -> {"name", "datadir"} for every bus whose journal the segment ``globs`` read
+    (merge_buses: where several claim one address)."""
     from .hadoopfs import read_text
 
-    buses: dict[str, dict[str, str | None]] = {}
+    files = []
     for path in segment_files(spark, bus_globs(globs)):
-        text = read_text(spark, path)
+        text = read_text(spark, path, limit=BUS_FILE_MAX)
         if text:
-            buses.update(parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:")))
-    return buses
+            files.append(parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:")))
+    return merge_buses(files)

@@ -43,7 +43,9 @@ MEANING = {
             "the subscriber (servicebus purge --subscriber) if it is gone for good",
 }
 
-_SAFE = r"^[A-Za-z0-9_./:@%+=,-]+$"
+# \z, not $: Java's $ also matches before a final line terminator ("/srv/x\n" would pass
+# unquoted, and a pasted command would run its next word as a command of its own).
+_SAFE = r"^[A-Za-z0-9_./:@%+=,-]+\z"
 
 
 def _shell(c):
@@ -70,7 +72,8 @@ def problem_table(spark, messages, buses: dict[str, dict[str, str | None]]):
              .join(side("sender"), "sender", "left").join(side("receiver"), "receiver", "left"))
 
     def datadir(who: str):
-        unknown = F.concat(lit("<data directory of "), F.coalesce(col(who), lit(f"the {who}")), lit(">"))
+        # Quoted too: pasted as it is, < and > would be redirections (and the address is the journal's).
+        unknown = _shell(F.concat(lit("<data directory of "), F.coalesce(col(who), lit(f"the {who}")), lit(">")))
         return F.coalesce(_shell(col(f"{who}_dir")), unknown)
 
     klass, mid = col("class"), _shell(col("id"))

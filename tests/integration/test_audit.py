@@ -77,7 +77,7 @@ def test_injected_faults_are_reported_exactly(spark, tmp_path):
     for klass, fault in wanted.items():
         assert {(p["id"], p["receiver"]) for p in summary["problems"][klass]} == set(injected[fault]), klass
     where = {rcv0: shlex.quote(str((fleet / "receiver00000000").resolve())),
-             rcv1: "<data directory of tcp://10.0.1.1:6000>"}
+             rcv1: shlex.quote("<data directory of tcp://10.0.1.1:6000>")}
     last = {"lost": "acked", "handled_more_than_once": "handled", "deadlettered": "deadlettered",
             "in_flight": "published", "owed": "sent"}
     for klass, pairs in summary["problems"].items():
