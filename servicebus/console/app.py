@@ -31,6 +31,7 @@ ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
 MAX_BODY = 4 << 20  # an edited payload may be as big as a message (the bus checks its own limit)
 MAX_IDS = 1000  # ids one action names at most
 MAX_LETTERS = 500  # dead letters one page lists at most
+PAGE_BYTES = 1 << 20  # and payload bytes (one letter at least): a page of 1 MiB letters is not 500 MiB
 SHOWN_SUBSCRIBERS = 50  # subscribers a bus's card lists, those most behind first
 Run = Callable[..., Awaitable[Any]]
 
@@ -128,7 +129,8 @@ def make_app(s: Settings) -> web.Application:
 
     async def letters(request: web.Request) -> web.Response:
         src = _source(s, request.query.get("bus"))
-        args: dict[str, Any] = {"limit": _int(request.query.get("limit"), MAX_LETTERS, "limit")}
+        args: dict[str, Any] = {"limit": _int(request.query.get("limit"), MAX_LETTERS, "limit"),
+                                "payload_bytes": PAGE_BYTES}
         for name in ("topic", "reason", "cause"):  # selected by the bus, before the limit
             if request.query.get(name):
                 args[name] = request.query[name]

@@ -270,6 +270,13 @@ def letter_body(rec: dict) -> bytes | None:
     return body if isinstance(body, bytes) else None
 
 
+def _stored_size(rec: dict) -> int:
+    """The bytes of a dead letter's payload as stored (its blob, not decoded)."""
+    inner = rec.get("record") or []
+    blob = inner[-1] if inner and isinstance(inner[-1], bytes) else rec.get("body")
+    return len(blob) if isinstance(blob, bytes) else 0
+
+
 def _letter_headers(rec: dict) -> Any:
     """A dead letter's message headers, where its record keeps them (an outgoing record's
     sixth field, an incoming one's ninth: model/stored.py)."""
@@ -313,10 +320,12 @@ def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None)
     groups, read every few seconds, need only reasons, topics and errors). New in 0.4:
     ``reason`` and ``cause`` (cause_of) select too, before the limit; ``groups``: one row
     per (reason, topic, cause) of every dead letter, with its count and an example error
-    (payloads not decoded; the MAX_GROUPS biggest), total: the dead letters counted."""
+    (payloads not decoded; the MAX_GROUPS biggest), total: the dead letters counted;
+    ``payload_bytes``: rows listed until their payloads' stored bytes reach it (one at least)."""
     now, limit, topic, brief = wall_ms(), args.get("limit"), args.get("topic"), bool(args.get("brief"))
-    reason, cause = args.get("reason"), args.get("cause")
+    reason, cause, budget = args.get("reason"), args.get("cause"), args.get("payload_bytes")
     rows: list[dict] = []
+    spent = 0
     groups: dict[tuple[str, str, str], dict] = {}
     total = 0
     for mid, rec in store.deadletters():
@@ -330,13 +339,14 @@ def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None)
             group["count"] += 1
             total += 1
             continue
-        if limit and len(rows) >= limit:
+        if (limit and len(rows) >= limit) or (budget and spent >= budget):
             if not (topic or reason or cause):  # the rest, counted by key without decoding it
                 return Rows(rows, store.count("deadletters"))
             total += 1
             continue
         total += 1
         rows.append(deadletter_row(mid, rec, now, brief=brief))
+        spent += _stored_size(rec)
     if args.get("groups"):
         return Rows(sorted(groups.values(), key=lambda g: (-g["count"], g["topic"]))[:MAX_GROUPS], total)
     return Rows(rows, total)

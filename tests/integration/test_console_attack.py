@@ -244,3 +244,27 @@ def test_many_dead_letters_of_two_causes_are_grouped_shown_and_replayed_in_steps
         assert len(replayed) == len(set(replayed)) == 2100 and not reply["more"]
     letters = read_view(sub.datadir, "deadletters", {"brief": True})
     assert len(letters) == 2100 and {str(r["error"]).split(":")[0] for r in letters} == {"KeyError"}
+
+
+def test_show_of_dead_letters_of_a_mebibyte_each_lists_a_page_bounded_in_bytes(tmp_path):
+    pub = Bus(free_address(), tmp_path / "pub", name="pub")
+    sub = Bus(free_address(), tmp_path / "sub", name="sub", max_attempts=1)
+
+    @sub.every("order.placed")
+    def handle(payload, message):
+        raise ValueError("no")
+
+    try:
+        sub.subscribe(pub.address, "order.placed", wait=20)
+        pub.publish_many("order.placed", [{"n": n, "pad": "x" * 1_000_000} for n in range(8)])
+        wait_until(lambda: sub.status().deadletters == 8, 60, message="8 dead letters")
+    finally:
+        sub.close()
+        pub.close()
+    with Console([sub.datadir], listen="127.0.0.1:0", interval=0.3) as console:
+        assert console.wait_sampled()
+        query = urllib.parse.urlencode({"bus": 0, "topic": "order.placed", "cause": "ValueError"})
+        with urllib.request.urlopen(console.url + "api/letters?" + query, timeout=30) as res:
+            body = res.read()
+        shown = json.loads(body)
+        assert len(body) < 6 << 20 and 1 <= len(shown["letters"]) < 8 and shown["total"] == 8
