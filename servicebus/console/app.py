@@ -22,7 +22,7 @@ from aiohttp import web
 
 from ..errors import AdminUnavailable, BusError, LockedError
 from ..ops.admin import AdminRefused
-from .sources import LETTERS_SCANNED, Source, cause_of, fleet_view, read_audit
+from .sources import Source, fleet_view, read_audit
 
 __all__ = ["make_app", "Settings", "MAX_BODY", "MAX_IDS"]
 
@@ -31,6 +31,7 @@ ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
 MAX_BODY = 4 << 20  # an edited payload may be as big as a message (the bus checks its own limit)
 MAX_IDS = 1000  # ids one action names at most
 MAX_LETTERS = 500  # dead letters one page lists at most
+PAGE_BYTES = 1 << 20  # and payload bytes (one letter at least): a page of 1 MiB letters is not 500 MiB
 SHOWN_SUBSCRIBERS = 50  # subscribers a bus's card lists, those most behind first
 Run = Callable[..., Awaitable[Any]]
 
@@ -128,14 +129,14 @@ def make_app(s: Settings) -> web.Application:
 
     async def letters(request: web.Request) -> web.Response:
         src = _source(s, request.query.get("bus"))
-        args: dict[str, Any] = {"limit": _int(request.query.get("limit"), MAX_LETTERS, "limit")}
-        topic = request.query.get("topic")
-        if topic:
-            args["topic"] = topic
+        args: dict[str, Any] = {"limit": _int(request.query.get("limit"), MAX_LETTERS, "limit"),
+                                "payload_bytes": PAGE_BYTES}
+        for name in ("topic", "reason", "cause"):  # selected by the bus, before the limit
+            if request.query.get(name):
+                args[name] = request.query[name]
         rows = await _call(s.run(src.view, "deadletters", args))
-        reason, cause = request.query.get("reason"), request.query.get("cause")
         shown = [{**r, "payload_text": json.dumps(r.get("payload"), indent=1, ensure_ascii=False, default=str)}
-                 for r in rows if (not reason or r.get("reason") == reason) and (not cause or cause_of(r) == cause)]
+                 for r in rows]
         return _json(200, {"bus": src.index, "letters": shown, "total": rows.total})
 
     async def action(request: web.Request) -> web.Response:
@@ -163,11 +164,10 @@ def make_app(s: Settings) -> web.Application:
     async def _of_cause(src: Source, args: dict[str, Any], cause: str) -> tuple[list[str], bool]:
         """The ids of the dead letters of ``cause`` (and topic and reason), as many as one
         action names at most, and whether more may be left (the page says so)."""
-        query = {"limit": LETTERS_SCANNED, "brief": True} | ({"topic": args["topic"]} if args["topic"] else {})
+        query = {"limit": MAX_IDS, "brief": True, "cause": cause} | {k: args[k] for k in ("topic", "reason") if args[k]}
         rows = await _call(s.run(src.view, "deadletters", query))
-        ids = [str(r["id"]) for r in rows if (not args["reason"] or r.get("reason") == args["reason"])
-               and cause_of(r) == cause]
-        return ids[:MAX_IDS], len(ids) > MAX_IDS or (rows.total or 0) > len(rows)
+        ids = [str(r["id"]) for r in rows]
+        return ids, (rows.total or 0) > len(ids)
 
     async def audit_file(request: web.Request) -> web.StreamResponse:
         if s.audit is None:

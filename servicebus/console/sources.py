@@ -10,7 +10,6 @@ left open does not keep taking a stopped bus's store from under a bus that start
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections import deque
@@ -19,24 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ..ops.letters import act, alive, read_view
-from ..ops.views import Rows
+from ..ops.views import Rows, cause_of
 
-__all__ = ["Source", "Sample", "cause_of", "fleet_view", "read_audit", "HISTORY_SECONDS", "LETTERS_SCANNED"]
+__all__ = ["Source", "Sample", "cause_of", "fleet_view", "read_audit", "HISTORY_SECONDS"]
 
 HISTORY_SECONDS = 1800.0  # what the plots show at most
-LETTERS_SCANNED = 2000  # dead letters read per sample for the groups (the count is exact)
 _NOT_STORE = {"LOG", "LOG.old", "LOCK"}  # written by every open, ours too
 _COUNTED = ("published", "acked", "received")  # engine counters: the rates are made of them
-
-
-def cause_of(letter: dict[str, Any]) -> str:
-    """A dead letter's cause: the exception type of a ``Type: text`` error, else its reason
-    (``expired``, ``refused``...). As the audit groups them (audit/classify.py ``causes``)."""
-    error = str(letter.get("error") or "")
-    head, sep, _ = error.partition(":")
-    if sep and re.fullmatch(r"[A-Za-z_][\w.]*", head.strip()):
-        return head.strip()
-    return str(letter.get("reason") or "unknown")
 
 
 def _signature(datadir: Path) -> tuple:
@@ -120,21 +108,16 @@ class Source:
             status = read_view(self.datadir, "status", {})[0]
             subscribers = list(read_view(self.datadir, "subscribers", {}))
             fleet = read_view(self.datadir, "fleet", {})[0]
-            letters = read_view(self.datadir, "deadletters", {"limit": LETTERS_SCANNED, "brief": True})
+            # Counted by the bus, every dead letter: a cause behind thousands of another is
+            # a group too, its count exact.
+            groups = read_view(self.datadir, "deadletters", {"groups": True})
         except Exception as exc:  # noqa: BLE001 - shown on the page; the next read tries again
             self._signature = None
             return Sample(at, up, f"{type(exc).__name__}: {exc}")
         if not up:
             self._signature = _signature(self.datadir)  # after our read: its own writes are in
-        groups: dict[tuple[str, str, str], dict[str, Any]] = {}
-        for letter in letters:
-            key = (str(letter.get("reason")), str(letter.get("topic")), cause_of(letter))
-            group = groups.setdefault(key, {"reason": key[0], "topic": key[1], "cause": key[2],
-                                            "count": 0, "example": letter.get("error")})
-            group["count"] += 1
-        return Sample(at, up, None, status, subscribers, fleet, letters.total or len(letters),
-                      sorted(groups.values(), key=lambda g: (-g["count"], g["topic"])),
-                      self._rates(at, status) if up else {})
+        return Sample(at, up, None, status, subscribers, fleet, groups.total or 0,
+                      list(groups), self._rates(at, status) if up else {})
 
     def _rates(self, at: float, status: dict[str, Any]) -> dict[str, float | None]:
         """Per second since the last sample, of the engine's counters (None at the first

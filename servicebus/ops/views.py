@@ -9,6 +9,7 @@ same.
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from ..wire.topics import matches
 from ..model.stored import NO_RUNS, IncomingRecord, RunState
 from ..store import Store
 
-__all__ = ["Rows", "VIEWS", "run_view", "view_subscriptions", "view_check", "view_fleet", "jsonable", "payload_of", "letter_body", "incoming_row",
+__all__ = ["Rows", "VIEWS", "cause_of", "MAX_GROUPS", "run_view", "view_subscriptions", "view_check", "view_fleet", "jsonable", "payload_of", "letter_body", "incoming_row",
            "deadletter_row"]
 
 
@@ -269,6 +270,13 @@ def letter_body(rec: dict) -> bytes | None:
     return body if isinstance(body, bytes) else None
 
 
+def _stored_size(rec: dict) -> int:
+    """The bytes of a dead letter's payload as stored (its blob, not decoded)."""
+    inner = rec.get("record") or []
+    blob = inner[-1] if inner and isinstance(inner[-1], bytes) else rec.get("body")
+    return len(blob) if isinstance(blob, bytes) else 0
+
+
 def _letter_headers(rec: dict) -> Any:
     """A dead letter's message headers, where its record keeps them (an outgoing record's
     sixth field, an incoming one's ninth: model/stored.py)."""
@@ -294,22 +302,53 @@ def deadletter_row(mid: str, rec: dict, now: int, *, brief: bool = False) -> dic
     }
 
 
+def cause_of(letter: dict[str, Any]) -> str:
+    """A dead letter's cause: the exception type of a ``Type: text`` error, else its reason
+    (``expired``, ``refused``...). As the audit groups them (audit/classify.py ``causes``)."""
+    error = str(letter.get("error") or "")
+    head, sep, _ = error.partition(":")
+    if sep and re.fullmatch(r"[A-Za-z_][\w.]*", head.strip()):
+        return head.strip()
+    return str(letter.get("reason") or "unknown")
+
+
+MAX_GROUPS = 200  # groups of dead letters a ``groups`` view returns at most, the biggest
+
+
 def view_deadletters(store: Store, datadir: Path, args: dict, live: dict | None) -> list[dict]:
     """``limit``, ``topic``; ``brief`` (new in 0.3): rows without payloads (the console's
-    groups, read every few seconds, need only reasons, topics and errors)."""
+    groups, read every few seconds, need only reasons, topics and errors). New in 0.4:
+    ``reason`` and ``cause`` (cause_of) select too, before the limit; ``groups``: one row
+    per (reason, topic, cause) of every dead letter, with its count and an example error
+    (payloads not decoded; the MAX_GROUPS biggest), total: the dead letters counted;
+    ``payload_bytes``: rows listed until their payloads' stored bytes reach it (one at least)."""
     now, limit, topic, brief = wall_ms(), args.get("limit"), args.get("topic"), bool(args.get("brief"))
+    reason, cause, budget = args.get("reason"), args.get("cause"), args.get("payload_bytes")
     rows: list[dict] = []
+    spent = 0
+    groups: dict[tuple[str, str, str], dict] = {}
     total = 0
     for mid, rec in store.deadletters():
-        if topic and rec.get("topic") != topic:
+        if (topic and rec.get("topic") != topic) or (reason and rec.get("reason") != reason) \
+                or (cause and cause_of(rec) != cause):
             continue
-        if limit and len(rows) >= limit:
-            if not topic:  # the rest, counted by key without decoding it
+        if args.get("groups"):
+            key = (str(rec.get("reason")), str(rec.get("topic")), cause_of(rec))
+            group = groups.setdefault(key, {"reason": key[0], "topic": key[1], "cause": key[2],
+                                            "count": 0, "example": rec.get("error")})
+            group["count"] += 1
+            total += 1
+            continue
+        if (limit and len(rows) >= limit) or (budget and spent >= budget):
+            if not (topic or reason or cause):  # the rest, counted by key without decoding it
                 return Rows(rows, store.count("deadletters"))
             total += 1
             continue
         total += 1
         rows.append(deadletter_row(mid, rec, now, brief=brief))
+        spent += _stored_size(rec)
+    if args.get("groups"):
+        return Rows(sorted(groups.values(), key=lambda g: (-g["count"], g["topic"]))[:MAX_GROUPS], total)
     return Rows(rows, total)
 
 

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -201,3 +202,69 @@ def test_the_audit_report_opens_styled_and_paged_and_sends_no_token_to_another_s
         res = report.request.get(report.url)
         assert res.headers.get("referrer-policy") == "no-referrer"  # the token is in this URL
         report.close()
+
+
+def test_many_dead_letters_of_two_causes_are_grouped_shown_and_replayed_in_steps(tmp_path):
+    """2,100 KeyError letters, then 2,100 ValueError ones (more of each than one sample
+    scans or one page lists), on a stopped bus: both groups with their exact counts, Show
+    lists the ValueError ones, Replay all takes them in steps saying more are left."""
+    pub = Bus(free_address(), tmp_path / "pub", name="pub")
+    sub = Bus(free_address(), tmp_path / "sub", name="sub", max_attempts=1)
+
+    @sub.every("order.placed")
+    def handle(payload, message):
+        raise (ValueError if payload["k"] == 1 else KeyError)("no")
+
+    try:
+        sub.subscribe(pub.address, "order.placed", wait=20)
+        pub.publish_many("order.placed", [{"k": 2, "n": n} for n in range(2100)])
+        pub.publish_many("order.placed", [{"k": 1, "n": n} for n in range(2100)])
+        wait_until(lambda: sub.status().deadletters == 4200, 60, message="4,200 dead letters")
+    finally:
+        sub.close()
+        pub.close()
+    with Console([sub.datadir], listen="127.0.0.1:0", write=True, interval=0.3) as console:
+        base = console.url
+        assert console.wait_sampled()
+        bus = _http(base + "api/state")[1]["buses"][0]
+        assert bus["letters"] == 4200
+        assert sorted((g["cause"], g["count"]) for g in bus["groups"]) == [("KeyError", 2100), ("ValueError", 2100)]
+        group = next(g for g in bus["groups"] if g["cause"] == "ValueError")
+        query = {"bus": 0, "topic": group["topic"], "reason": group["reason"], "cause": "ValueError"}
+        status, shown = _http(base + "api/letters?" + urllib.parse.urlencode(query))
+        assert status == 200 and len(shown["letters"]) == 500
+        assert {letter["payload"]["k"] for letter in shown["letters"]} == {1}
+        replayed = []
+        for _ in range(4):
+            status, reply = _http(base + "api/replay", method="POST", body=query)
+            assert status == 200, reply
+            replayed += [row["id"] for row in reply["rows"] if row["result"] == "replayed"]
+            if not reply["more"]:
+                break
+        assert len(replayed) == len(set(replayed)) == 2100 and not reply["more"]
+    letters = read_view(sub.datadir, "deadletters", {"brief": True})
+    assert len(letters) == 2100 and {str(r["error"]).split(":")[0] for r in letters} == {"KeyError"}
+
+
+def test_show_of_dead_letters_of_a_mebibyte_each_lists_a_page_bounded_in_bytes(tmp_path):
+    pub = Bus(free_address(), tmp_path / "pub", name="pub")
+    sub = Bus(free_address(), tmp_path / "sub", name="sub", max_attempts=1)
+
+    @sub.every("order.placed")
+    def handle(payload, message):
+        raise ValueError("no")
+
+    try:
+        sub.subscribe(pub.address, "order.placed", wait=20)
+        pub.publish_many("order.placed", [{"n": n, "pad": "x" * 1_000_000} for n in range(8)])
+        wait_until(lambda: sub.status().deadletters == 8, 60, message="8 dead letters")
+    finally:
+        sub.close()
+        pub.close()
+    with Console([sub.datadir], listen="127.0.0.1:0", interval=0.3) as console:
+        assert console.wait_sampled()
+        query = urllib.parse.urlencode({"bus": 0, "topic": "order.placed", "cause": "ValueError"})
+        with urllib.request.urlopen(console.url + "api/letters?" + query, timeout=30) as res:
+            body = res.read()
+        shown = json.loads(body)
+        assert len(body) < 6 << 20 and 1 <= len(shown["letters"]) < 8 and shown["total"] == 8

@@ -222,7 +222,7 @@ async function showLetters(group) {
   try { data = await api("/api/letters?" + q); } catch (e) { return say(e.message, true); }
   const bus = state.buses[group.bus];
   document.getElementById("letters-title").textContent =
-    `${group.cause} · ${group.topic} · ${bus ? bus.service || bus.label : ""}: ${data.letters.length} shown`;
+    `${group.cause} · ${group.topic} · ${bus ? bus.service || bus.label : ""}: ${data.letters.length} shown of ${data.total}`;
   document.querySelector("#letter-list tbody").replaceChildren(...(data.letters.length ? data.letters.map((l) => el("tr", { "data-id": l.id },
     el("td", { text: l.id }), el("td", { text: l.topic }), el("td", { class: "num", text: fmt.n(l.attempts) }),
     el("td", { class: "num", text: fmt.age(l.age_s) }), el("td", {}, el("pre", { text: l.error || l.reason })),
