@@ -276,6 +276,21 @@ def watch_progress(spark, say) -> threading.Event:
     return stop
 
 
+def check_out(out: str) -> None:
+    """``AuditError`` if ``out``, a local folder, cannot be made and written: said before the
+    JVM starts, not after the whole job (a URI, hdfs:// or s3a://, is Spark's to check)."""
+    if "://" in out and not out.startswith("file://"):
+        return
+    folder = Path(out.removeprefix("file://"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".servicebus-audit-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise AuditError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
+
+
 def audit_cli(paths: list[str], out: str, *, master: str | None = None, since: str | None = None,
               grace: str = "60s", checkpoint: str | None = None, carry: str = "7d",
               progress: bool = True) -> int:
@@ -288,6 +303,7 @@ def audit_cli(paths: list[str], out: str, *, master: str | None = None, since: s
         since_ms = parse_since(since, int(time.time() * 1000))
         skipped: list[str] = []
         input_paths(paths, skipped)  # fail fast, before starting a JVM
+        check_out(out)
         for why in skipped:
             say(f"skipped (an idle bus has no journal yet): {why}")
         problem = java_problem() if not os.environ.get("SPARK_ENV_LOADED") else None

@@ -2,6 +2,7 @@
 written by real buses (one of them killed with SIGKILL mid-run)."""
 
 import json
+import time
 import os
 import shlex
 import subprocess
@@ -282,6 +283,17 @@ def test_the_cli_prints_the_table_and_exits_1_naming_the_problem_ids(tmp_path):
     bad = subprocess.run([CLI, "audit", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such file or directory" in bad.stderr
+
+
+def test_an_out_folder_that_cannot_be_written_is_said_before_spark_starts(tmp_path, capsys):
+    write_journals(tmp_path / "fleet", messages=10, rate=10, faults={})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    began = time.monotonic()
+    code = job.audit_cli([str(tmp_path / "fleet")], str(blocker / "audit"), progress=False)
+    assert code == 2 and time.monotonic() - began < 5  # no JVM was started for it
+    err = capsys.readouterr().err
+    assert f"--out {blocker / 'audit'} cannot be written" in err and "starting Spark" not in err
 
 
 def test_durations_and_since_parse():
