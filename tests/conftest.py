@@ -104,14 +104,23 @@ class BusProcess:
             self.wait_ready()
         return self
 
+    def _ready_line(self) -> str | None:
+        try:
+            text = self.ready.read_text()
+        except FileNotFoundError:
+            return None
+        return text if text.endswith("\n") else None
+
     def wait_ready(self, timeout: float = 30.0) -> None:
-        wait_until(lambda: self.ready.exists() or self.proc.poll() is not None, timeout,
+        # The ready line whole, not the file alone: it is made, then written (a read between
+        # the two found it empty: CI, under load).
+        wait_until(lambda: self._ready_line() is not None or self.proc.poll() is not None, timeout,
                    message=f"{self.name} to start")
-        if not self.ready.exists():
+        if self._ready_line() is None:
             raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
         if self.clock_offset is not None:
             # A clock fault that silently did not happen would make its test pass for nothing.
-            wall = float(self.ready.read_text().split()[1])
+            wall = float(self._ready_line().split()[1])
             assert abs(wall - time.time() - self.clock_offset) < 60, (
                 f"{self.name}'s clock is {wall - time.time():+.0f} s off, not {self.clock_offset:+.0f} s")
 

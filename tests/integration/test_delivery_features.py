@@ -299,13 +299,14 @@ def test_a_bad_priority_is_refused(make_bus):
             pub.publish(TOPIC, 1, priority=bad)
 
 
-@pytest.mark.parametrize("waited, first", [(0.0, "high"), (1.5, "old")])
+@pytest.mark.parametrize("waited, first", [(0.0, "high"), (3.5, "old")])
 def test_a_low_priority_event_that_waited_long_enough_goes_before_a_new_high_one(
         make_bus, monkeypatch, waited, first):
     from servicebus.handling import dispatch
-    # 9 levels = 0.9 s here (9 s by default): far more than the few ms between the two
-    # arrivals when nothing waits, far less than the 1.5 s wait of the other case.
-    monkeypatch.setattr(dispatch, "PRIORITY_STEP", 0.1)
+    # 9 levels = 2.7 s here (9 s by default): far more than the time between the two
+    # arrivals when nothing waits (0.9 s was not, once, on a loaded CI machine), far less
+    # than the 3.5 s wait of the other case.
+    monkeypatch.setattr(dispatch, "PRIORITY_STEP", 0.3)
     pub, sub = make_bus("pub"), make_bus("sub", workers=1)
     gate, order = threading.Event(), []
 
