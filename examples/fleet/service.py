@@ -31,9 +31,12 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if service in ("email", "billing"):
+        said = threading.Lock()  # handlers run on several threads: one line at a time
+
         @bus.every("order.placed")
         def on_order(order, message):
-            print(f"{service}: order {order['n']} from {message.reply_to}", flush=True)
+            with said:
+                print(f"{service}: order {order['n']} from {message.reply_to}", flush=True)
 
         # By name: every instance of orders. Waits until one confirmed it (stored and
         # retried either way: the wait only makes "up" mean "subscribed").
