@@ -6,11 +6,12 @@ here for local paths, so that a typo fails before a JVM starts). ``read_events``
 them with an explicit schema, the one pass over the input. ``segment_files`` lists the
 segments the globs match, for a checkpoint to know which ones it has read.
 
-A line is one event about the message ``id``, or (store format 3 and later) about every
-message of a segment: then ``ids`` names them all (``id`` is the first) and the line stands
-for one event per id, the same in every other field. reconcile.py spreads such lines out.
-A line whose ``ids`` is not an array is malformed, and dropped as any line that does not
-parse (the journal sets such a record aside instead of writing it).
+Segments come in two formats (hooks/segments.py): columnar lines (``.jcol``, what a bus
+writes), each a batch of events, spread into one row per event inside the scan; and lines
+of one event each (``.jsonl``, older buses), where a line with ``ids`` stands for one event
+per id (reconcile.py spreads those). A line that does not parse, or whose fields are not of
+the schema's types, is dropped (the journal sets a damaged record aside instead of writing
+it); so is an entry of a columnar line whose key is out of range.
 
 Beside the segments, a bus writes ``<node>.bus.json`` (hooks/journal.py): its data directory
 and its service name at each address it journaled from. ``read_buses`` reads them into
@@ -25,6 +26,7 @@ import json
 import re
 from pathlib import Path
 
+from ..hooks.segments import COLUMNS, SUFFIXES
 from .errors import AuditError
 
 SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
@@ -32,13 +34,14 @@ SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic 
 
 
 def input_paths(paths: list[str], skipped: list[str] | None = None) -> list[str]:
-    """Glob patterns for the journal segments under each PATH. A local PATH with none (an
-    idle bus that journaled nothing yet) is named in ``skipped`` (when given) and left out:
-    one quiet bus must not stop a fleet's audit; with none at all, ``AuditError``."""
+    """Glob patterns for the journal segments under each PATH (of either format: one glob
+    per suffix). A local PATH with none (an idle bus that journaled nothing yet) is named
+    in ``skipped`` (when given) and left out: one quiet bus must not stop a fleet's audit;
+    with none at all, ``AuditError``."""
     out: list[str] = []
     for raw in paths:
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", raw) and not raw.startswith("file://"):
-            out.append(raw.rstrip("/") + "/{journal,*/journal}/*.jsonl")
+            out += [raw.rstrip("/") + "/{journal,*/journal}/*" + suffix for suffix in SUFFIXES]
             continue
         local = Path(raw.removeprefix("file://"))
         if not local.exists():
@@ -47,14 +50,16 @@ def input_paths(paths: list[str], skipped: list[str] | None = None) -> list[str]
             out.append(str(local.resolve()))
             continue
         found = False
-        for pattern in ("journal/*.jsonl", "*/journal/*.jsonl", "*.jsonl"):
-            if next(local.glob(pattern), None) is not None:
-                out.append(str(local.resolve() / pattern))
-                found = True
+        for level in ("journal/", "*/journal/", ""):
+            for suffix in SUFFIXES:
+                if next(local.glob(f"{level}*{suffix}"), None) is not None:
+                    out.append(str(local.resolve() / f"{level}*{suffix}"))
+                    found = True
+            if found:
                 break
         if not found:
-            why = (f"{raw}: no journal segments (DATADIR/journal/*.jsonl) found; "
-                   "for a stopped bus, `servicebus journal flush DATADIR` writes them")
+            why = (f"{raw}: no journal segments (DATADIR/journal/*.jcol, or *.jsonl of older "
+                   "versions) found; for a stopped bus, `servicebus journal flush DATADIR` writes them")
             if skipped is None:
                 raise AuditError(why)
             skipped.append(why)
@@ -63,19 +68,60 @@ def input_paths(paths: list[str], skipped: list[str] | None = None) -> list[str]
     return out
 
 
+# A columnar line (hooks/segments.py), and what spreads it into one row per event.
+COLUMNS_SCHEMA = ("node STRING, address STRING, keys ARRAY<ARRAY<STRING>>, k ARRAY<INT>, ts ARRAY<LONG>, "
+                  "id ARRAY<STRING>, attempt ARRAY<INT>, error MAP<STRING,STRING>")
+_KEY_FIELDS = ("event", "topic", "kind", "peer", "role")
+
+
 def read_events(spark, paths: list[str]):
-    return spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(paths)
+    """The events of every segment the globs match, one row per event (a line-format line
+    with ``ids`` is still one row: reconcile.one_per_message spreads it), in the columns
+    of SCHEMA. Columnar lines are spread here, in the JVM, inside the scan's stage: each
+    entry looks its event, topic, kind, peer and role up in its line's ``keys`` (an index
+    out of range, in a damaged line, gives nulls: the event is then left out, as a line
+    that does not parse is)."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    lines = [p for p in paths if not p.endswith(COLUMNS)]
+    columns = [p for p in paths if p.endswith(COLUMNS)]
+    if len(paths) > 1:  # a glob that matches nothing fails the read: only those that match
+        found = set(segment_files(spark, paths, which=True))
+        lines, columns = [p for p in lines if p in found], [p for p in columns if p in found]
+    frames = []
+    if lines or not columns:
+        frames.append(spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(lines or paths))
+    if columns:
+        raw = spark.read.schema(COLUMNS_SCHEMA).option("mode", "DROPMALFORMED").json(columns)
+        entry = F.posexplode(F.arrays_zip("k", "ts", "id", "attempt")).alias("pos", "e")
+        spread = raw.select("node", "address", "keys", "error", entry)
+        key = F.try_element_at(F.col("keys"), F.col("e.k") + 1)  # null, not an error, if out of range
+        fields = {name: F.try_element_at(key, F.lit(i + 1)) for i, name in enumerate(_KEY_FIELDS)}
+        frames.append(spread.select(
+            fields["event"].alias("event"), F.col("e.ts").alias("ts"), "node", "address",
+            F.col("e.id").alias("id"), fields["topic"].alias("topic"), fields["kind"].alias("kind"),
+            fields["peer"].alias("peer"), F.col("e.attempt").alias("attempt"), fields["role"].alias("role"),
+            F.col("error")[F.col("pos").cast("string")].alias("error"),
+            F.lit(None).cast("array<string>").alias("ids")))
+    return reduce(lambda a, b: a.unionByName(b), frames)
 
 
-def segment_files(spark, globs: list[str]) -> list[str]:
-    """Every journal segment the globs match (as Spark names them)."""
+def segment_files(spark, globs: list[str], which: bool = False) -> list[str]:
+    """Every journal segment the globs match (as Spark names them); with ``which``, the
+    globs that match any instead."""
     jvm = spark.sparkContext._jvm
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     found: list[str] = []
     for pattern in globs:
         path = jvm.org.apache.hadoop.fs.Path(pattern)
         statuses = path.getFileSystem(conf).globStatus(path) or []
-        found += [str(st.getPath().toString()) for st in statuses if st.isFile()]
+        files = [str(st.getPath().toString()) for st in statuses if st.isFile()]
+        if which and files:
+            found.append(pattern)
+        elif not which:
+            found += files
     return sorted(set(found))
 
 
@@ -88,7 +134,7 @@ def bus_globs(globs: list[str]) -> list[str]:
     out = []
     for pattern in globs:
         folder, _, last = pattern.rpartition("/")
-        out.append(f"{folder}/{BUS_FILE}" if last == "*.jsonl" or last.endswith(".jsonl") else pattern)
+        out.append(f"{folder}/{BUS_FILE}" if last.endswith(SUFFIXES) else pattern)
     return sorted(set(out))
 
 

@@ -25,6 +25,10 @@ a failed handler's message is split off its segment (handler_failed, retried, th
 or deadlettered), and the segment's ``handled`` names the others; a pair faulted out of a
 segment (lost, in flight) is left out of the lines it did not get. ``segment=1`` writes
 exactly what it wrote before segments existed (no line has ``ids``).
+
+``columns=True`` writes the same events in the columnar format a bus writes now
+(hooks/segments.py, ``.jcol``), one entry per message; the default is the line format of
+older buses (``.jsonl``), which the tests of old journals use.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from ..hooks.segments import COLUMNS, LINES, Columns
 
 SENDER = "tcp://10.0.0.1:5000"
 FAULTS = ("lost", "duplicate", "deadletter", "in_flight", "expired", "retried", "owed")
@@ -43,7 +49,7 @@ def _receiver(n: int) -> str:
 
 def write_journals(root: Path, *, messages: int, receivers: int = 2, start_ms: int = 1_790_000_000_000,
                    rate: int = 5000, faults: dict[str, int] | None = None, topics: int = 3,
-                   seed: int = 7, segment: int = 1) -> dict[str, list[tuple[str, str]]]:
+                   seed: int = 7, segment: int = 1, columns: bool = False) -> dict[str, list[tuple[str, str]]]:
     """Write journals under ``root/<node>/journal/``; return the injected (id, receiver) pairs
     per fault kind (every kind of FAULTS, empty if not asked for)."""
     rng = random.Random(seed)
@@ -52,11 +58,12 @@ def write_journals(root: Path, *, messages: int, receivers: int = 2, start_ms: i
     if unknown or segment < 1:
         raise ValueError(f"faults are among {FAULTS} and segment >= 1; got {sorted(unknown)}, {segment}")
     nodes = {SENDER: "sender0000000000"} | {_receiver(r): f"receiver{r:08d}" for r in range(receivers)}
-    files = {}
+    files, builders = {}, {}
     for address, node in nodes.items():
         directory = root / node / "journal"
         directory.mkdir(parents=True, exist_ok=True)
-        files[address] = open(directory / f"{node}-{1:012d}.jsonl", "w")
+        files[address] = open(directory / f"{node}-{1:012d}{COLUMNS if columns else LINES}", "w")
+        builders[address] = Columns(node, address)
     injected: dict[str, list[tuple[str, str]]] = {k: [] for k in FAULTS}
     # Fault pairs are drawn up front, from the older half of the run (so that they are
     # older than a grace shorter than half the run), and in-flight ones are the newest.
@@ -82,7 +89,15 @@ def write_journals(root: Path, *, messages: int, receivers: int = 2, start_ms: i
                 f'"id":"{ids[0]}"{more},"topic":"{topic}","kind":"event","peer":"{peer}",'
                 f'"attempt":{attempt},"role":"{role}"{err}}}\n')
 
-    sender_file = files[SENDER]
+    def emit(address: str, event: str, ts: int, ids: list[str], topic: str, peer: str, attempt: int,
+             role: str, error: str | None = None) -> None:
+        if not columns:
+            files[address].write(line(address, event, ts, ids, topic, peer, attempt, role, error))
+            return
+        builder = builders[address]
+        builder.put((event, topic, "event", peer, role), ts, ids, attempt, error)
+        files[address].writelines(builder.ready())  # line by line: memory stays flat
+
     last_ts = start_ms + messages * 1000 // rate + 5
     for first in range(0, messages, segment):
         group = range(first, min(first + segment, messages))
@@ -101,43 +116,43 @@ def write_journals(root: Path, *, messages: int, receivers: int = 2, start_ms: i
                 return [mid for mid, how in fault if how in kinds]
 
             if of("in_flight"):  # published just now, on the sender's clock
-                sender_file.write(line(SENDER, "published", last_ts - 1, of("in_flight"), topic, rcv, 0, "sender"))
+                emit(SENDER, "published", last_ts - 1, of("in_flight"), topic, rcv, 0, "sender")
             owed = [mid for mid, how in fault if how != "in_flight"]
             if not owed:
                 continue
-            sender_file.write(line(SENDER, "published", ts, owed, topic, rcv, 0, "sender"))
-            sender_file.write(line(SENDER, "sent", ts + 1, owed, topic, rcv, 1, "sender"))
+            emit(SENDER, "published", ts, owed, topic, rcv, 0, "sender")
+            emit(SENDER, "sent", ts + 1, owed, topic, rcv, 1, "sender")
             if of("expired"):
-                sender_file.write(line(SENDER, "expired", ts + 2, of("expired"), topic, rcv, 1, "sender",
-                                       "expired"))
+                emit(SENDER, "expired", ts + 2, of("expired"), topic, rcv, 1, "sender",
+                                       "expired")
             arrived = of(None, "duplicate", "deadletter", "retried")
             if arrived or of("lost"):
-                sender_file.write(line(SENDER, "acked", ts + 3, of(None, "duplicate", "deadletter", "retried",
-                                                                   "lost"), topic, rcv, 0, "sender"))
+                emit(SENDER, "acked", ts + 3, of(None, "duplicate", "deadletter", "retried",
+                                                                   "lost"), topic, rcv, 0, "sender")
             if not arrived:
                 continue
-            out = files[rcv]
-            out.write(line(rcv, "received", ts + 2, arrived, topic, SENDER, 1, "receiver"))
+            emit(rcv, "received", ts + 2, arrived, topic, SENDER, 1, "receiver")
             for mid in of("deadletter"):  # split off its segment: lines of its own
                 for attempt in (1, 2, 3):
-                    out.write(line(rcv, "handler_failed", ts + 3 + attempt, [mid], topic, SENDER, attempt,
-                                   "receiver", "ValueError: bad order"))
+                    emit(rcv, "handler_failed", ts + 3 + attempt, [mid], topic, SENDER, attempt,
+                                   "receiver", "ValueError: bad order")
                     if attempt < 3:
-                        out.write(line(rcv, "retried", ts + 3 + attempt, [mid], topic, SENDER, attempt,
-                                       "receiver", "ValueError: bad order"))
-                out.write(line(rcv, "deadlettered", ts + 7, [mid], topic, SENDER, 3, "receiver",
-                               "ValueError: bad order"))
+                        emit(rcv, "retried", ts + 3 + attempt, [mid], topic, SENDER, attempt,
+                                       "receiver", "ValueError: bad order")
+                emit(rcv, "deadlettered", ts + 7, [mid], topic, SENDER, 3, "receiver",
+                               "ValueError: bad order")
             for mid in of("retried"):
-                out.write(line(rcv, "handler_failed", ts + 4, [mid], topic, SENDER, 1, "receiver",
-                               "TimeoutError: slow database"))
-                out.write(line(rcv, "retried", ts + 4, [mid], topic, SENDER, 1, "receiver",
-                               "TimeoutError: slow database"))
-                out.write(line(rcv, "handled", ts + 6, [mid], topic, SENDER, 2, "receiver"))
+                emit(rcv, "handler_failed", ts + 4, [mid], topic, SENDER, 1, "receiver",
+                               "TimeoutError: slow database")
+                emit(rcv, "retried", ts + 4, [mid], topic, SENDER, 1, "receiver",
+                               "TimeoutError: slow database")
+                emit(rcv, "handled", ts + 6, [mid], topic, SENDER, 2, "receiver")
             if of(None, "duplicate"):  # the segment's one "handled": every message it handled
-                out.write(line(rcv, "handled", ts + 4 + rng.randint(0, 3), of(None, "duplicate"), topic,
-                               SENDER, 1, "receiver"))
+                emit(rcv, "handled", ts + 4 + rng.randint(0, 3), of(None, "duplicate"), topic,
+                               SENDER, 1, "receiver")
             if of("duplicate"):
-                out.write(line(rcv, "handled", ts + 9, of("duplicate"), topic, SENDER, 2, "receiver"))
-    for fh in files.values():
+                emit(rcv, "handled", ts + 9, of("duplicate"), topic, SENDER, 2, "receiver")
+    for address, fh in files.items():
+        fh.writelines(builders[address].lines())
         fh.close()
     return injected

@@ -6,7 +6,7 @@ Events are written into the same atomic LevelDB batch as the state change they d
 (one ``j/<seq>`` record holds all the events of one batch, so the cost is one key per
 engine turn, not one per event), and never fsynced on their own: they are exactly as
 durable as that change. A background thread moves closed ranges out to segment files
-``DATADIR/journal/<node>-<first seq>.jsonl`` (written to a temporary file, fsynced,
+``DATADIR/journal/<node>-<first seq>.jcol`` (written to a temporary file, fsynced,
 renamed, then deleted from LevelDB), deletes segments older than the retention, and
 ``close()`` flushes whatever is left. After a crash the next start (or
 ``servicebus journal flush``) moves what the crash left in LevelDB.
@@ -19,14 +19,14 @@ exists, nor their numbers be reused); the file is renamed; a synced write delete
 records and the intent. A cut between the last two leaves the intent and the file: the
 next flush deletes the records named in the intent and does not write the file again.
 
-Segment lines are JSON objects with ``event, ts, node, address, id, topic, kind, peer,
-attempt, role`` and ``error`` (absent when there is none): the audit job's input. ``role``
-says on which side of the delivery the event happened: ``sender`` (``peer`` is the
-receiver) or ``receiver`` (``peer`` is the sender); ``expired`` and ``replayed`` occur on
-either side. An event about several messages (those of one stored segment: published,
-sent, acked, received, handled, a dead letter of several) is one line with ``ids``, the
-array of their ids (``id`` is the first): it stands for one event per id, the same in
-every other field, and the audit reads it so. A line without ``ids`` is about ``id`` alone.
+Segment files are JSON lines in columns (segments.py: a line per batch of events, what
+repeats from event to event written once per line); segments written before are JSON lines
+of one event each (``.jsonl``), read everywhere as before. Either way an event has ``event,
+ts, node, address, id, topic, kind, peer, attempt, role`` and ``error`` (none for most):
+the audit job's input. ``role`` says on which side of the delivery the event happened:
+``sender`` (``peer`` is the receiver) or ``receiver`` (``peer`` is the sender);
+``expired`` and ``replayed`` occur on either side. An event about several messages (those
+of one stored segment) is one event per message in the file.
 
 Beside the segments, ``<node>.bus.json`` says who this journal belongs to: the bus's data
 directory and, per address it has journaled from, its service name (``Bus(name=...)``, null
@@ -53,26 +53,12 @@ from ..model.packer import pack
 from ..store import Batch, Store
 from ..model.stored import Event
 from .base import BusView, Hook
+from .segments import COLUMNS, Columns, is_segment
 
 __all__ = ["Journal", "flush_datadir"]
 
 log = logging.getLogger("servicebus")
 
-# Internal event names -> (event, role) in the segment files.
-ROLES = {
-    "published": ("published", "sender"), "sent": ("sent", "sender"), "acked": ("acked", "sender"),
-    "expired_at_sender": ("expired", "sender"), "replayed_at_sender": ("replayed", "sender"),
-    # no longer owed, and not delivered: an operator's purge, or the receiver unsubscribed
-    # (the error says which); a dead letter made at the sender (too large, damaged, purged
-    # subscriber)
-    "dropped_at_sender": ("dropped", "sender"), "deadlettered_at_sender": ("deadlettered", "sender"),
-    "received": ("received", "receiver"), "handled": ("handled", "receiver"),
-    "handler_failed": ("handler_failed", "receiver"), "retried": ("retried", "receiver"),
-    "deadlettered": ("deadlettered", "receiver"), "expired": ("expired", "receiver"),
-    "replayed": ("replayed", "receiver"),
-    # a request that expired before it ran: its caller was told RequestTimeout
-    "dropped": ("dropped", "receiver"),
-}
 FLUSH_INTERVAL = 1.0
 RETENTION_CHECK = 60.0
 FLUSH_CHUNK = 2000  # journal records (each holding many events) per segment file at most
@@ -84,11 +70,6 @@ BUS_FILE_MAX = 1 << 20  # bytes: a larger <node>.bus.json is not this bus's (it 
 PENDING = "journal_pending"  # meta: [segment name, its records' seqs] while it is moved
 
 
-
-
-def _json_str(text: str | None) -> str:
-    # Only on a line-prefix cache miss (see _write_segment): no cache of its own needed.
-    return json.dumps(text, ensure_ascii=False)
 
 
 def _addresses(path: Path) -> dict[str, str | None]:
@@ -133,8 +114,6 @@ class Journal(Hook):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
-        self._prefixes: dict[tuple, str] = {}
-        self._head = f'"node":{_json_str(node_id)},"address":{_json_str(address)}'
 
     # --- recording ---------------------------------------------------------------------
 
@@ -284,11 +263,12 @@ class Journal(Hook):
         """Write one segment of up to FLUSH_CHUNK records, starting with ``records`` and
         reading on about FLUSH_BYTES at a time (one fsync per segment, and a heap that stays
         flat however far behind the flush is), to its temporary file, fsynced; return that
-        file, how many events it holds (one per message a line names: a line with ``ids``
-        counts as many) and the sequence numbers it took."""
+        file, how many events it holds (one per message) and the sequence numbers it took.
+        Columnar lines (segments.py): a line per LINE_EVENTS events, whatever the records."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f"{self.node_id}-{records[0][0]:012d}.jsonl.tmp"
-        moved, seqs = 0, []
+        tmp = self.dir / f"{self.node_id}-{records[0][0]:012d}{COLUMNS}.tmp"
+        seqs: list[int] = []
+        columns = Columns(self.node_id, self.address)
         with open(tmp, "w", encoding="utf-8") as fh:
             while records:
                 for seq, packed in records:
@@ -296,51 +276,16 @@ class Journal(Hook):
                     try:
                         # Unpacked directly, not through schema.py: this runs for every
                         # event, and a shape check per event cost a visible share of it.
-                        out, events = self._lines(msgpack.unpackb(packed, raw=False))
+                        columns.add(msgpack.unpackb(packed, raw=False))
                     except Exception:  # noqa: BLE001 - any damage: set it aside and go on
                         self._set_aside(seq, packed)
                         continue
-                    fh.writelines(out)
-                    moved += events
+                fh.writelines(columns.lines())
                 room = FLUSH_CHUNK - len(seqs)
                 records = self.store.journal_records(room, FLUSH_BYTES, after=seqs[-1]) if room > 0 else []
             fh.flush()
             os.fsync(fh.fileno())
-        return tmp, moved, seqs
-
-    def _lines(self, events: list) -> tuple[list[str], int]:
-        """JSON lines of one record's events. Everything but ts, id(s), attempt and error
-        repeats from line to line: it is formatted once per (event, topic, kind, peer)
-        (this thread shares the GIL with the handlers). An event about a segment of several
-        messages is one line naming them all in ``ids`` (``id`` is the first). Returns the
-        lines and the events they stand for (one per message named)."""
-        q, roles, prefixes = _json_str, ROLES, self._prefixes
-        out = []
-        count = 0
-        for ev in events:
-            event, ts, mid, topic, kind, peer, attempt, error = ev[:8]
-            ids = ev[8] if len(ev) > 8 else None
-            if ids is not None and (type(ids) is not list or not all(type(i) is str for i in ids)):
-                # Damage that still unpacks: written as it is, ``ids`` would not be an array
-                # of strings, and the audit drops a line whose ``ids`` is not an array, with
-                # every event it stands for. Raised: the whole record is set aside (below).
-                raise ValueError(f"ids of a journal event is not a list of ids: {ids!r:.80}")
-            count += len(ids) if ids else 1
-            key = (event, topic, kind, peer)
-            prefix = prefixes.get(key)
-            if prefix is None:
-                name, role = roles[event]
-                prefix = (f'{{"event":"{name}",{self._head},"topic":{q(topic)},"kind":"{kind}",'
-                          f'"peer":{q(peer)},"role":"{role}"')
-                if len(prefixes) < 10_000:
-                    prefixes[key] = prefix
-            more = f',"ids":{json.dumps(ids)}' if ids else ""
-            if error is None:
-                out.append(f'{prefix},"ts":{ts},"id":"{mid}"{more},"attempt":{attempt}}}\n')
-            else:
-                out.append(f'{prefix},"ts":{ts},"id":"{mid}"{more},"attempt":{attempt},'
-                           f'"error":{json.dumps(error, ensure_ascii=False)}}}\n')
-        return out, count
+        return tmp, columns.events, seqs
 
     def _set_aside(self, seq: int, packed: bytes) -> None:
         """A journal record that does not decode is kept, raw, beside the segments (never
@@ -359,7 +304,7 @@ class Journal(Hook):
         cutoff = now - int(self.retention * 1000)
         written = dict(self.store.segments())
         batch, removed = self.store.batch(), 0
-        for path in sorted(self.dir.glob("*.jsonl")):
+        for path in sorted(p for p in self.dir.iterdir() if is_segment(p.name)):
             at = written.pop(path.name, None)
             if at is None:
                 batch.put_segment(path.name, now)

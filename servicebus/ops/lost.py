@@ -14,7 +14,6 @@ published or received it): the stored streams, cursors and acks go by those keys
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptRecordError
-from ..hooks.journal import ROLES
+from ..hooks.segments import ROLES, is_segment, read_segment
 from ..model.delivery import base_stream, command_stream, event_stream, group_peer
 from ..model.stored import DeliveryRecord
 from ..store import Store, schema
@@ -100,15 +99,13 @@ def journal_owed(datadir: Path, progress: Progress = None) -> Owed:
     """Replay the journal's segment files (outside LevelDB, so they survive damage to it)."""
     owed = Owed()
     journal = datadir / "journal"
-    for path in sorted(journal.glob("*.jsonl")) if journal.is_dir() else ():
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    e = json.loads(line)
-                    _apply(owed, e["event"], e["role"], _ids(e["id"], e.get("ids")), e.get("topic"),
-                           e["kind"], e["peer"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line: the segment was being written
+    for path in sorted(p for p in journal.iterdir() if is_segment(p.name)) if journal.is_dir() else ():
+        for e in read_segment(path):  # a line that does not parse (a torn last one) is skipped
+            try:
+                _apply(owed, e["event"], e["role"], _ids(e["id"], e.get("ids")), e.get("topic"),
+                       e["kind"], e["peer"])
+            except (ValueError, KeyError, TypeError):
+                continue
         if progress:
             progress(owed.events)
     return owed

@@ -39,6 +39,7 @@ from ..model.delivery import (base_stream, command_stream, event_stream, group_p
                                is_group_peer, stream_target, unpack_outgoing)
 from ..errors import CorruptRecordError
 from ..hooks.journal import FLUSH_CHUNK
+from ..hooks.segments import segment_seq
 from ..model.stored import Progress as RunProgress
 from ..store import FORMAT_VERSION, MARK_NAME, Store
 from ..store.keys import split_pair, split_seq, split_stamped, stamped_name
@@ -390,11 +391,10 @@ def _last_segment_seq(datadir: Path | None) -> int:
     if datadir is None or not (datadir / "journal").is_dir():
         return 0
     firsts = []
-    for path in (datadir / "journal").glob("*-*.jsonl"):
-        try:
-            firsts.append(int(path.stem.rsplit("-", 1)[1]))
-        except ValueError:
-            continue
+    for path in (datadir / "journal").iterdir():
+        seq = segment_seq(path.name)
+        if seq is not None:
+            firsts.append(seq)
     return max(firsts) + FLUSH_CHUNK if firsts else 0
 
 

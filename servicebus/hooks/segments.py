@@ -1,0 +1,183 @@
+"""Journal segment files: their lines, made and read, with no I/O but ``read_segment``.
+
+A segment is a file of JSON lines, in one of two formats, told apart by its name:
+
+- ``<node>-<first seq>.jcol`` (columns; what a bus writes since 2026-11-26): a line holds a
+  batch of up to ``LINE_EVENTS`` events of one journal, one entry per message::
+
+    {"node": N, "address": A, "keys": [[event, topic, kind, peer, role], ...],
+     "k": [...], "ts": [...], "id": [...], "attempt": [...], "error": {"3": "..."}}
+
+  entry ``i`` is the event ``keys[k[i]]`` about message ``id[i]`` at ``ts[i]``, attempt
+  ``attempt[i]``, with ``error[str(i)]`` where it has one. What repeats from event to event
+  (event, topic, kind, peer, role, node, address) is written once per line: the audit parses
+  about a fifth of the bytes and a fifth of the JSON tokens of the line format for the same
+  events (measured on 5M events: 227 MB against 1,056 MB, Spark's scan 1.3 s against 4.7 s).
+- ``<node>-<first seq>.jsonl`` (lines; written before): one JSON object per event with
+  ``event, ts, node, address, id, topic, kind, peer, attempt, role`` and ``error``; a line
+  with ``ids`` stands for one event per id. Still read everywhere, never written.
+
+``events_of_line`` turns either kind of line into per-event dicts of the line format (one per
+message), which is what every reader but the Spark job uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COLUMNS", "LINES", "SUFFIXES", "ROLES", "LINE_EVENTS", "Columns", "events_of_line",
+           "read_segment", "is_segment", "segment_seq"]
+
+COLUMNS = ".jcol"
+LINES = ".jsonl"
+SUFFIXES = (COLUMNS, LINES)
+LINE_EVENTS = 4096  # entries per columnar line: big enough that its keys cost nothing, small
+# enough that a reader's line stays well under a MB (an id is ~30 bytes)
+
+# Internal event names -> (event, role) in the segment files.
+ROLES = {
+    "published": ("published", "sender"), "sent": ("sent", "sender"), "acked": ("acked", "sender"),
+    "expired_at_sender": ("expired", "sender"), "replayed_at_sender": ("replayed", "sender"),
+    # no longer owed, and not delivered: an operator's purge, or the receiver unsubscribed
+    # (the error says which); a dead letter made at the sender (too large, damaged, purged
+    # subscriber)
+    "dropped_at_sender": ("dropped", "sender"), "deadlettered_at_sender": ("deadlettered", "sender"),
+    "received": ("received", "receiver"), "handled": ("handled", "receiver"),
+    "handler_failed": ("handler_failed", "receiver"), "retried": ("retried", "receiver"),
+    "deadlettered": ("deadlettered", "receiver"), "expired": ("expired", "receiver"),
+    "replayed": ("replayed", "receiver"),
+    # a request that expired before it ran: its caller was told RequestTimeout
+    "dropped": ("dropped", "receiver"),
+}
+
+
+def is_segment(name: str) -> bool:
+    return name.endswith(SUFFIXES)
+
+
+def segment_seq(name: str) -> int | None:
+    """The first sequence number a segment's name gives (``<node>-<seq>.<suffix>``)."""
+    for suffix in SUFFIXES:
+        if name.endswith(suffix):
+            try:
+                return int(name[:-len(suffix)].rsplit("-", 1)[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+class Columns:
+    """The columnar lines of one journal, filled from its records' events (the tuples of
+    model/stored.py's ``Event``): ``add`` a record's events, ``lines()`` at the end."""
+
+    def __init__(self, node: str, address: str) -> None:
+        self.node, self.address = node, address
+        self.events = 0
+        self._lines: list[str] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._keys: dict[tuple, int] = {}
+        self._k: list[int] = []
+        self._ts: list[int] = []
+        self._id: list[str] = []
+        self._attempt: list[int] = []
+        self._error: dict[str, str] = {}
+
+    def add(self, events: list) -> int:
+        """Add one record's events; return how many (one per message named). A record that
+        is not a list of events raises ValueError/TypeError before any of it is added (the
+        journal sets it aside whole)."""
+        parsed = []
+        for ev in events:
+            event, ts, mid, topic, kind, peer, attempt, error = ev[:8]
+            ids = ev[8] if len(ev) > 8 else None
+            if ids is not None and (type(ids) is not list or not all(type(i) is str for i in ids)):
+                raise ValueError(f"ids of a journal event is not a list of ids: {ids!r:.80}")
+            if ids is None or not ids:
+                if type(mid) is not str:
+                    raise TypeError(f"the id of a journal event is not a str: {mid!r:.80}")
+                ids = [mid]
+            if type(ts) is not int or type(attempt) is not int:
+                raise TypeError("a journal event's ts and attempt are ints")
+            name, role = ROLES[event]
+            parsed.append(((name, topic, kind, peer, role), ts, ids, attempt,
+                           None if error is None else str(error)))
+        return sum(self.put(key, ts, ids, attempt, error) for key, ts, ids, attempt, error in parsed)
+
+    def put(self, key: tuple, ts: int, ids: list[str], attempt: int, error: str | None) -> int:
+        """One event about the messages ``ids``; ``key`` is (event, topic, kind, peer, role),
+        as in the file. Returns len(ids)."""
+        index = self._keys.setdefault(key, len(self._keys))
+        n = len(ids)
+        if error is not None:
+            at = len(self._k)
+            for i in range(at, at + n):
+                self._error[str(i)] = error
+        self._k += [index] * n
+        self._ts += [ts] * n
+        self._id += ids
+        self._attempt += [attempt] * n
+        self.events += n
+        if len(self._k) >= LINE_EVENTS:
+            self._close_line()
+        return n
+
+    def _close_line(self) -> None:
+        if not self._k:
+            return
+        line: dict[str, Any] = {"node": self.node, "address": self.address, "keys": list(self._keys),
+                                "k": self._k, "ts": self._ts, "id": self._id, "attempt": self._attempt}
+        if self._error:
+            line["error"] = self._error
+        self._lines.append(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._reset()
+
+    def ready(self) -> list[str]:
+        """The lines filled so far (not the one being filled), taken."""
+        out, self._lines = self._lines, []
+        return out
+
+    def lines(self) -> list[str]:
+        """Every line made so far, the one being filled closed first, taken."""
+        self._close_line()
+        return self.ready()
+
+
+def events_of_line(line: str | dict) -> list[dict]:
+    """The events one line of either format stands for, as line-format dicts without
+    ``ids`` (one per message). Raises ValueError/KeyError/TypeError/IndexError for a line
+    that is neither (a torn last line, damage)."""
+    obj = json.loads(line) if isinstance(line, str) else line
+    if not isinstance(obj, dict):
+        raise TypeError("a journal line is a JSON object")
+    if "k" not in obj:  # the line format
+        ids = obj.get("ids")
+        if isinstance(ids, list) and ids:
+            return [{**{k: v for k, v in obj.items() if k != "ids"}, "id": i} for i in ids]
+        return [obj]
+    keys, node, address = obj["keys"], obj.get("node"), obj.get("address")
+    errors = obj.get("error") or {}
+    out = []
+    for i, (k, ts, mid, attempt) in enumerate(zip(obj["k"], obj["ts"], obj["id"], obj["attempt"], strict=True)):
+        event, topic, kind, peer, role = keys[k]
+        e = {"event": event, "ts": ts, "node": node, "address": address, "id": mid, "topic": topic,
+             "kind": kind, "peer": peer, "attempt": attempt, "role": role}
+        if str(i) in errors:
+            e["error"] = errors[str(i)]
+        out.append(e)
+    return out
+
+
+def read_segment(path: Path) -> Iterator[dict]:
+    """Every event of one segment file of either format (a line that does not parse, such
+    as a torn last line of a file being written, is skipped)."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                yield from events_of_line(line)
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue
