@@ -87,7 +87,7 @@ def problem_table(spark, messages, buses: dict[str, dict[str, str | None]]):
         .when(klass.isin("in_flight", "owed"),
               cmd("servicebus outgoing ", datadir("sender"), " --subscriber ", _shell(col("receiver"))))
         .when(klass == "lost", cmd("servicebus check ", datadir("receiver")))
-        .otherwise(cmd("grep -h ", mid, " ", datadir("receiver"), "/journal/*.jsonl")))
+        .otherwise(cmd("servicebus journal events ", datadir("receiver"), " --id ", mid)))
     return pairs.select(*[command.alias(c) if c == "command" else col(c) for c in COLUMNS])
 
 

@@ -89,7 +89,7 @@ def test_injected_faults_are_reported_exactly(spark, tmp_path):
             assert p["published_ts"] <= p["last_ts"] <= p["published_ts"] + 10
             assert p["command"] == {
                 "lost": f"servicebus check {where[p['receiver']]}",
-                "handled_more_than_once": f"grep -h {p['id']} {where[p['receiver']]}/journal/*.jsonl",
+                "handled_more_than_once": f"servicebus journal events {where[p['receiver']]} --id {p['id']}",
                 "deadlettered": f"servicebus replay {where[p['receiver']]} {p['id']}",
                 "in_flight": f"servicebus outgoing '/srv/my shop' --subscriber {p['receiver']}",
                 "owed": f"servicebus outgoing '/srv/my shop' --subscriber {p['receiver']}"}[klass], p

@@ -15,7 +15,7 @@ def receiver(n: int) -> str:
     return f"tcp://10.0.1.{n}:6000"
 
 
-COMMANDS = {"lost": "servicebus check {rcv}", "handled_more_than_once": "grep -h {id} {rcv}/journal/*.jsonl",
+COMMANDS = {"lost": "servicebus check {rcv}", "handled_more_than_once": "servicebus journal events {rcv} --id {id}",
             "deadlettered": "servicebus replay {rcv} {id}", "in_flight": "servicebus incoming {rcv} --topic {topic}",
             "owed": "servicebus outgoing /srv/shop --subscriber {address}"}
 
