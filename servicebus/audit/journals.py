@@ -97,7 +97,10 @@ def read_events(spark, paths: list[str]):
         raw = spark.read.schema(COLUMNS_SCHEMA).option("mode", "DROPMALFORMED").json(columns)
         entry = F.posexplode(F.arrays_zip("k", "ts", "id", "attempt")).alias("pos", "e")
         spread = raw.select("node", "address", "keys", "error", entry)
-        key = F.try_element_at(F.col("keys"), F.col("e.k") + 1)  # null, not an error, if out of range
+        # Null, not an error, out of range; a negative index would count from the end
+        # (another event's key) and -1 would fail the whole job: none for them either.
+        found = F.try_element_at(F.col("keys"), F.when(F.col("e.k") >= 0, F.col("e.k") + 1))
+        key = F.when(F.size(found) == len(_KEY_FIELDS), found)  # a key of another shape: damage
         fields = {name: F.try_element_at(key, F.lit(i + 1)) for i, name in enumerate(_KEY_FIELDS)}
         frames.append(spread.select(
             fields["event"].alias("event"), F.col("e.ts").alias("ts"), "node", "address",

@@ -163,6 +163,8 @@ def events_of_line(line: str | dict) -> list[dict]:
     errors = obj.get("error") or {}
     out = []
     for i, (k, ts, mid, attempt) in enumerate(zip(obj["k"], obj["ts"], obj["id"], obj["attempt"], strict=True)):
+        if type(k) is not int or k < 0:  # a negative index would be another event's key
+            raise IndexError(f"entry {i} of a journal line has no key")
         event, topic, kind, peer, role = keys[k]
         e = {"event": event, "ts": ts, "node": node, "address": address, "id": mid, "topic": topic,
              "kind": kind, "peer": peer, "attempt": attempt, "role": role}

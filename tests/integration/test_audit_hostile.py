@@ -53,3 +53,32 @@ def test_a_huge_bus_file_is_not_read(spark, tmp_path):
     (journal / "n.bus.json").write_text('{"addresses": {"tcp://a:1": "' + "x" * (2 << 20) + '"}}')
     (journal / "m.bus.json").write_text('{"addresses": {"tcp://a:2": "email"}}')
     assert read_buses(spark, [str(journal / "*.jsonl")]) == {"tcp://a:2": {"name": "email", "datadir": str(tmp_path / "a")}}
+
+
+def test_damaged_columnar_lines_lose_only_their_damaged_entries_and_never_fail_the_audit(spark, tmp_path):
+    """A columnar segment (hooks/segments.py) with hostile lines: keys indexed out of range
+    (-1 would make Spark's element_at fail the whole job, -2 would read the last key: another
+    event's), keys too short, arrays of different lengths, fields of the wrong type, no JSON.
+    The audit reads every good entry and no other."""
+    import json
+
+    journal = tmp_path / "pub" / "journal"
+    journal.mkdir(parents=True)
+    key = ["published", "t", "event", "tcp://r:1", "sender"]
+    good = {"node": "pub", "address": "tcp://p:1", "keys": [key, ["sent", "t", "event", "tcp://r:1", "sender"]],
+            "k": [0, 1], "ts": [1000, 1001], "id": ["m1", "m1"], "attempt": [0, 1]}
+    lines = [good,
+             {**good, "k": [-1, 0], "id": ["bad1", "m2"]},  # -1: no key (m2 is good)
+             {**good, "k": [-2, 5], "id": ["bad2", "bad3"]},  # -2, past the end: no key
+             {**good, "keys": [["published", "t"]], "k": [0, 0], "id": ["bad4", "bad5"]},  # a short key
+             {**good, "k": "0", "id": ["bad6", "bad7"]},  # not an array: the line is malformed
+             {**good, "ts": ["x", 1], "id": ["bad8", "bad9"]}]
+    text = "".join(json.dumps(line) + "\n" for line in lines) + "{not json\n" + '{"k": [0], "ts": [1]'
+    (journal / "pub-000000000001.jcol").write_text(text)
+    events = job.read_events(spark, job.input_paths([str(tmp_path / "pub")]))
+    from servicebus.audit.reconcile import one_per_message
+
+    got = sorted((r["id"], r["event"]) for r in one_per_message(events).collect())
+    assert got == [("m1", "published"), ("m1", "sent"), ("m2", "published")]
+    summary = job.run(spark, [str(tmp_path / "pub")], str(tmp_path / "out"), write=False)
+    assert summary["events"] == 3 and summary["messages"] == 2
