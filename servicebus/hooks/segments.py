@@ -23,6 +23,7 @@ message), which is what every reader but the Spark job uses.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,8 +150,8 @@ class Columns:
 
 def events_of_line(line: str | dict) -> list[dict]:
     """The events one line of either format stands for, as line-format dicts without
-    ``ids`` (one per message). Raises ValueError/KeyError/TypeError/IndexError for a line
-    that is neither (a torn last line, damage)."""
+    ``ids`` (one per message): what the audit reads of it. Raises ValueError/KeyError/
+    TypeError for a line that is neither (a torn last line, damage)."""
     obj = json.loads(line) if isinstance(line, str) else line
     if not isinstance(obj, dict):
         raise TypeError("a journal line is a JSON object")
@@ -161,11 +162,21 @@ def events_of_line(line: str | dict) -> list[dict]:
         return [obj]
     keys, node, address = obj["keys"], obj.get("node"), obj.get("address")
     errors = obj.get("error") or {}
+    columns = [obj.get(name) or [] for name in ("k", "ts", "id", "attempt")]
+    # As the audit reads it (audit/journals.py): a value of the wrong type makes the whole
+    # line damage; arrays of different lengths are padded with nulls; an entry without an
+    # id, or whose key is out of range or not five fields, is left out alone.
+    for values, kind in zip(columns, (int, int, str, int)):
+        if not isinstance(values, list) or not all(v is None or type(v) is kind for v in values):
+            raise TypeError("a journal line's columns are arrays of their types")
+    if not isinstance(keys, list) or not isinstance(errors, dict):
+        raise TypeError("a journal line's keys are an array, its errors an object")
     out = []
-    for i, (k, ts, mid, attempt) in enumerate(zip(obj["k"], obj["ts"], obj["id"], obj["attempt"], strict=True)):
-        if type(k) is not int or k < 0:  # a negative index would be another event's key
-            raise IndexError(f"entry {i} of a journal line has no key")
-        event, topic, kind, peer, role = keys[k]
+    for i, (k, ts, mid, attempt) in enumerate(itertools.zip_longest(*columns)):
+        key = keys[k] if k is not None and 0 <= k < len(keys) else None
+        if mid is None or not isinstance(key, list) or len(key) != 5:
+            continue
+        event, topic, kind, peer, role = key
         e = {"event": event, "ts": ts, "node": node, "address": address, "id": mid, "topic": topic,
              "kind": kind, "peer": peer, "attempt": attempt, "role": role}
         if str(i) in errors:
