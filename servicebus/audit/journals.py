@@ -88,8 +88,8 @@ def read_events(spark, paths: list[str]):
     lines = [p for p in paths if not p.endswith(COLUMNS)]
     columns = [p for p in paths if p.endswith(COLUMNS)]
     if len(paths) > 1:  # a glob that matches nothing fails the read: only those that match
-        found = set(segment_files(spark, paths, which=True))
-        lines, columns = [p for p in lines if p in found], [p for p in columns if p in found]
+        matching = set(segment_files(spark, paths, which=True))
+        lines, columns = [p for p in lines if p in matching], [p for p in columns if p in matching]
     frames = []
     if lines or not columns:
         frames.append(spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(lines or paths))
@@ -99,8 +99,8 @@ def read_events(spark, paths: list[str]):
         spread = raw.select("node", "address", "keys", "error", entry)
         # Null, not an error, out of range; a negative index would count from the end
         # (another event's key) and -1 would fail the whole job: none for them either.
-        found = F.try_element_at(F.col("keys"), F.when(F.col("e.k") >= 0, F.col("e.k") + 1))
-        key = F.when(F.size(found) == len(_KEY_FIELDS), found)  # a key of another shape: damage
+        at = F.try_element_at(F.col("keys"), F.when(F.col("e.k") >= 0, F.col("e.k") + 1))
+        key = F.when(F.size(at) == len(_KEY_FIELDS), at)  # a key of another shape: damage
         fields = {name: F.try_element_at(key, F.lit(i + 1)) for i, name in enumerate(_KEY_FIELDS)}
         frames.append(spread.select(
             fields["event"].alias("event"), F.col("e.ts").alias("ts"), "node", "address",

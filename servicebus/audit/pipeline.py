@@ -108,11 +108,9 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
     pairs.write.mode("overwrite").parquet(f"{work}/pairs")
     phases.done("read_and_reconcile")
     pairs = spark.read.parquet(f"{work}/pairs")
-    read = "new_events" if "new_events" in pairs.columns else "n_events"
-    n_events = pairs.agg(F.sum(read).alias("n")).first()["n"] or 0
+    clocks, n_events = journal_clocks(pairs, "new_events" if "new_events" in pairs.columns else "n_events")
     if n_events == 0 and state is None:  # (an incremental run may find nothing new)
         raise AuditError("the journals hold no events")
-    clocks = journal_clocks(pairs)
     if state is not None:
         for node, ts in state.clocks.items():
             clocks[node] = max(ts, clocks.get(node, ts))

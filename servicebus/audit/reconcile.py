@@ -136,13 +136,16 @@ def combine(frames):
         *[fold[how](c).alias(c) for c, how in _COMBINE.items()], *extra)
 
 
-def journal_clocks(pairs) -> dict[str, int]:
+def journal_clocks(pairs, count: str = "n_events") -> tuple[dict[str, int], int]:
     """Each journal's latest event (its address -> ts): the sender side of every pair is
-    in the sender's journal, the receiver side in the receiver's."""
+    in the sender's journal, the receiver side in the receiver's; and the sum of the pairs'
+    ``count`` column (the events read), in the same job (a Spark job costs most of a
+    second on a busy host)."""
     from pyspark.sql import functions as F
 
-    sides = (pairs.select(F.col("sender").alias("node"), F.col("sender_max_ts").alias("ts"))
-             .unionByName(pairs.select(F.col("receiver").alias("node"), F.col("receiver_max_ts").alias("ts"))))
-    rows = sides.where(F.col("node").isNotNull() & F.col("ts").isNotNull()).groupBy("node").agg(
-        F.max("ts").alias("ts")).collect()
-    return {r["node"]: r["ts"] for r in rows}
+    sides = (pairs.select(F.col("sender").alias("node"), F.col("sender_max_ts").alias("ts"), F.col(count).alias("n"))
+             .unionByName(pairs.select(F.col("receiver").alias("node"), F.col("receiver_max_ts").alias("ts"),
+                                       F.lit(0).cast("long").alias("n"))))
+    rows = sides.groupBy("node").agg(F.max("ts").alias("ts"), F.sum("n").alias("n")).collect()
+    clocks = {r["node"]: r["ts"] for r in rows if r["node"] is not None and r["ts"] is not None}
+    return clocks, sum(r["n"] or 0 for r in rows)

@@ -7,9 +7,10 @@ by comparing the delivery journal (segment files outside LevelDB, and the record
 still holds: what this bus still owed, sent or received) with what the rebuilt store holds:
 those ids are reported as lost, by id.
 
-The journal names a segment's messages in one event (``ids``, model/segments.py); it is read
-as one event per id, remembering each message's segment key (the first id of the event that
-published or received it): the stored streams, cursors and acks go by those keys.
+The journal names a segment's messages in one event (``ids``, model/segments.py; a columnar
+segment file says which entries were one event in its ``group``); it is read as one event
+per id, remembering each message's segment key (the id of the event that published or
+received it): the stored streams, cursors and acks go by those keys.
 """
 
 from __future__ import annotations
@@ -66,22 +67,25 @@ class Owed:
 
 
 def _apply(owed: Owed, event: str, role: str, ids: list[str], topic: str | None, kind: str,
-           peer: str) -> None:
-    """One journal event, about the messages ``ids`` (a segment's: the first is its key)."""
+           peer: str, key: str | None = None) -> None:
+    """One journal event, about the messages ``ids`` of the segment stored under ``key``
+    (the event's id; ids[0] if not given: the same but where the segment was cut for a
+    receiver, without the message it is keyed by)."""
+    key = key if isinstance(key, str) else ids[0]
     owed.events += 1
     if role == "sender":
         if event == "published":
             stream = event_stream(topic or "") if kind == "event" else command_stream(peer)
             for mid in ids:
                 owed.sent[(mid, peer)] = stream
-                owed.keys[mid] = ids[0]
+                owed.keys[mid] = key
         elif event in ("acked", "expired"):
             for mid in ids:
                 owed.sent.pop((mid, peer), None)
     elif event in ("received", "replayed"):
         for mid in ids:
             owed.received.add(mid)
-            owed.keys[mid] = ids[0]
+            owed.keys[mid] = key
     elif event in ("handled", "deadlettered", "expired"):
         owed.received.difference_update(ids)
 
@@ -100,10 +104,11 @@ def journal_owed(datadir: Path, progress: Progress = None) -> Owed:
     owed = Owed()
     journal = datadir / "journal"
     for path in sorted(p for p in journal.iterdir() if is_segment(p.name)) if journal.is_dir() else ():
-        for e in read_segment(path):  # a line that does not parse (a torn last one) is skipped
+        # An event about a segment's messages as one (``ids``): cursors and acks go by its key.
+        for e in read_segment(path, grouped=True):  # a line that does not parse (a torn last one) is skipped
             try:
                 _apply(owed, e["event"], e["role"], _ids(e["id"], e.get("ids")), e.get("topic"),
-                       e["kind"], e["peer"])
+                       e["kind"], e["peer"], e["id"])
             except (ValueError, KeyError, TypeError):
                 continue
         if progress:
@@ -123,7 +128,7 @@ def _add_stored_journal(owed: Owed, store: Store) -> None:
             name, _ts, mid, topic, kind, peer = ev[:6]
             event, role = ROLES.get(name, (name, "sender"))
             try:
-                _apply(owed, event, role, _ids(mid, ev[8] if len(ev) > 8 else None), topic, kind, peer)
+                _apply(owed, event, role, _ids(mid, ev[8] if len(ev) > 8 else None), topic, kind, peer, mid)
             except TypeError:
                 continue
 
