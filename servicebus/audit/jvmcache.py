@@ -267,11 +267,20 @@ class Archive:
             self.lock = None
 
 
+# Environment through which the user may give the driver JVM options of their own.
+_USER_JVM_ENV = ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS", "SPARK_SUBMIT_OPTS",
+                 "SPARK_DRIVER_OPTS", "PYSPARK_SUBMIT_ARGS")
+
+
 def enabled(master: str | None, env: Mapping[str, str] = os.environ) -> bool:
     """The archive is for a local driver this process starts: not when turned off
-    (SERVICEBUS_SPARK_CDS=0), not under spark-submit, not for a cluster master."""
+    (SERVICEBUS_SPARK_CDS=0), not under spark-submit, not for a cluster master, and not
+    when the user sets class sharing options of their own (-Xshare:off would make every
+    audit find the archive unused, remove it and write it again)."""
+    own = any(word in env.get(key, "") for key in _USER_JVM_ENV
+              for word in ("Xshare", "SharedArchiveFile", "ArchiveClassesAtExit", "extraJavaOptions"))
     return (env.get("SERVICEBUS_SPARK_CDS", "1") != "0" and not env.get("SPARK_ENV_LOADED")
-            and bool(master) and str(master).startswith("local"))
+            and bool(master) and str(master).startswith("local") and not own)
 
 
 def prepare(master: str | None, env: Mapping[str, str] = os.environ) -> Archive | None:

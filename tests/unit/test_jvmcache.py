@@ -127,6 +127,8 @@ def test_the_options_are_for_a_local_driver_this_process_starts_unless_turned_of
     assert prepare(None, env) is None
     assert prepare("local[2]", {**env, "SERVICEBUS_SPARK_CDS": "0"}) is None
     assert prepare("local[2]", {**env, "SPARK_ENV_LOADED": "1"}) is None
+    assert prepare("local[2]", {**env, "JAVA_TOOL_OPTIONS": "-Xshare:off"}) is None
+    assert jvmcache.enabled("local[2]", {**env, "SPARK_SUBMIT_OPTS": "-Xlog:class+load"})
 
 
 def test_without_an_archive_one_process_writes_one_and_a_second_at_once_runs_without(env, prepare):
