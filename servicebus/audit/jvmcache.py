@@ -179,8 +179,9 @@ def mapped_by(pid: int, path: Path) -> bool | None:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return None
-    target = str(path)
-    return any(line.rstrip().endswith(" " + target) for line in maps.splitlines())
+    # The kernel names the file by its resolved path (a cache under a symlinked folder).
+    targets = {" " + str(path), " " + os.path.realpath(path)}
+    return any(line.rstrip().endswith(tuple(targets)) for line in maps.splitlines())
 
 
 @dataclass

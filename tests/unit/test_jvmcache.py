@@ -197,3 +197,5 @@ def test_an_archive_a_process_maps_is_seen_in_its_maps(tmp_path):
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
         assert jvmcache.mapped_by(os.getpid(), path) is True
         assert jvmcache.mapped_by(os.getpid(), other) is False
+        (tmp_path / "link").symlink_to(tmp_path)
+        assert jvmcache.mapped_by(os.getpid(), tmp_path / "link" / "mapped.jsa") is True
