@@ -40,7 +40,7 @@ def audit(tmp_path: Path, cache: Path, name: str, **env: str) -> tuple[subproces
     result = subprocess.run(
         [CLI, "audit", str(tmp_path / "fleet"), "--out", str(tmp_path / "out"), "--master", "local[2]"],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "SERVICEBUS_CACHE_DIR": str(cache),
+        env={**os.environ, "SERVICEBUS_CACHE_DIR": str(cache), "SERVICEBUS_SPARK_CDS": "1",
              "SPARK_SUBMIT_OPTS": f"-Xlog:class+load=info:file={classes}", **env})
     shared = sum("source: shared objects file (top)" in line for line in classes.read_text().splitlines())
     return result, shared
