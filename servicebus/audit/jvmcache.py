@@ -302,12 +302,13 @@ def prepare(master: str | None, env: Mapping[str, str] = os.environ) -> Archive 
         final = folder / name
         if not _SAFE_PATH.fullmatch(str(final)):
             return None  # would need quoting in extraJavaOptions: not worth the risk
-        build = re.search(r"\(build ([^)]+)\)", version)
+        found = re.search(r"\(build ([^)]+)\)", version)
+        build = found.group(1) if found else ""
         sweep(folder, keep=name)
         # A JVM that dies writes its report here, not into the operator's working folder.
         crash = f"-XX:ErrorFile={folder}/hs_err_pid%p.log"
         if final.exists():
-            if looks_valid(final, build.group(1) if build else ""):
+            if looks_valid(final, build):
                 return Archive([f"-XX:SharedArchiveFile={final}", crash], final)
             lock = take_lock(final.with_suffix(".lock"))
             if lock is None:
@@ -317,9 +318,9 @@ def prepare(master: str | None, env: Mapping[str, str] = os.environ) -> Archive 
             lock = take_lock(final.with_suffix(".lock"))
             if lock is None:
                 return None  # another audit is writing it
-        if final.exists():  # written between our look and the lock
+        if final.exists():  # written by another audit between our look and the lock
             lock.close()
-            return Archive([f"-XX:SharedArchiveFile={final}", crash], final)
+            return Archive([f"-XX:SharedArchiveFile={final}", crash], final) if looks_valid(final, build) else None
         # A name no one else uses: the JVM removes and recreates the file, so it is not made here.
         tmp = folder / f"{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
         return Archive([f"-XX:ArchiveClassesAtExit={tmp}", crash], final, tmp, lock)
