@@ -24,6 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # that only its engine thread touches it (servicebus/core/owner.py).
 os.environ["SERVICEBUS_CHECK_THREADS"] = "1"
 
+# The audits the suite runs through the CLI start their Spark driver without the class
+# archive (servicebus/audit/jvmcache.py): a test run must not write ~150 MB to the user's
+# cache, nor add its one-time writing to whichever test comes first. The archive's own
+# tests (test_audit_class_archive.py) turn it on with a cache folder of their own.
+os.environ["SERVICEBUS_SPARK_CDS"] = "0"
+
 
 def counting_handler(bus: Bus, topic: str, each=None) -> Counter:
     """Handle ``topic`` on ``bus`` counting runs per payload ``n``; ``each(payload, message)``

@@ -56,7 +56,6 @@ import argparse
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,7 @@ if not __package__:
     _spec.loader.exec_module(_package)
     __package__ = _spec.name
 
+from . import jvmcache
 from .checkpoint import Checkpoint
 from .classify import CLASSES, PROBLEMS, classify, rollup, summarize, timeline
 from .errors import AuditError
@@ -129,16 +129,13 @@ def parse_since(text: str | None, now_ms: int) -> int | None:
 
 def java_problem() -> str | None:
     """Why PySpark cannot start here, or None. Spark 4 needs Java 17 or newer."""
-    java = shutil.which("java")
-    if os.environ.get("JAVA_HOME"):
-        candidate = Path(os.environ["JAVA_HOME"]) / "bin" / "java"
-        java = str(candidate) if candidate.exists() else java
+    java = jvmcache.java_binary()
     hint = ("install it (Debian/Ubuntu: apt-get install openjdk-17-jre-headless) or point "
             "JAVA_HOME at a Java 17+ installation")
     if not java:
         return f"the audit runs on Apache Spark, which needs Java 17 or newer, and none was found: {hint}"
     try:
-        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
+        out = jvmcache.java_version(java)  # run once: the class archive's name needs it too
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot run {java} ({exc}): {hint}"
     match = re.search(r'version "(\d+)(?:\.(\d+))?', out)
@@ -153,27 +150,83 @@ def java_problem() -> str | None:
 # --- spark ---------------------------------------------------------------------------------
 
 
-def spark_session(master: str | None):
+def spark_session(master: str | None, *, class_archive: bool = False):
+    """A SparkSession for ``master`` with the audit's settings. ``class_archive``: start the
+    driver JVM with the class-data-sharing archive (jvmcache.py), or have it write one; the
+    CLI and tools/bench_audit ask for it, the tests' session does not (a test run must not
+    write to the user's cache). Call ``finish_class_archive`` after ``spark.stop()``."""
+    global CLASS_ARCHIVE
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName("servicebus-audit")
     if master:
         builder = builder.master(master)
     log4j = Path(__file__).with_name("log4j2.properties")
+    options = [f"-Dlog4j2.configurationFile=file:{log4j}"]
+    # The JVM exists already (spark-submit, a test session, an earlier session of this
+    # process): getOrCreate joins it, and its options are not ours to set.
+    joining = (SparkSession.getActiveSession() is not None or bool(os.environ.get("SPARK_ENV_LOADED"))
+               or SparkContext._gateway is not None)
+    CLASS_ARCHIVE = jvmcache.prepare(master) if class_archive and not joining else None
+    if CLASS_ARCHIVE is not None:
+        options += CLASS_ARCHIVE.options
     builder = (builder
-               .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}")
+               .config("spark.driver.extraJavaOptions", " ".join(options))
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.session.timeZone", "UTC"))
     if master and master.startswith("local"):
         # 200 shuffle partitions is for clusters; on one machine it only adds overhead.
         builder = builder.config("spark.sql.shuffle.partitions", str(max(4, 2 * (os.cpu_count() or 2))))
-    if SparkSession.getActiveSession() is not None or os.environ.get("SPARK_ENV_LOADED"):
-        spark = builder.getOrCreate()  # the JVM exists already (spark-submit, a test session)
-    else:
+    if joining:
+        spark = builder.getOrCreate()
+    elif CLASS_ARCHIVE is None:
         spark = _start_quietly(builder)
+    else:
+        try:
+            spark = _start_quietly(builder)
+        except Exception:  # noqa: BLE001 - e.g. an archive damaged past what jvmcache checks
+            # The archive must never cost an audit: drop it and start as without one.
+            CLASS_ARCHIVE.discard()
+            CLASS_ARCHIVE = None
+            if SPARK_LOG is not None:
+                SPARK_LOG.unlink(missing_ok=True)
+            builder = builder.config("spark.driver.extraJavaOptions", options[0])
+            spark = _start_quietly(builder)
+    if CLASS_ARCHIVE is not None and not CLASS_ARCHIVE.creating:
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None and not CLASS_ARCHIVE.check_mapped(proc.pid):
+            CLASS_ARCHIVE = None  # unusable (removed): the next start writes a new one
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+# The class archive the running driver uses or writes (jvmcache.Archive), if any.
+CLASS_ARCHIVE: jvmcache.Archive | None = None
+
+
+def finish_class_archive() -> bool:
+    """After ``spark.stop()``, when the driver JVM is writing the class archive: end the JVM
+    (the archive is written at its exit, which otherwise comes after Python's), wait for it
+    and keep the archive if the JVM exited cleanly. True if an archive was put in place.
+    The process can start a new SparkSession (a new JVM) afterwards."""
+    global CLASS_ARCHIVE
+    archive, CLASS_ARCHIVE = CLASS_ARCHIVE, None
+    if archive is None or not archive.creating:
+        return False
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if gateway is not None:
+        try:
+            gateway.shutdown()  # py4j's side; the JVM itself exits when its stdin closes
+        except Exception:  # noqa: BLE001 - the JVM may be gone already
+            pass
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    return archive.finish(proc)
 
 
 # Where the JVM's own output went, once it started. It stays in this module, not with
@@ -319,7 +372,20 @@ def audit_cli(paths: list[str], out: str, *, master: str | None = None, since: s
     if master is None and not os.environ.get("SPARK_ENV_LOADED"):
         master = "local[*]"  # not under spark-submit
     say(f"starting Spark ({master or 'spark-submit'}) for {len(paths)} input(s)")
-    spark = spark_session(master)
+    spark = spark_session(master, class_archive=True)
+    if CLASS_ARCHIVE is not None and CLASS_ARCHIVE.creating:
+        say(f"writing a one-time archive of Spark's classes for faster starts, to "
+            f"{CLASS_ARCHIVE.final.parent} (at the end: a few seconds more this time)")
+    try:
+        return _audit(spark, say, paths, out, grace_ms=grace_ms, since_ms=since_ms,
+                      checkpoint=checkpoint, carry_ms=carry_ms, progress=progress)
+    finally:
+        finish_class_archive()
+
+
+def _audit(spark, say, paths: list[str], out: str, *, grace_ms: int, since_ms: int | None,
+           checkpoint: str | None, carry_ms: int, progress: bool) -> int:
+    """audit_cli once Spark is up: run, stop Spark, print the summary; the exit code."""
     watching = watch_progress(spark, say) if progress else None
     try:
         summary = run(spark, paths, out, grace_ms=grace_ms, since_ms=since_ms,
