@@ -112,20 +112,24 @@ class Columns:
     def put(self, key: tuple, ts: int, ids: list[str], attempt: int, error: str | None) -> int:
         """One event about the messages ``ids``; ``key`` is (event, topic, kind, peer, role),
         as in the file. Returns len(ids)."""
-        index = self._keys.setdefault(key, len(self._keys))
-        n = len(ids)
-        if error is not None:
-            at = len(self._k)
-            for i in range(at, at + n):
-                self._error[str(i)] = error
-        self._k += [index] * n
-        self._ts += [ts] * n
-        self._id += ids
-        self._attempt += [attempt] * n
-        self.events += n
-        if len(self._k) >= LINE_EVENTS:
-            self._close_line()
-        return n
+        total = len(ids)
+        while ids:  # an event about more messages than the line has room for goes on the next
+            room = LINE_EVENTS - len(self._k)
+            part, ids = ids[:room], ids[room:]
+            index = self._keys.setdefault(key, len(self._keys))
+            n = len(part)
+            if error is not None:
+                at = len(self._k)
+                for i in range(at, at + n):
+                    self._error[str(i)] = error
+            self._k += [index] * n
+            self._ts += [ts] * n
+            self._id += part
+            self._attempt += [attempt] * n
+            if len(self._k) >= LINE_EVENTS:
+                self._close_line()
+        self.events += total
+        return total
 
     def _close_line(self) -> None:
         if not self._k:
