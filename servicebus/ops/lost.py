@@ -14,14 +14,15 @@ published or received it): the stored streams, cursors and acks go by those keys
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptRecordError
-from ..hooks.segments import ROLES, is_segment, read_segment
+from ..hooks.segments import LINES, ROLES, is_segment, read_segment
 from ..model.delivery import base_stream, command_stream, event_stream, group_peer
 from ..model.stored import DeliveryRecord
 from ..store import Store, schema
@@ -95,12 +96,29 @@ def _ids(mid: Any, more: Any) -> list[str]:
     return [mid]
 
 
+def _segment_events(path: Path) -> Iterator[dict]:
+    """The events of a segment file. A line of the line format (.jsonl) is one event, its
+    ``ids`` kept: their first is the key of the segment they were stored in, which
+    read_segment's one event per message would lose."""
+    if not path.name.endswith(LINES):
+        yield from read_segment(path)
+        return
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a torn last line: the segment was being written
+            if isinstance(e, dict):
+                yield e
+
+
 def journal_owed(datadir: Path, progress: Progress = None) -> Owed:
     """Replay the journal's segment files (outside LevelDB, so they survive damage to it)."""
     owed = Owed()
     journal = datadir / "journal"
     for path in sorted(p for p in journal.iterdir() if is_segment(p.name)) if journal.is_dir() else ():
-        for e in read_segment(path):  # a line that does not parse (a torn last one) is skipped
+        for e in _segment_events(path):  # a line that does not parse (a torn last one) is skipped
             try:
                 _apply(owed, e["event"], e["role"], _ids(e["id"], e.get("ids")), e.get("topic"),
                        e["kind"], e["peer"])
