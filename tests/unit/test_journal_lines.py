@@ -314,10 +314,19 @@ def test_events_of_an_old_line_with_ids_spread_it_one_per_message():
     assert spread == [{**{k: v for k, v in line.items() if k != "ids"}, "id": mid} for mid in IDS[:5]]
     alone = {k: v for k, v in line.items() if k != "ids"}
     assert events_of_line(json.dumps(alone)) == [alone]
-    for bad in ("[1, 2]", "not json", '{"keys": [], "k": [0], "ts": [1], "id": ["a"], "attempt": [0]}',
-                '{"keys": [["a","b","c","d","e"]], "k": [0, 0], "ts": [1], "id": ["a"], "attempt": [0]}'):
+    for bad in ("[1, 2]", "not json", '{"keys": [], "k": ["0"], "ts": [1], "id": ["a"], "attempt": [0]}',
+                '{"k": [0], "ts": [1], "id": ["a"], "attempt": [0]}'):
         with pytest.raises((ValueError, KeyError, TypeError, IndexError)):
             events_of_line(bad)
+
+
+def test_a_damaged_columnar_entry_is_left_out_alone_as_the_audit_does():
+    # audit/journals.py: a key index out of range, or a key not of five fields, or no id,
+    # leaves out that entry; shorter arrays are padded with nulls.
+    key = ["sent", "t", "event", PEER, "sender"]
+    line = {"node": NODE, "address": ADDRESS, "keys": [key, ["short"]], "k": [0, 5, -1, 1, 0, 0],
+            "ts": [1, 2, 3, 4, 5], "id": ["a", "b", "c", "d", None, "f"], "attempt": [0, 0, 0, 0, 0, 0]}
+    assert [(e["id"], e["ts"]) for e in events_of_line(line)] == [("a", 1), ("f", None)]
 
 
 def test_segment_names():
