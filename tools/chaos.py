@@ -82,6 +82,7 @@ from tests.faults import (  # noqa: E402
     Partition, PowerLossDisk, SmallDisk, cannot_cut_power, cannot_drop_packets, cannot_mount,
     cannot_partition, forget_moved_clock, libfaketime, moved_clock_env)
 from tools.chaos_audit import Auditor, write_facts  # noqa: E402
+from servicebus.hooks.segments import is_segment, read_segment  # noqa: E402
 
 NODE = str(ROOT / "tools" / "chaos_node.py")
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -631,9 +632,14 @@ class Chaos:
 
 
 def journal_lines(datadir: Path) -> set[str]:
-    """Every line of a bus's journal segments (each is whole: written, fsynced, renamed)."""
-    return {line for path in (datadir / "journal").glob("*.jsonl")
-            for line in path.read_text(errors="replace").splitlines()}
+    """Every event of a bus's journal segments, of either format (hooks/segments.py: the
+    columnar .jcol a bus writes, the .jsonl of older ones), each as one JSON string (a
+    segment is whole: written, fsynced, renamed)."""
+    journal = datadir / "journal"
+    if not journal.is_dir():
+        return set()
+    return {json.dumps(e, sort_keys=True, ensure_ascii=False)
+            for path in journal.iterdir() if is_segment(path.name) for e in read_segment(path)}
 
 
 def damage(store: Path, how: str, rng: random.Random) -> str:

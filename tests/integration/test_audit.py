@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from servicebus import Bus
 from servicebus.audit import job
 from servicebus.audit.synthetic import SENDER, write_journals
 from servicebus.testing import free_address, wait_until
+
+from ..journals import journal_events, segment_events, segment_files
 
 pytestmark = pytest.mark.spark
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'servicebus[audit]')")
@@ -182,10 +185,11 @@ def test_real_buses_with_a_subscriber_killed_mid_run_lose_and_duplicate_nothing(
     assert summary["ok"]
 
 
-def test_real_buses_publishing_segments_journal_lines_with_ids_that_the_audit_reads(spark, make_bus, tmp_path):
-    # publish_many of 100: one segment per publish, journaled as lines naming its messages
-    # in "ids" on both buses. Some messages fail once: split off their segment, journaled
-    # on their own (handler_failed, retried, handled), the rest by the segment's "handled".
+def test_real_buses_publishing_segments_journal_columns_that_the_audit_reads(spark, make_bus, tmp_path):
+    # publish_many of 100: one segment per publish, each event about it one entry per message
+    # of a columnar line (.jcol) on both buses, all of them with the one key and time of the
+    # event. Some messages fail once: split off their segment, journaled on their own
+    # (handler_failed, retried, handled), the rest by the segment's "handled".
     pub, sub = make_bus("pub"), make_bus("sub", retry_initial=0.01)
     failed, handled = set(), []
 
@@ -203,17 +207,21 @@ def test_real_buses_publishing_segments_journal_lines_with_ids_that_the_audit_re
     assert pub.drain(10) and sub.drain(10)
     sub.close()  # each journal moves what it holds to its segment files at close
     pub.close()
-    lines = {name: [json.loads(text) for path in (tmp_path / name / "journal").glob("*.jsonl")
-                    for text in path.read_text().splitlines()] for name in ("pub", "sub")}
-    for name, side in lines.items():
-        with_ids = [line for line in side if "ids" in line]
-        assert with_ids, f"no line of {name}'s journal names a segment's messages"
-        assert all(line["id"] == line["ids"][0] and len(line["ids"]) > 1 for line in with_ids)
-    assert {e["event"] for e in lines["pub"] if "ids" in e} >= {"published", "sent", "acked"}
-    assert {e["event"] for e in lines["sub"] if "ids" in e} >= {"received", "handled"}
-    published = [mid for e in lines["pub"] if e["event"] == "published" for mid in e.get("ids", [e["id"]])]
+    lines = {name: [e for path in segment_files(tmp_path / name) for e in segment_events(path)]
+             for name in ("pub", "sub")}
+    for name in lines:
+        assert {p.suffix for p in segment_files(tmp_path / name)} == {".jcol"}
+        raw = [json.loads(text) for path in segment_files(tmp_path / name) for text in path.read_text().splitlines()]
+        assert sum(len(line["k"]) for line in raw) == len(lines[name])  # an entry per message
+        assert len(raw) < len(lines[name]) / 20  # lines of many entries: not one line per event
+    # An event about a segment: one entry per message, with the same event, time and attempt.
+    by_event = {name: Counter((e["event"], e["ts"], e["attempt"]) for e in side) for name, side in lines.items()}
+    assert {event for (event, _, _), n in by_event["pub"].items() if n > 1} >= {"published", "sent", "acked"}
+    assert {event for (event, _, _), n in by_event["sub"].items() if n > 1} >= {"received", "handled"}
+    assert all("ids" not in e for side in lines.values() for e in side)
+    published = [e["id"] for e in lines["pub"] if e["event"] == "published"]
     assert len(published) == len(set(published)) == 1000
-    events = sum(len(e.get("ids", [e["id"]])) for side in lines.values() for e in side)
+    events = sum(len(side) for side in lines.values())
     summary = job.run(spark, [str(tmp_path)], str(tmp_path / "audit"), grace_ms=60_000)
     assert summary["events"] == events
     assert summary["classes"]["handled"] == 1000, summary["classes"]
@@ -249,8 +257,7 @@ def test_dead_letters_edited_and_replayed_are_journaled_so_and_audited_as_handle
     assert pub.drain(10) and sub.drain(10) and client.drain(10)
     for bus in (pub, sub, client, server):
         bus.close()
-    lines = [json.loads(text) for name in ("sub", "client") for path in (tmp_path / name / "journal").glob("*.jsonl")
-             for text in path.read_text().splitlines()]
+    lines = journal_events(tmp_path / "sub") + journal_events(tmp_path / "client")
     replays = {e["id"]: e.get("error") for e in lines if e["event"] == "replayed"}
     new_id = next(i for i in got if i != mid)
     assert replays == {mid: "edited", expired: f"as {new_id}, edited"}
@@ -529,6 +536,5 @@ def _move_and_audit(spark, tmp_path, bus):
     assert found.get("dropped") == at_old, summary["classes"]
     assert found.get("handled") == {(mid, moved.address) for mid in ids + commands}, summary["classes"]
     assert summary["classes"]["handled"] == 115 and summary["ok"], summary["classes"]
-    lines = [json.loads(text) for path in (tmp_path / "orders" / "journal").glob("*.jsonl")
-             for text in path.read_text().splitlines()]
+    lines = journal_events(tmp_path / "orders")
     assert {e.get("error") for e in lines if e["event"] == "dropped"} == {f"moved to {moved.address}"}

@@ -46,7 +46,7 @@ def dead_letters_of(make_bus, topics=(TOPIC,), per_topic: int = 1):
 
 
 def journaled(datadir, event):
-    return {mid for e in journal_lines(datadir) if e["event"] == event for mid in e.get("ids") or [e["id"]]}
+    return {e["id"] for e in journal_lines(datadir) if e["event"] == event}
 
 
 # --- replay ------------------------------------------------------------------------------------

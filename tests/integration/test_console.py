@@ -21,6 +21,7 @@ from servicebus.ops.letters import read_view  # noqa: E402
 from servicebus.testing import free_address, wait_until  # noqa: E402
 
 from ..browser import screenshot  # noqa: E402
+from ..journals import journal_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "servicebus")
@@ -75,11 +76,7 @@ def fleet(tmp_path):
 
 
 def _journaled(datadir: Path, mid: str, event: str) -> bool:
-    for path in (datadir / "journal").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            if mid in line and f'"{event}"' in line:
-                return True
-    return False
+    return any(e["id"] == mid and e["event"] == event for e in journal_events(datadir))
 
 
 def test_replay_clicked_on_a_dead_letter_is_handled_and_journaled(fleet, tmp_path, page):

@@ -23,6 +23,8 @@ from servicebus.wire.decoding import decode
 from servicebus.wire.payload import encode_payload
 from servicebus.testing import one_message, free_address, wait_until
 
+from ..journals import journal_events
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 TOPIC = "user.signup"
 
@@ -156,13 +158,6 @@ def test_a_subscriber_with_a_small_max_payload_takes_full_frames_from_a_large_ma
 # --- a message no receiver can decode: a dead letter for that message alone ----------------------
 
 UNDECODABLE = msgpack.packb({(1, 2): 3})  # a map keyed by an array: unhashable once decoded
-
-
-def journal_events(datadir: Path) -> list[dict]:
-    lines: list[dict] = []
-    for path in sorted((datadir / "journal").glob("*.jsonl")):
-        lines += [json.loads(line) for line in path.read_text().splitlines()]
-    return lines
 
 
 def test_an_undecodable_message_in_a_raw_ordered_frame_is_a_dead_letter_and_the_lane_goes_on(make_bus, raw):

@@ -9,20 +9,17 @@ from pathlib import Path
 from servicebus import Bus
 from servicebus.testing import free_address, wait_until
 
+from ..journals import journal_events, segment_files
+
 TOPIC = "user.signup"
 CLI = str(Path(sys.executable).parent / "servicebus")
 
 
 def journal_lines(datadir: Path) -> list[dict]:
-    """The journal's events, one per message: a line with ``ids`` (an event about several
-    messages of a segment) stands for one event per id, as the audit reads it."""
-    events = []
-    for path in sorted((datadir / "journal").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
-            ids = event.pop("ids", None)
-            events += [{**event, "id": mid} for mid in ids] if ids else [event]
-    return events
+    """The journal's events, one per message, from its segments of either format (a
+    line-format line with ``ids`` and a columnar line's entries are one event per message),
+    as the audit reads them."""
+    return journal_events(datadir)
 
 
 def test_a_delivery_is_journaled_end_to_end_on_both_buses(make_bus, tmp_path):
@@ -126,7 +123,8 @@ def test_a_restarted_bus_never_overwrites_an_earlier_segment(tmp_path):
             bus.send(free_address(), "c", run)  # ... but a command is
     events = journal_lines(tmp_path / "node")
     assert [e["event"] for e in events].count("published") == 3
-    assert len(list((tmp_path / "node" / "journal").glob("*.jsonl"))) == 3
+    # one segment per run: none written over, none written twice
+    assert [p.suffix for p in segment_files(tmp_path / "node")] == [".jcol"] * 3
 
 
 def test_every_way_a_message_stops_being_owed_is_journaled(tmp_path):

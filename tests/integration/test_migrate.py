@@ -39,6 +39,8 @@ from servicebus.store import Store
 from servicebus.store import migrate as migration
 from servicebus.testing import wait_until
 
+from ..journals import journal_events
+
 FIXTURE = Path(__file__).resolve().parent.parent / "data" / "format2.tar.gz"
 CLI = str(Path(sys.executable).parent / "servicebus")
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -244,8 +246,7 @@ def test_nothing_v02_left_is_lost_after_the_upgrade(old, make_bus, upgrade):
     # The publisher's journal records (in its store since v0.2 wrote them) went to segment files.
     for bus in buses.values():
         bus.close()
-    published = {line["id"] for path in (old.dirs["pub"] / "journal").glob("*.jsonl")
-                 for line in map(json.loads, path.read_text().splitlines()) if line["event"] == "published"}
+    published = {e["id"] for e in journal_events(old.dirs["pub"]) if e["event"] == "published"}
     assert published >= {mid for mid in owed.values() if mid} | set(m["pub"]["owed_to_group"].values())
     assert not [k for k in records(old.dirs["pub"]) if k[:2] == b"j/"]
     for datadir in old.dirs.values():

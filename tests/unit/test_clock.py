@@ -2,11 +2,15 @@
 
 import time
 
+import pytest
+
 from servicebus.model.clock import BusClock
 from servicebus.model.ids import IdGenerator, id_millis
 from servicebus.hooks.journal import Journal
 from servicebus.store import FORMAT_VERSION, Store
 from servicebus.testing import FakeClock
+
+from ..journals import journal_events, segment_events, segment_files
 
 
 def test_ids_made_with_the_clock_set_back_sort_after_every_earlier_id():
@@ -128,7 +132,8 @@ def test_segments_are_deleted_after_the_retention_counted_on_the_bus_clock(store
     record(journal, store, 1)
     clock.advance(40)
     record(journal, store, 2)
-    first, second = sorted((tmp_path / "journal").glob("*.jsonl"))
+    first, second = segment_files(tmp_path)
+    assert first.suffix == second.suffix == ".jcol"
     clock.advance(30)  # the first is 70 s old, the second 30 s
     assert journal.apply_retention() == 1
     assert not first.exists() and second.exists()
@@ -138,11 +143,12 @@ def test_segments_are_deleted_after_the_retention_counted_on_the_bus_clock(store
     assert store.segments() == []
 
 
-def test_a_segment_the_store_has_no_time_for_starts_counting_when_first_seen(store, tmp_path):
+@pytest.mark.parametrize("suffix", [".jcol", ".jsonl"])  # a segment of this version's format, of an older one
+def test_a_segment_the_store_has_no_time_for_starts_counting_when_first_seen(store, tmp_path, suffix):
     clock = FakeClock(1_000_000)
     journal = Journal(store, tmp_path, "node", "tcp://127.0.0.1:9", retention=60, clock=clock)
     (tmp_path / "journal").mkdir()
-    foreign = tmp_path / "journal" / "x-000000000001.jsonl"
+    foreign = tmp_path / "journal" / f"x-000000000001{suffix}"
     foreign.write_text("{}\n")
     assert journal.apply_retention() == 0
     clock.advance(59)
@@ -154,9 +160,12 @@ def test_a_segment_the_store_has_no_time_for_starts_counting_when_first_seen(sto
 def test_journal_events_round_trip_through_a_segment(store, tmp_path):
     journal = Journal(store, tmp_path, "node", "tcp://127.0.0.1:9", clock=FakeClock())
     record(journal, store, 7)
-    (segment,) = (tmp_path / "journal").glob("*.jsonl")
-    line = segment.read_text()
-    assert '"id":"000000000000000000000007"' in line and '"role":"sender"' in line
+    (segment,) = segment_files(tmp_path)
+    assert segment.name == "node-000000000001.jcol"
+    (e,) = segment_events(segment)
+    assert e == {"event": "published", "ts": 1, "node": "node", "address": "tcp://127.0.0.1:9",
+                 "id": "000000000000000000000007", "topic": "t", "kind": "event", "peer": "tcp://127.0.0.1:1",
+                 "attempt": 0, "role": "sender"}
 
 
 def test_a_flush_under_a_steady_stream_moves_what_was_there_and_leaves_the_rest_for_the_next(
@@ -181,8 +190,9 @@ def test_a_flush_under_a_steady_stream_moves_what_was_there_and_leaves_the_rest_
 
     monkeypatch.setattr(store, "write", write_while_the_stream_goes_on)
     journal.flush()
-    assert len(list((tmp_path / "journal").glob("*.jsonl"))) == 1
+    assert len(segment_files(tmp_path)) == 1
     monkeypatch.undo()
     journal.flush()  # the next flush takes the rest
-    lines = [line for p in (tmp_path / "journal").glob("*.jsonl") for line in p.read_text().splitlines()]
-    assert len(lines) == len({line for line in lines}) and store.journal_records(100, 1 << 20) == []
+    recorded = 60 - len(list(more))  # the first 10, and one per fsync of the first flush
+    ids = [e["id"] for e in journal_events(tmp_path)]  # each record's one event, once
+    assert sorted(ids) == [f"{n:024x}" for n in range(recorded)] and store.journal_records(100, 1 << 20) == []
