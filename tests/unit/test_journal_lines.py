@@ -102,11 +102,17 @@ def readable_by_the_audit(e: dict) -> bool:
 
 
 def a_line_the_audit_reads(line: dict) -> bool:
-    """A columnar line has the fields of COLUMNS_SCHEMA, each of its type; its columns are of
-    one length, its keys of five fields each, every ``k`` a key, every error at an entry."""
+    """A columnar line has the fields of COLUMNS_SCHEMA, each of its type (and ``group``,
+    which the audit does not read: [n, segment key] at the entry where n entries of one
+    event begin, within the line); its columns are of one length, its keys of five fields
+    each, every ``k`` a key, every error at an entry."""
     n = len(line["k"])
-    return (set(line) <= set(COLUMN_FIELDS) and set(COLUMN_FIELDS) - {"error"} <= set(line)
-            and all(COLUMN_FIELDS[k](v) for k, v in line.items())
+    groups = line.get("group", {})
+    fields = {k: v for k, v in line.items() if k != "group"}
+    return (set(fields) <= set(COLUMN_FIELDS) and set(COLUMN_FIELDS) - {"error"} <= set(fields)
+            and all(COLUMN_FIELDS[k](v) for k, v in fields.items())
+            and all(0 <= int(pos) and type(g[0]) is int and int(pos) + g[0] <= n and isinstance(g[1], str)
+                    for pos, g in groups.items())
             and len(line["ts"]) == len(line["id"]) == len(line["attempt"]) == n > 0
             and all(len(key) == 5 for key in line["keys"]) and set(line["k"]) == set(range(len(line["keys"])))
             and all(0 <= int(pos) < n for pos in line.get("error", {})))
@@ -335,3 +341,21 @@ def test_segment_names():
                                                   "n.bus.json", "n-000000000012.json"))
     assert segment_seq("a1b2-000000000012.jcol") == segment_seq("a1b2-000000000012.jsonl") == 12
     assert segment_seq("n-x.jcol") is None and segment_seq("n.damaged") is None
+
+
+def test_grouped_reading_gives_back_each_event_about_a_segment_with_its_key_even_across_lines():
+    from servicebus.hooks.segments import LINE_EVENTS, Columns, events_of_line
+
+    many = [f"{n:024x}" for n in range(LINE_EVENTS + 10)]
+    columns = Columns("node", "tcp://127.0.0.1:1")
+    columns.add([("published", 1, "KEY", "t", "event", PEER, 0, None, many),
+                 ("received", 2, "CUT", "t", "event", PEER, 1, None, ["other"]),  # a cut segment: key not in ids
+                 ("handled", 3, "one", "t", "event", PEER, 1, "x", None)])
+    lines = columns.lines()
+    assert len(lines) == 2
+    grouped = [e for line in lines for e in events_of_line(line, grouped=True)]
+    assert [(e["event"], e["id"], e.get("ids")) for e in grouped] == [
+        ("published", "KEY", many[:LINE_EVENTS]), ("published", "KEY", many[LINE_EVENTS:]),
+        ("received", "CUT", ["other"]), ("handled", "one", None)]
+    spread = [e for line in lines for e in events_of_line(line)]
+    assert [e["id"] for e in spread] == [*many, "other", "one"] and spread[-1]["error"] == "x"
