@@ -168,6 +168,10 @@ def spark_session(master: str | None, *, class_archive: bool = False):
     # process): getOrCreate joins it, and its options are not ours to set.
     joining = (SparkSession.getActiveSession() is not None or bool(os.environ.get("SPARK_ENV_LOADED"))
                or SparkContext._gateway is not None)
+    if not joining and master and master.startswith("local"):
+        # The throughput collector: an audit is a batch job with no pauses to keep short.
+        # Measured on 5M events: 20-21 s against 23 s cold, 12 s against 13 s warm (G1).
+        options.append("-XX:+UseParallelGC")
     CLASS_ARCHIVE = jvmcache.prepare(master) if class_archive and not joining else None
     if CLASS_ARCHIVE is not None:
         options += CLASS_ARCHIVE.options
