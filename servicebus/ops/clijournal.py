@@ -65,5 +65,7 @@ def journal_events(datadir: Path = DATADIR,
     paths = sorted(p for p in folder.iterdir() if is_segment(p.name)) if folder.is_dir() else []
     for path in paths:  # named <node>-<first seq>: in the order written
         for e in read_segment(path):
-            if (not wanted or e.get("id") in wanted) and (topic is None or e.get("topic") == topic):
+            # (a damaged line's id may be of any JSON type: not one of the ids asked for)
+            if (not wanted or (isinstance(e.get("id"), str) and e["id"] in wanted)) \
+                    and (topic is None or e.get("topic") == topic):
                 print(json.dumps(e, ensure_ascii=False))
