@@ -111,7 +111,11 @@ class Columns:
             if type(ts) is not int or type(attempt) is not int:
                 raise TypeError("a journal event's ts and attempt are ints")
             name, role = ROLES[event]
-            parsed.append(((name, topic, kind, peer, role), ts, ids, attempt,
+            key = (name, topic, kind, peer, role)
+            # A field of damage that still unpacks (an array, a map) raises here, not half-way
+            # through put with the record's earlier events already added.
+            hash(key)
+            parsed.append((key, ts, ids, attempt,
                            None if error is None else str(error), mid if type(mid) is str else None))
         return sum(self.put(*event) for event in parsed)
 
