@@ -538,3 +538,53 @@ def _move_and_audit(spark, tmp_path, bus):
     assert summary["classes"]["handled"] == 115 and summary["ok"], summary["classes"]
     lines = journal_events(tmp_path / "orders")
     assert {e.get("error") for e in lines if e["event"] == "dropped"} == {f"moved to {moved.address}"}
+
+
+def _jcol_segment(root: Path, node: str, address: str, seq: int, events: list[dict]) -> None:
+    from servicebus.hooks.segments import Columns
+
+    journal = root / node / "journal"
+    journal.mkdir(parents=True, exist_ok=True)
+    columns = Columns(node, address)
+    for e in events:
+        ids = e.get("ids") or [e["id"]]
+        columns.put((e["event"], TOPIC, "event", e["peer"], e["role"]), e["ts"], ids, 1, e.get("error"), e["id"])
+    (journal / f"{node}-{seq:012d}.jcol").write_text("".join(columns.lines()), encoding="utf-8")
+
+
+def test_an_incremental_audit_reads_columnar_segments_that_follow_line_segments_once(spark, tmp_path):
+    """An upgraded fleet: day 1's segments are .jsonl, day 2's .jcol (one a segment event
+    about many messages, an error with odd characters); each event is read once."""
+    pub, sub = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
+    fleet, checkpoint = tmp_path / "fleet", str(tmp_path / "checkpoint")
+    t0 = 1_790_000_000_000
+    mid = lambda n: f"{n:024d}"  # noqa: E731
+    _segment(fleet, "pub", pub, 1, [{"event": e, "ts": t0 + n, "id": mid(n), "peer": sub, "role": "sender"}
+                                    for n in range(10) for e in ("published", "sent")])
+    _segment(fleet, "sub", sub, 1, [{"event": e, "ts": t0 + n + 5, "id": mid(n), "peer": pub, "role": "receiver"}
+                                    for n in range(5) for e in ("received", "handled")])
+    first = job.run(spark, [str(fleet)], str(tmp_path / "day1"), grace_ms=60_000, checkpoint=checkpoint)
+    assert first["classes"]["handled"] == 5 and first["classes"]["in_flight"] == 5
+
+    day2 = t0 + 86_400_000
+    ids = [mid(n) for n in range(10, 5010)]  # one event about 5,000 messages: across two lines
+    _jcol_segment(fleet, "pub", pub, 2001, [
+        {"event": "published", "ts": day2, "id": ids[0], "ids": ids, "peer": sub, "role": "sender"},
+        {"event": "sent", "ts": day2, "id": ids[0], "ids": ids, "peer": sub, "role": "sender"},
+        {"event": "published", "ts": day2 + 3_600_000, "id": mid(9999), "peer": "tcp://10.0.0.3:1",
+         "role": "sender"}])
+    _jcol_segment(fleet, "sub", sub, 2001, [
+        *[{"event": e, "ts": day2 + 10, "id": mid(n), "peer": pub, "role": "receiver"}
+          for n in range(5, 10) for e in ("received", "handled")],
+        {"event": "received", "ts": day2 + 20, "id": ids[0], "ids": ids, "peer": pub, "role": "receiver"},
+        {"event": "handled", "ts": day2 + 30, "id": ids[0], "ids": ids[:-1], "peer": pub, "role": "receiver"},
+        {"event": "deadlettered", "ts": day2 + 30, "id": ids[-1], "peer": pub, "role": "receiver",
+         "error": 'ValueError: "ö"\n\u2028'}])
+    second = job.run(spark, [str(fleet)], str(tmp_path / "day2"), grace_ms=60_000, checkpoint=checkpoint)
+    assert second["checkpoint"]["segments_read"] == 2
+    assert second["events"] == 2 * 5000 + 1 + 10 + 5000 + 4999 + 1
+    found = classes_of(spark, tmp_path / "day2")
+    assert found["handled"] == {(m, sub) for m in [mid(n) for n in range(5, 10)] + ids[:-1]}
+    assert found["deadlettered"] == {(ids[-1], sub)}
+    assert not found.get("handled_more_than_once") and not found.get("lost")
+    assert found["in_flight"] == {(mid(9999), "tcp://10.0.0.3:1")}  # the newest: the journal's clock
