@@ -70,7 +70,7 @@ def input_paths(paths: list[str], skipped: list[str] | None = None) -> list[str]
 
 # A columnar line (hooks/segments.py), and what spreads it into one row per event.
 COLUMNS_SCHEMA = ("node STRING, address STRING, keys ARRAY<ARRAY<STRING>>, k ARRAY<INT>, ts ARRAY<LONG>, "
-                  "id ARRAY<STRING>, attempt ARRAY<INT>, error MAP<STRING,STRING>")
+                  "id ARRAY<STRING>, attempt ARRAY<INT>, error MAP<STRING,INT>, errors ARRAY<STRING>")
 _KEY_FIELDS = ("event", "topic", "kind", "peer", "role")
 
 
@@ -96,7 +96,8 @@ def read_events(spark, paths: list[str]):
     if columns:
         raw = spark.read.schema(COLUMNS_SCHEMA).option("mode", "DROPMALFORMED").json(columns)
         entry = F.posexplode(F.arrays_zip("k", "ts", "id", "attempt")).alias("pos", "e")
-        spread = raw.select("node", "address", "keys", "error", entry)
+        spread = raw.select("node", "address", "keys", "error", "errors", entry)
+        error_at = F.col("error")[F.col("pos").cast("string")]  # [], not element_at: null if absent
         # Null, not an error, out of range; a negative index would count from the end
         # (another event's key) and -1 would fail the whole job: none for them either.
         at = F.try_element_at(F.col("keys"), F.when(F.col("e.k") >= 0, F.col("e.k") + 1))
@@ -106,7 +107,7 @@ def read_events(spark, paths: list[str]):
             fields["event"].alias("event"), F.col("e.ts").alias("ts"), "node", "address",
             F.col("e.id").alias("id"), fields["topic"].alias("topic"), fields["kind"].alias("kind"),
             fields["peer"].alias("peer"), F.col("e.attempt").alias("attempt"), fields["role"].alias("role"),
-            F.col("error")[F.col("pos").cast("string")].alias("error"),
+            F.try_element_at("errors", F.when(error_at >= 0, error_at + 1)).alias("error"),
             F.lit(None).cast("array<string>").alias("ids")))
     return reduce(lambda a, b: a.unionByName(b), frames)
 

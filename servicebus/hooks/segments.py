@@ -6,11 +6,12 @@ A segment is a file of JSON lines, in one of two formats, told apart by its name
   batch of up to ``LINE_EVENTS`` events of one journal, one entry per message::
 
     {"node": N, "address": A, "keys": [[event, topic, kind, peer, role], ...],
-     "k": [...], "ts": [...], "id": [...], "attempt": [...], "error": {"3": "..."},
-     "group": {"0": [100, "<segment key>"]}}
+     "k": [...], "ts": [...], "id": [...], "attempt": [...],
+     "errors": ["ValueError: ...", ...], "error": {"3": 0}, "group": {"0": [100, "<segment key>"]}}
 
   entry ``i`` is the event ``keys[k[i]]`` about message ``id[i]`` at ``ts[i]``, attempt
-  ``attempt[i]``, with ``error[str(i)]`` where it has one. ``group`` says which entries
+  ``attempt[i]``, with the error ``errors[error[str(i)]]`` where it has one (each text once
+  per line: a failure about a segment of 4,096 messages does not repeat it 4,096 times). ``group`` says which entries
   were one event about several messages of a stored segment (store format 3): ``n``
   entries from ``i`` on, and the segment's key. The audit, which works per message, does
   not read it; ``servicebus check`` does (the store keeps a segment's messages under its
@@ -91,7 +92,8 @@ class Columns:
         self._ts: list[int] = []
         self._id: list[str] = []
         self._attempt: list[int] = []
-        self._error: dict[str, str] = {}
+        self._error: dict[str, int] = {}
+        self._errors: dict[str, int] = {}
         self._group: dict[str, list] = {}
 
     def add(self, events: list) -> int:
@@ -134,9 +136,10 @@ class Columns:
             part, ids = ids[:LINE_EVENTS - len(self._k)], ids[LINE_EVENTS - len(self._k):]
             index = self._keys.setdefault(key, len(self._keys))
             n, at = len(part), len(self._k)
-            if error is not None:
+            if error is not None:  # the text once per line, an index per entry
+                index_of_error = self._errors.setdefault(error, len(self._errors))
                 for i in range(at, at + n):
-                    self._error[str(i)] = error
+                    self._error[str(i)] = index_of_error
             if segment is not None:
                 self._group[str(at)] = [n, segment]
             self._k += [index] * n
@@ -154,7 +157,7 @@ class Columns:
         line: dict[str, Any] = {"node": self.node, "address": self.address, "keys": list(self._keys),
                                 "k": self._k, "ts": self._ts, "id": self._id, "attempt": self._attempt}
         if self._error:
-            line["error"] = self._error
+            line["error"], line["errors"] = self._error, list(self._errors)
         if self._group:
             line["group"] = self._group
         self._lines.append(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
@@ -186,7 +189,7 @@ def events_of_line(line: str | dict, *, grouped: bool = False) -> list[dict]:
             return [{**{k: v for k, v in obj.items() if k != "ids"}, "id": i} for i in ids]
         return [obj]
     keys, node, address = obj["keys"], obj.get("node"), obj.get("address")
-    errors, groups = obj.get("error") or {}, obj.get("group") or {}
+    error_at, errors, groups = obj.get("error") or {}, obj.get("errors") or [], obj.get("group") or {}
     columns = [obj.get(name) or [] for name in ("k", "ts", "id", "attempt")]
     # As the audit reads it (audit/journals.py): a value of the wrong type makes the whole
     # line damage; arrays of different lengths are padded with nulls; an entry without an
@@ -194,8 +197,9 @@ def events_of_line(line: str | dict, *, grouped: bool = False) -> list[dict]:
     for values, kind in zip(columns, (int, int, str, int)):
         if not isinstance(values, list) or not all(v is None or type(v) is kind for v in values):
             raise TypeError("a journal line's columns are arrays of their types")
-    if not isinstance(keys, list) or not isinstance(errors, dict) or not isinstance(groups, dict):
-        raise TypeError("a journal line's keys are an array, its errors and groups objects")
+    if not isinstance(keys, list) or not isinstance(errors, list) or not isinstance(error_at, dict) \
+            or not isinstance(groups, dict) or not all(type(v) is int for v in error_at.values()):
+        raise TypeError("a journal line's keys and errors are arrays, its error and group objects")
     out: list[dict] = []
     until, event_of_group = -1, None
     for i, (k, ts, mid, attempt) in enumerate(itertools.zip_longest(*columns)):
@@ -208,8 +212,9 @@ def events_of_line(line: str | dict, *, grouped: bool = False) -> list[dict]:
         event, topic, kind, peer, role = key
         e = {"event": event, "ts": ts, "node": node, "address": address, "id": mid, "topic": topic,
              "kind": kind, "peer": peer, "attempt": attempt, "role": role}
-        if str(i) in errors:
-            e["error"] = errors[str(i)]
+        at = error_at.get(str(i))
+        if at is not None and 0 <= at < len(errors):  # out of range: no error, as the audit reads it
+            e["error"] = errors[at]
         group = groups.get(str(i))
         if grouped and isinstance(group, list) and len(group) == 2 and type(group[0]) is int \
                 and isinstance(group[1], str):

@@ -72,13 +72,23 @@ def test_damaged_columnar_lines_lose_only_their_damaged_entries_and_never_fail_t
              {**good, "k": [-2, 5], "id": ["bad2", "bad3"]},  # -2, past the end: no key
              {**good, "keys": [["published", "t"]], "k": [0, 0], "id": ["bad4", "bad5"]},  # a short key
              {**good, "k": "0", "id": ["bad6", "bad7"]},  # not an array: the line is malformed
-             {**good, "ts": ["x", 1], "id": ["bad8", "bad9"]}]
+             {**good, "ts": ["x", 1], "id": ["bad8", "bad9"]},
+             # errors: an index out of range is no error; one of another type, damage
+             {**good, "id": ["m3", "m4"], "errors": ["E: x"], "error": {"0": -1, "1": 7}},
+             {**good, "id": ["m5", "m6"], "errors": ["E: x"], "error": {"1": 0}},
+             {**good, "id": ["bad10", "bad11"], "errors": ["E: x"], "error": {"1": "E: x"}}]
     text = "".join(json.dumps(line) + "\n" for line in lines) + "{not json\n" + '{"k": [0], "ts": [1]'
     (journal / "pub-000000000001.jcol").write_text(text)
     events = job.read_events(spark, job.input_paths([str(tmp_path / "pub")]))
     from servicebus.audit.reconcile import one_per_message
 
-    got = sorted((r["id"], r["event"]) for r in one_per_message(events).collect())
-    assert got == [("m1", "published"), ("m1", "sent"), ("m2", "published")]
+    got = sorted((r["id"], r["event"], r["error"]) for r in one_per_message(events).collect())
+    assert got == [("m1", "published", None), ("m1", "sent", None), ("m2", "published", None),
+                   ("m3", "published", None), ("m4", "sent", None), ("m5", "published", None),
+                   ("m6", "sent", "E: x")]
+    # The readers outside Spark (check, journal events) read the same.
+    from servicebus.hooks.segments import read_segment
+
+    assert sorted((e["id"], e["event"], e.get("error")) for e in read_segment(journal / "pub-000000000001.jcol")) == got
     summary = job.run(spark, [str(tmp_path / "pub")], str(tmp_path / "out"), write=False)
-    assert summary["events"] == 3 and summary["messages"] == 2
+    assert summary["events"] == 7 and summary["messages"] == 6

@@ -92,7 +92,7 @@ EVENT_FIELDS = {"event", "ts", "node", "address", "id", "topic", "kind", "peer",
 
 def test_the_schemas_are_read_whole():
     assert set(FIELDS) == EVENT_FIELDS | {"error", "ids"}
-    assert set(COLUMN_FIELDS) == {"node", "address", "keys", "k", "ts", "id", "attempt", "error"}
+    assert set(COLUMN_FIELDS) == {"node", "address", "keys", "k", "ts", "id", "attempt", "error", "errors"}
 
 
 def readable_by_the_audit(e: dict) -> bool:
@@ -109,13 +109,14 @@ def a_line_the_audit_reads(line: dict) -> bool:
     n = len(line["k"])
     groups = line.get("group", {})
     fields = {k: v for k, v in line.items() if k != "group"}
-    return (set(fields) <= set(COLUMN_FIELDS) and set(COLUMN_FIELDS) - {"error"} <= set(fields)
+    return (set(fields) <= set(COLUMN_FIELDS) and set(COLUMN_FIELDS) - {"error", "errors"} <= set(fields)
             and all(COLUMN_FIELDS[k](v) for k, v in fields.items())
             and all(0 <= int(pos) and type(g[0]) is int and int(pos) + g[0] <= n and isinstance(g[1], str)
                     for pos, g in groups.items())
             and len(line["ts"]) == len(line["id"]) == len(line["attempt"]) == n > 0
             and all(len(key) == 5 for key in line["keys"]) and set(line["k"]) == set(range(len(line["keys"])))
-            and all(0 <= int(pos) < n for pos in line.get("error", {})))
+            and ("error" in line) == ("errors" in line)
+            and all(0 <= int(pos) < n and 0 <= at < len(line["errors"]) for pos, at in line.get("error", {}).items()))
 
 
 def test_an_event_about_a_segment_is_an_entry_per_message_and_counts_and_reads_as_one_per_message(store, tmp_path):
@@ -140,7 +141,7 @@ def test_an_event_about_a_segment_is_an_entry_per_message_and_counts_and_reads_a
     (line,) = raw_lines(tmp_path)  # the two records' events on one line, what repeats once
     assert a_line_the_audit_reads(line)
     assert [key[0] for key in line["keys"]] == ["published", "sent", "handler_failed", "handled"]
-    assert line["error"] == {"200": 'KeyError: "x"'}
+    assert (line["error"], line["errors"]) == ({"200": 0}, ['KeyError: "x"'])
 
 
 def test_records_written_before_segments_existed_still_flush(store, tmp_path):
@@ -242,8 +243,9 @@ def test_columns_lines_give_back_every_event_with_its_errors_at_the_right_entrie
     assert text.endswith("\n") and "\n" not in text[:-1]
     line = json.loads(text)
     assert line["keys"] == [list(KEY_A), list(KEY_B)] and line["k"] == [0, 0, 0, 1, 0, 1, 1, 1, 0]
-    assert line["error"] == {"3": "ValueError: x", "5": "caf\u00e9 \"quoted\"\n", "6": "caf\u00e9 \"quoted\"\n",
-                             "7": "caf\u00e9 \"quoted\"\n"}
+    # Each text once in the line, an index per entry that has it.
+    assert line["errors"] == ["ValueError: x", "caf\u00e9 \"quoted\"\n"]
+    assert line["error"] == {"3": 0, "5": 1, "6": 1, "7": 1}
     assert events_of_line(text) == events_of_line(line) == [e for p in puts for e in expected(*p)]
     assert columns.lines() == []  # taken
 
