@@ -54,13 +54,17 @@ def journal_flush(datadir: Path = DATADIR) -> None:
 def journal_events(datadir: Path = DATADIR,
                    ids: list[str] = typer.Option([], "--id", metavar="ID", help="only this message's (repeatable)"),
                    topic: str = typer.Option(None, "--topic", help="only events of this topic")) -> None:
-    """Print the events of a bus's journal segments, one JSON object per event and message,
-    in the order they were written (segments of either format; a line that does not parse,
+    """Print the events of a bus's journal segments (DATADIR, or a journal folder), one JSON
+    object per event and message, in the order they were written (segments of either format; a line that does not parse,
     such as a torn last one, is skipped). What the audit reconciles, readable by grep and jq."""
     import json
 
-    datadir = _datadir(datadir)
-    folder = datadir / "journal"
+    # A data directory, or a journal folder on its own (copied off a host, kept by chaos).
+    try:
+        bare = not (datadir / "store").is_dir() and any(is_segment(p.name) for p in datadir.iterdir())
+    except OSError:
+        bare = False  # _datadir says why
+    folder = datadir if bare else _datadir(datadir) / "journal"
     wanted = set(ids)
     paths = sorted(p for p in folder.iterdir() if is_segment(p.name)) if folder.is_dir() else []
     for path in paths:  # named <node>-<first seq>: in the order written

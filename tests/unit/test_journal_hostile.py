@@ -1,4 +1,5 @@
-"""Review of the columnar journal (.jcol): what a bus writes against what its readers read."""
+"""The columnar journal (.jcol) against hostile and odd input: what a bus writes against what
+its readers (the audit, check, journal events) read."""
 
 import json
 
@@ -74,3 +75,22 @@ def test_odd_but_legal_values_come_back_as_written(tmp_path):
     assert [e["id"] for e in events[3:]] == [f"i{i}" for i in range(5000)]
     grouped = list(read_segment(path, grouped=True))
     assert [(e["id"], len(e.get("ids") or [])) for e in grouped][3:] == [("k", LINE_EVENTS - 3), ("k", 5000 - LINE_EVENTS + 3)]
+
+
+def test_journal_events_reads_a_data_directory_or_a_journal_folder_on_its_own_and_filters_by_topic(tmp_path):
+    (tmp_path / "bus").mkdir()
+    datadir = _datadir(tmp_path / "bus")
+    columns = Columns("n", "a")
+    columns.put(("handled", "orders", "event", "p", "receiver"), 2, ["m1", "m2"], 1, None)
+    columns.put(("handled", "emails", "event", "p", "receiver"), 3, ["m3"], 1, "E: x")
+    (datadir / "journal" / "n-000000000001.jcol").write_text("".join(columns.lines()))
+    runner = CliRunner()
+    whole = runner.invoke(app, ["journal", "events", str(datadir)])
+    alone = runner.invoke(app, ["journal", "events", str(datadir / "journal")])  # copied off a host
+    assert whole.exit_code == alone.exit_code == 0, (whole.output, alone.output)
+    assert whole.stdout == alone.stdout
+    assert [json.loads(line)["id"] for line in whole.stdout.splitlines()] == ["m1", "m2", "m3"]
+    emails = runner.invoke(app, ["journal", "events", str(datadir), "--topic", "emails"])
+    assert [(e["id"], e["error"]) for e in map(json.loads, emails.stdout.splitlines())] == [("m3", "E: x")]
+    missing = runner.invoke(app, ["journal", "events", str(tmp_path / "nowhere")])
+    assert missing.exit_code != 0 and "no such data directory" in str(missing.exception)
