@@ -101,25 +101,45 @@ class Columns:
         is not a list of events raises ValueError/TypeError before any of it is added (the
         journal sets it aside whole)."""
         parsed = []
+        roles = ROLES
         for ev in events:
             event, ts, mid, topic, kind, peer, attempt, error = ev[:8]
             ids = ev[8] if len(ev) > 8 else None
-            if ids is not None and (type(ids) is not list or not all(type(i) is str for i in ids)):
+            if ids:
+                if type(ids) is not list or not all(type(i) is str for i in ids):
+                    raise ValueError(f"ids of a journal event is not a list of ids: {ids!r:.80}")
+            elif ids is not None and type(ids) is not list:
                 raise ValueError(f"ids of a journal event is not a list of ids: {ids!r:.80}")
-            if ids is None or not ids:
-                if type(mid) is not str:
-                    raise TypeError(f"the id of a journal event is not a str: {mid!r:.80}")
-                ids = [mid]
+            elif type(mid) is not str:
+                raise TypeError(f"the id of a journal event is not a str: {mid!r:.80}")
             if type(ts) is not int or type(attempt) is not int:
                 raise TypeError("a journal event's ts and attempt are ints")
-            name, role = ROLES[event]
+            name, role = roles[event]
             key = (name, topic, kind, peer, role)
             # A field of damage that still unpacks (an array, a map) raises here, not half-way
             # through put with the record's earlier events already added.
             hash(key)
-            parsed.append((key, ts, ids, attempt,
-                           None if error is None else str(error), mid if type(mid) is str else None))
-        return sum(self.put(*event) for event in parsed)
+            parsed.append((key, ts, ids, attempt, error, mid))
+        count = 0
+        keys, k, ts_, id_, attempts = self._keys, self._k, self._ts, self._id, self._attempt
+        for key, ts, ids, attempt, error, mid in parsed:
+            if ids or error is not None:
+                count += self.put(key, ts, ids or [mid], attempt, None if error is None else str(error),
+                                  mid if type(mid) is str else None)
+                k, ts_, id_, attempts = self._k, self._ts, self._id, self._attempt  # a new line
+                continue
+            # One message, no error: most events, appended here (the journal thread shares
+            # the GIL with the handlers).
+            k.append(keys.setdefault(key, len(keys)))
+            ts_.append(ts)
+            id_.append(mid)
+            attempts.append(attempt)
+            count += 1
+            self.events += 1
+            if len(k) >= LINE_EVENTS:
+                self._close_line()
+                keys, k, ts_, id_, attempts = self._keys, self._k, self._ts, self._id, self._attempt
+        return count
 
     def put(self, key: tuple, ts: int, ids: list[str], attempt: int, error: str | None,
             segment: str | None = None) -> int:
