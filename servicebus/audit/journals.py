@@ -26,8 +26,13 @@ import json
 import re
 from pathlib import Path
 
-from ..hooks.segments import COLUMNS, SUFFIXES
 from .errors import AuditError
+
+# The segment files' suffixes, as hooks/segments.py names them: columnar lines (what a bus
+# writes) and lines of one event each (older buses). Not imported from there: spark-submit
+# runs this package alone, where the bus need not be installed.
+COLUMNS, LINES = ".jcol", ".jsonl"
+SUFFIXES = (COLUMNS, LINES)
 
 SCHEMA = ("event STRING, ts LONG, node STRING, address STRING, id STRING, topic STRING, "
           "kind STRING, peer STRING, attempt INT, role STRING, error STRING, ids ARRAY<STRING>")
