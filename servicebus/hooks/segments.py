@@ -126,7 +126,8 @@ class Columns:
             if ids or error is not None:
                 count += self.put(key, ts, ids or [mid], attempt, None if error is None else str(error),
                                   mid if type(mid) is str else None)
-                k, ts_, id_, attempts = self._k, self._ts, self._id, self._attempt  # a new line
+                # put may have closed the line: its columns, and its keys, are new ones
+                keys, k, ts_, id_, attempts = self._keys, self._k, self._ts, self._id, self._attempt
                 continue
             # One message, no error: most events, appended here (the journal thread shares
             # the GIL with the handlers).

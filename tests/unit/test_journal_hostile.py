@@ -94,3 +94,16 @@ def test_journal_events_reads_a_data_directory_or_a_journal_folder_on_its_own_an
     assert [(e["id"], e["error"]) for e in map(json.loads, emails.stdout.splitlines())] == [("m3", "E: x")]
     missing = runner.invoke(app, ["journal", "events", str(tmp_path / "nowhere")])
     assert missing.exit_code != 0 and "no such data directory" in str(missing.exception)
+
+
+def test_a_one_message_event_after_an_event_that_filled_a_line_reads_back_whole():
+    # One record: an event about a whole line's worth of messages (the line is closed in
+    # the middle of the record), then events about one message each, of an old key and a new.
+    many = [f"m{i:05d}" for i in range(LINE_EVENTS)]
+    columns = Columns("n", "a")
+    columns.add([["published", 1, many[0], "t", "event", "p", 0, None, many],
+                 ["published", 2, "single", "t", "event", "p", 0, None],
+                 ["sent", 3, "single", "t", "event", "p", 1, None]])
+    events = [e for line in columns.lines() for e in events_of_line(line)]
+    assert [(e["id"], e["event"]) for e in events[-2:]] == [("single", "published"), ("single", "sent")]
+    assert len(events) == LINE_EVENTS + 2
