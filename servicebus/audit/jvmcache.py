@@ -90,14 +90,20 @@ def java_version(java: str) -> str:
     return subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
 
 
+def java_build(version_text: str) -> str:
+    """The build ``java -version`` names ("17.0.15+6-Debian-1deb12u1"), "" if none."""
+    found = re.search(r"\(build ([^)]+)\)", version_text)
+    return found.group(1) if found else ""
+
+
 def archive_name(version_text: str, pyspark_version: str, jars: Path,
                  env: Mapping[str, str] = os.environ) -> str:
     """``spark-driver-java<ver>-pyspark<ver>-<hash>.jsa``: a JDK, pyspark or jar change
     makes a new name (so a new archive), never a stale archive read by a new JVM. The
     hash covers the whole ``java -version`` text, the jars' names, sizes and times, and the
     environment that changes the driver's classpath."""
-    found = re.search(r"\(build ([^)]+)\)", version_text) or re.search(r'version "([^"]+)"', version_text)
-    java = found.group(1) if found else "unknown"
+    found = re.search(r'version "([^"]+)"', version_text)
+    java = java_build(version_text) or (found.group(1) if found else "unknown")
     digest = hashlib.sha256(version_text.encode())
     digest.update(pyspark_version.encode())
     try:
@@ -233,7 +239,7 @@ class Archive:
                 if code == 0 and looks_valid(tmp, "", sized=False):
                     # The size first, then the archive: a reader that sees the archive sees
                     # its size; a crash between leaves no archive, so a new one is written.
-                    sizes = tmp.with_name(tmp.name + ".size")
+                    sizes = size_file(tmp)
                     sizes.write_text(str(tmp.stat().st_size))
                     os.replace(sizes, size_file(self.final))
                     os.replace(tmp, self.final)  # atomic: readers see all or nothing
@@ -243,7 +249,7 @@ class Archive:
         finally:
             if not done:
                 tmp.unlink(missing_ok=True)
-                tmp.with_name(tmp.name + ".size").unlink(missing_ok=True)
+                size_file(tmp).unlink(missing_ok=True)
             self.release()
         return done
 
@@ -302,8 +308,7 @@ def prepare(master: str | None, env: Mapping[str, str] = os.environ) -> Archive 
         final = folder / name
         if not _SAFE_PATH.fullmatch(str(final)):
             return None  # would need quoting in extraJavaOptions: not worth the risk
-        found = re.search(r"\(build ([^)]+)\)", version)
-        build = found.group(1) if found else ""
+        build = java_build(version)
         sweep(folder, keep=name)
         # A JVM that dies writes its report here, not into the operator's working folder.
         crash = f"-XX:ErrorFile={folder}/hs_err_pid%p.log"

@@ -70,8 +70,6 @@ BUS_FILE_MAX = 1 << 20  # bytes: a larger <node>.bus.json is not this bus's (it 
 PENDING = "journal_pending"  # meta: [segment name, its records' seqs] while it is moved
 
 
-
-
 def _addresses(path: Path) -> dict[str, str | None]:
     """The addresses an earlier start wrote to ``path``; {} for none, or for a file that is
     not one (a power cut, a hand edit, another program's): it is then written anew."""
