@@ -41,6 +41,11 @@ SEP = "\x1f"
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # not "." or "..": URLs drop those
 MAX_VISIBILITY = 12 * 3600.0
 MAX_ATTEMPTS = 1000
+# How far back from the newest an arrival is put in id order: the pull bus's handler
+# threads queue one publisher's messages a few places out of order; an old one arriving
+# behind a long backlog (its publisher was down) is read after it rather than walked in.
+REORDER = 256
+HOLD_PLACE = 2.0  # s a message queued by a handler whose write has not landed stays first
 
 
 def check_sub_name(name: str) -> str:
@@ -65,7 +70,8 @@ class Sub:
     queue: dict[str, list[float]] = field(default_factory=dict)
     ready: dict[str, None] = field(default_factory=dict)
     later: list[tuple[float, str]] = field(default_factory=list)
-    pending: set[str] = field(default_factory=set)  # queued by a handler, not yet confirmed in kv
+    # queued by a handler, not yet confirmed in kv -> until when it keeps its place in order
+    pending: dict[str, float] = field(default_factory=dict)
     dead: int = 0
     deleted: bool = False
     waiters: list[asyncio.Future] = field(default_factory=list)
@@ -96,6 +102,19 @@ class Sub:
             entry = self.queue.get(mid)
             if entry is not None and entry[1] == visible_at:
                 self.ready[mid] = None
+
+    def make_ready(self, mid: str) -> None:
+        """``mid`` readable, in id (publish) order among the last ``REORDER`` ready ones."""
+        ready, moved = self.ready, []
+        while ready and len(moved) < REORDER:
+            last = next(reversed(ready))
+            if last < mid:
+                break
+            ready.popitem()  # the newest: dicts pop in LIFO order
+            moved.append(last)
+        ready[mid] = None
+        for later in reversed(moved):
+            ready[later] = None
 
     def counts(self, now: float) -> dict[str, Any]:
         self.due(now)
@@ -207,8 +226,8 @@ class PullQueues:
             if sub.deleted or mid in sub.queue:
                 continue
             sub.queue[mid] = [0, 0.0]
-            sub.ready[mid] = None
-            sub.pending.add(mid)
+            sub.make_ready(mid)
+            sub.pending[mid] = time.monotonic() + HOLD_PLACE
             self._wake(sub)
 
     def _wake(self, sub: Sub) -> None:
@@ -246,12 +265,16 @@ class PullQueues:
             if entry is None:
                 continue  # acked or deleted meanwhile
             if record is None:
-                if mid in sub.pending:
-                    sub.ready[mid] = None  # its handler's write has not landed: later
+                held = sub.pending.get(mid)
+                if held is not None:  # its handler's write has not landed: read it later,
+                    if held > time.monotonic():  # ahead of later ones while that is usual
+                        sub.make_ready(mid)
+                    else:  # a handler failing again and again holds up no one
+                        sub.ready[mid] = None
                 else:
                     del sub.queue[mid]
                 continue
-            sub.pending.discard(mid)
+            sub.pending.pop(mid, None)
             if entry[0] >= sub.max_attempts:
                 dead.append((mid, record))
                 continue
@@ -303,7 +326,7 @@ class PullQueues:
         for mid in ids:
             sub.queue.pop(mid, None)
             sub.ready.pop(mid, None)
-            sub.pending.discard(mid)
+            sub.pending.pop(mid, None)
 
     def next_visible(self, sub: Sub) -> float | None:
         """When the next invisible message becomes visible again (epoch s), or None."""
