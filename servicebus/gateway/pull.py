@@ -105,7 +105,8 @@ class Sub:
 
     def make_ready(self, mid: str) -> None:
         """``mid`` readable, in id (publish) order among the last ``REORDER`` ready ones."""
-        ready, moved = self.ready, []
+        ready = self.ready
+        moved: list[str] = []
         while ready and len(moved) < REORDER:
             last = next(reversed(ready))
             if last < mid:
