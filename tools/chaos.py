@@ -613,11 +613,20 @@ class Chaos:
             self.run.notes.append(f"{killed} processes killed with SIGKILL")
 
     def settle(self, timeout: float = 120.0) -> None:
-        """Stop publishing and wait until every acknowledged message is accounted for."""
+        """Stop publishing and wait until every acknowledged message is accounted for.
+
+        The acks are read only once the publisher said it is quiet (or is not running): a
+        publish under way when the quiet file appeared is appended after it, and counting
+        before that stopped the subscriber with that batch still owed (CI saw 10 "lost")."""
+        seen = Path(f"{self.pub.quiet}.seen")
+        seen.unlink(missing_ok=True)
         self.pub.quiet.touch()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.supervise()
+            if not seen.exists() and self.pub.alive():
+                time.sleep(0.05)
+                continue
             acked = set(self.pub.acks.read_text().split()) if self.pub.acks.exists() else set()
             # A group's members write to one file (appends of a line each are atomic).
             done = {line.split()[0] for line in self.sub.handled.read_text().splitlines() if line.strip()} \

@@ -23,7 +23,7 @@ message's classes are those of its pairs):
   with none counted, both are empty. Messages the harness knows are still owed at the end
   (lost, reported lost, or published without an acknowledgement) may be ``owed`` or
   ``in_flight``; another pair of a handled message may be ``dropped`` (a group's
-  reassignment, or the address a subscriber moved from: the move journals it so);
+  reassignment; a subscriber that moved is one receiver, at its new address);
 - the messages dead-lettered (at a sender or a receiver) are exactly the dead letters
   ``servicebus deadletters`` lists at the buses.
 

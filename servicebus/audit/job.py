@@ -8,7 +8,9 @@ PATH is a data directory, a folder of data directories, or any URI Spark reads (
 segments are found with the glob ``PATH/{journal,*/journal}/*.jsonl``).
 
 Every journal event belongs to one (message, receiver) pair: a sender-side event's
-receiver is its ``peer``, a receiver-side event's receiver is its ``address``. A line with
+receiver is its ``peer``, a receiver-side event's receiver is its ``address``; an address a
+bus had before (its ``<node>.bus.json`` lists them) counts as the address it has now, so a
+subscriber restarted elsewhere with its data directory is one receiver. A line with
 ``ids`` (an event about a segment's messages, store format 3) is one event per id. Each
 pair is classified, in this order:
 

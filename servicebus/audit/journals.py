@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from .errors import AuditError
@@ -181,9 +182,24 @@ def merge_buses(files: list[dict[str, dict[str, str | None]]]) -> dict[str, dict
     return out
 
 
-def read_buses(spark, globs: list[str]) -> dict[str, dict[str, str | None]]:
-    """address -> {"name", "datadir"} for every bus whose journal the segment ``globs`` read
-    (merge_buses: where several claim one address)."""
+def moved_addresses(files: list[dict[str, dict[str, str | None]]]) -> dict[str, str]:
+    """address -> the address its bus has now (the last its file lists), for every earlier
+    address of a bus that had several: a subscriber restarted elsewhere with its data
+    directory is one receiver (it deduplicates across the move; a message it handled at
+    one address and acked again as a duplicate at the next was read "lost" at the next).
+    An address two buses' files claim is left as it is: which bus it meant is unknown."""
+    claims = Counter(address for found in files for address in found)
+    out: dict[str, str] = {}
+    for found in files:
+        addresses = list(found)
+        if len(addresses) > 1 and claims[addresses[-1]] == 1:
+            out.update((a, addresses[-1]) for a in addresses[:-1] if claims[a] == 1)
+    return out
+
+
+def read_bus_files(spark, globs: list[str]) -> list[dict[str, dict[str, str | None]]]:
+    """Each bus file beside the segments ``globs`` match, as parse_bus_file reads it (one
+    per bus, its addresses oldest first)."""
     from .hadoopfs import read_text
 
     files = []
@@ -191,4 +207,10 @@ def read_buses(spark, globs: list[str]) -> dict[str, dict[str, str | None]]:
         text = read_text(spark, path, limit=BUS_FILE_MAX)
         if text:
             files.append(parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:")))
-    return merge_buses(files)
+    return files
+
+
+def read_buses(spark, globs: list[str]) -> dict[str, dict[str, str | None]]:
+    """address -> {"name", "datadir"} for every bus whose journal the segment ``globs`` read
+    (merge_buses: where several claim one address)."""
+    return merge_buses(read_bus_files(spark, globs))

@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint
 from .classify import build_summary, classify, rollup, timeline
 from .errors import AuditError
 from .hadoopfs import delete_path, write_text
-from .journals import input_paths, read_buses, read_events, segment_files
+from .journals import input_paths, merge_buses, moved_addresses, read_bus_files, read_events, segment_files
 from .outputs import write_outputs
 from .problems import LISTED, listed, name_addresses, problem_table
 from .reconcile import combine, journal_clocks, partials
@@ -45,16 +45,17 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     started = time.monotonic()
     skipped: list[str] = []
     globs = input_paths(paths, skipped)
-    buses = read_buses(spark, globs)  # every bus's, a checkpointed run's old segments' too
+    files = read_bus_files(spark, globs)  # every bus's, a checkpointed run's old segments' too
+    buses, moved = merge_buses(files), moved_addresses(files)
     state = None
-    files: list[str] = []
+    segments: list[str] = []
     if checkpoint is not None:
         state = Checkpoint.load(spark, checkpoint)
-        files = segment_files(spark, globs)
-        globs = [f for f in files if f not in state.files]
-        state.files = set(files)  # what the checkpoint says was read, once this run is saved
+        segments = segment_files(spark, globs)
+        globs = [f for f in segments if f not in state.files]
+        state.files = set(segments)  # what the checkpoint says was read, once this run is saved
     if globs:
-        pairs = partials(read_events(spark, globs))
+        pairs = partials(read_events(spark, globs), moved)
     else:
         pairs = None
     if state is not None:
@@ -77,7 +78,7 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     finally:
         delete_path(spark, work)
     if state is not None:
-        summary["checkpoint"] = {"segments_read": len(globs), "segments_known": len(files),
+        summary["checkpoint"] = {"segments_read": len(globs), "segments_known": len(segments),
                                  "carried_in": state.carried, "carried_out": state.carried_out}
     summary["seconds"] = round(time.monotonic() - started, 3)
     summary["skipped_inputs"] = skipped

@@ -32,7 +32,7 @@ _COMBINE = {
 # The pair's latest event in one number, so that it aggregates as a number (see partials):
 # ts * 32 + the event's code, the later in a delivery the higher where two share a ts.
 EVENTS = ("?", "published", "sent", "acked", "received", "handler_failed", "retried", "handled",
-          "dropped", "expired", "deadlettered", "replayed")
+          "dropped", "expired", "deadlettered", "replayed", "moved")
 _CODE_SPAN = 32
 
 
@@ -68,8 +68,10 @@ def one_per_message(events):
             .where(col("id").isNotNull()))
 
 
-def partials(events):
-    """One row per (message id, receiver): everything the classification needs.
+def partials(events, moved: dict[str, str] | None = None):
+    """One row per (message id, receiver): everything the classification needs. ``moved``
+    (journals.moved_addresses): an earlier address of a bus -> its address now, so that a
+    bus that moved is one receiver (and one sender, one journal clock).
 
     The events are shuffled once, by pair. The aggregation runs in two steps over that
     one partitioning: first grouped by pair and its strings (topic, kind, sender, dead
@@ -83,11 +85,18 @@ def partials(events):
     is_ = lambda *names: col("event").isin(*names)  # noqa: E731
     count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
     sender_side = col("role") == "sender"
+    now = (lambda c: c) if not moved else (  # noqa: E731
+        lambda c: F.coalesce(F.create_map(*[F.lit(x) for pair in moved.items() for x in pair])[c], c))
     e = (one_per_message(events)  # a line about a segment's messages: one event per message
-         .withColumn("receiver", when(sender_side, col("peer")).otherwise(col("address")))
-         .withColumn("sender", when(sender_side, col("address")).otherwise(col("peer")))
+         .withColumn("receiver", now(when(sender_side, col("peer")).otherwise(col("address"))))
+         .withColumn("sender", now(when(sender_side, col("address")).otherwise(col("peer"))))
          .withColumn("deadletter_reason",
                      when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event")))))
+    if moved:
+        # "dropped, moved to B" at a bus's old address is no drop for that bus at B: it
+        # would hide a loss there (dropped is tested before lost).
+        to = now(F.regexp_extract(col("error"), "^moved to (.+)$", 1))
+        e = e.withColumn("event", when(is_("dropped") & (to == col("receiver")), "moved").otherwise(col("event")))
     codes = F.create_map(*[F.lit(x) for i, name in enumerate(EVENTS) for x in (name, i)])
     code = F.coalesce(codes[col("event")], F.lit(0)).cast("long")  # [], not element_at: null if absent, ANSI or not
     partitions = int(events.sparkSession.conf.get("spark.sql.shuffle.partitions"))
