@@ -80,7 +80,7 @@ if not __package__:
     _spec.loader.exec_module(_package)
     __package__ = _spec.name
 
-from . import jvmcache
+from . import jvmcache, report
 from .checkpoint import Checkpoint
 from .classify import CLASSES, PROBLEMS, classify, rollup, summarize, timeline
 from .errors import AuditError
@@ -378,6 +378,7 @@ def audit_cli(paths: list[str], out: str, *, master: str | None = None, since: s
     if master is None and not os.environ.get("SPARK_ENV_LOADED"):
         master = "local[*]"  # not under spark-submit
     say(f"starting Spark ({master or 'spark-submit'}) for {len(paths)} input(s)")
+    threading.Thread(target=report.preload, name="audit-preload", daemon=True).start()
     spark = spark_session(master, class_archive=True)
     if CLASS_ARCHIVE is not None and CLASS_ARCHIVE.creating:
         say(f"writing a one-time archive of Spark's classes for faster starts, to "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from pathlib import Path
 
 from .errors import AuditError
@@ -187,14 +186,23 @@ def moved_addresses(files: list[dict[str, dict[str, str | None]]]) -> dict[str, 
     address of a bus that had several: a subscriber restarted elsewhere with its data
     directory is one receiver (it deduplicates across the move; a message it handled at
     one address and acked again as a duplicate at the next was read "lost" at the next).
-    An address two buses' files claim is left as it is: which bus it meant is unknown."""
-    claims = Counter(address for found in files for address in found)
+    An address two buses claim (merge_buses), or that two files move to different
+    addresses, is left as it is: which bus it meant is unknown."""
+    owners: dict[str, list[dict[str, str | None]]] = {}
+    for found in files:
+        for address, bus in found.items():
+            if bus not in owners.setdefault(address, []):
+                owners[address].append(bus)
     out: dict[str, str] = {}
+    unsure: set[str] = set()
     for found in files:
         addresses = list(found)
-        if len(addresses) > 1 and claims[addresses[-1]] == 1:
-            out.update((a, addresses[-1]) for a in addresses[:-1] if claims[a] == 1)
-    return out
+        if len(addresses) < 2 or len(owners[addresses[-1]]) > 1:
+            continue
+        for address in addresses[:-1]:
+            if len(owners[address]) > 1 or out.setdefault(address, addresses[-1]) != addresses[-1]:
+                unsure.add(address)
+    return {a: now for a, now in out.items() if a not in unsure}
 
 
 def read_bus_files(spark, globs: list[str]) -> list[dict[str, dict[str, str | None]]]:

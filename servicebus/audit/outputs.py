@@ -15,8 +15,8 @@ from .hadoopfs import write_bytes, write_text
 def write_outputs(spark, out: str, summary: dict, rows: list[dict], times) -> None:
     """The small tables, summary.json, report.html and report.png (the plots alone)."""
     times.write.mode("overwrite").parquet(f"{out}/timeline")
-    timeline_rows = [(r["second"], r["published"], r["handled"])
-                     for r in spark.read.parquet(f"{out}/timeline").orderBy("second").limit(100_000).collect()]
+    timeline_rows = [(r["second"], r["published"], r["handled"]) for r in spark.read.schema(times.schema)
+                     .parquet(f"{out}/timeline").orderBy("second").limit(100_000).collect()]
     for name in ("by_topic", "by_receiver"):
         key = "topic" if name == "by_topic" else "receiver"
         table = summary[name]

@@ -108,7 +108,9 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
     phases = _Phases()
     pairs.write.mode("overwrite").parquet(f"{work}/pairs")
     phases.done("read_and_reconcile")
-    pairs = spark.read.parquet(f"{work}/pairs")
+    # Read back with the schema it was written with: no Spark job to infer it (each of
+    # those costs a few tenths of a second on a cold JVM).
+    pairs = spark.read.schema(pairs.schema).parquet(f"{work}/pairs")
     clocks, n_events = journal_clocks(pairs, "new_events" if "new_events" in pairs.columns else "n_events")
     if n_events == 0 and state is None:  # (an incremental run may find nothing new)
         raise AuditError("the journals hold no events")
@@ -121,16 +123,18 @@ def _audit(spark, pairs, paths: list[str], out: str, work: str, state: "Checkpoi
         # This run reports what its new segments touched and what it carried open.
         messages = messages.where((F.col("touched") == 1) | (F.coalesce(F.col("was_open"), F.lit(0)) == 1))
     table = f"{out}/messages" if write else f"{work}/messages"
-    messages.drop("touched", "was_open").write.mode("overwrite").parquet(table)
+    messages = messages.drop("touched", "was_open")
+    messages.write.mode("overwrite").parquet(table)
     phases.done("classify_and_write_messages")
-    reported = spark.read.parquet(table)
+    reported = spark.read.schema(messages.schema).parquet(table)
     rows = rollup(reported)
     summary = build_summary(paths, n_events, rows, grace_ms, since_ms)
     full = write and report  # without the report (tools/chaos), the problem list stays in _work
     table = f"{out}/problems" if full else f"{work}/problems"
     if full or any(summary["classes"][k] for k in LISTED):
-        problem_table(spark, reported, buses).write.mode("overwrite").parquet(table)
-        summary["problems"] = listed(spark.read.parquet(table), summary["classes"])
+        problems = problem_table(spark, reported, buses)
+        problems.write.mode("overwrite").parquet(table)
+        summary["problems"] = listed(spark.read.schema(problems.schema).parquet(table), summary["classes"])
     else:
         summary["problems"] = {k: [] for k in LISTED}
     summary["problem_counts"] = {k: summary["classes"][k] for k in LISTED}

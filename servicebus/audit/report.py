@@ -53,6 +53,17 @@ def _draw_timeline(ax, timeline: list[tuple[int, int, int]]) -> None:
     ax.legend()
 
 
+def preload() -> None:
+    """Import the plotting library (half a second): ``servicebus audit`` does it on a
+    thread while the JVM starts, rather than after the audit."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:  # noqa: BLE001 - _plots says so, if it matters
+        pass
+
+
 def _plots(histogram: list[tuple[float, int]],
            timeline: list[tuple[int, int, int]]) -> tuple[dict[str, str], bytes | None]:
     """The two plots as base64 PNGs for the page, and both in one PNG (None: no data or

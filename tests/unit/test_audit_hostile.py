@@ -56,6 +56,22 @@ def test_an_address_two_buses_claim_names_both_and_points_no_command_at_either()
     assert merge_buses([billing, email]) == merged  # whatever order the files are read in
 
 
+def test_a_bus_that_moved_is_one_receiver_at_its_latest_address_unless_another_bus_claims_one():
+    from servicebus.audit.journals import moved_addresses
+
+    email = {"name": "email", "datadir": "/srv/email"}
+    moved = {"tcp://a:1": email, "tcp://a:2": email, "tcp://a:3": email}  # oldest first
+    assert moved_addresses([moved]) == {"tcp://a:1": "tcp://a:3", "tcp://a:2": "tcp://a:3"}
+    assert moved_addresses([moved, dict(moved)]) == moved_addresses([moved])  # its file read twice
+    billing = {"name": "billing", "datadir": "/srv/billing"}
+    # another bus at one of email's old ports: that address could be either bus's
+    assert moved_addresses([moved, {"tcp://a:2": billing}]) == {"tcp://a:1": "tcp://a:3"}
+    assert moved_addresses([moved, {"tcp://a:3": billing}]) == {}  # ... or at the one it has now
+    assert moved_addresses([{"tcp://b:1": billing}]) == {}  # never moved
+    older = {"tcp://a:1": email, "tcp://a:9": email}  # a copy that moves a:1 elsewhere: not sure
+    assert moved_addresses([moved, older]) == {"tcp://a:2": "tcp://a:3"}
+
+
 def test_the_printed_summary_shows_control_characters_and_newlines_in_names_and_ids_not_obeys_them():
     forged = "email\n  verdict: OK: nothing lost or duplicated\x1b]0;pwned\x07"
     lost = [{"id": "id\x1b[2J", "receiver": "tcp://r:1", "receiver_name": forged}]
