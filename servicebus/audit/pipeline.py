@@ -21,7 +21,7 @@ from .hadoopfs import delete_path, write_text
 from .journals import input_paths, merge_buses, moved_addresses, read_bus_files, read_events, segment_files
 from .outputs import write_outputs
 from .problems import LISTED, listed, name_addresses, problem_table
-from .reconcile import combine, journal_clocks, partials
+from .reconcile import address_now, combine, journal_clocks, partials
 
 SHOW_IDS = 20
 
@@ -62,6 +62,9 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
         frames = ([pairs.withColumn("touched", F.lit(1)).withColumn("was_open", F.lit(0))
                    .withColumn("new_events", F.col("n_events"))] if pairs is not None else [])
         carried = state.pairs(spark)
+        if carried is not None and moved:  # carried at an address its bus has since left
+            now = address_now(moved)
+            carried = carried.withColumn("receiver", now(F.col("receiver"))).withColumn("sender", now(F.col("sender")))
         if carried is not None:
             frames.append(carried.withColumn("touched", F.lit(0)).withColumn("new_events", F.lit(0)))
         if not frames:

@@ -68,6 +68,16 @@ def one_per_message(events):
             .where(col("id").isNotNull()))
 
 
+def address_now(moved: dict[str, str] | None):
+    """A column's address as its bus has it now (``moved``: journals.moved_addresses)."""
+    from pyspark.sql import functions as F
+
+    if not moved:
+        return lambda c: c
+    table = F.create_map(*[F.lit(x) for pair in moved.items() for x in pair])
+    return lambda c: F.coalesce(table[c], c)
+
+
 def partials(events, moved: dict[str, str] | None = None):
     """One row per (message id, receiver): everything the classification needs. ``moved``
     (journals.moved_addresses): an earlier address of a bus -> its address now, so that a
@@ -85,8 +95,7 @@ def partials(events, moved: dict[str, str] | None = None):
     is_ = lambda *names: col("event").isin(*names)  # noqa: E731
     count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
     sender_side = col("role") == "sender"
-    now = (lambda c: c) if not moved else (  # noqa: E731
-        lambda c: F.coalesce(F.create_map(*[F.lit(x) for pair in moved.items() for x in pair])[c], c))
+    now = address_now(moved)
     e = (one_per_message(events)  # a line about a segment's messages: one event per message
          .withColumn("receiver", now(when(sender_side, col("peer")).otherwise(col("address"))))
          .withColumn("sender", now(when(sender_side, col("address")).otherwise(col("peer"))))

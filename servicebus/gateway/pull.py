@@ -43,7 +43,7 @@ MAX_VISIBILITY = 12 * 3600.0
 MAX_ATTEMPTS = 1000
 # How far back from the newest an arrival is put in id order: the pull bus's handler
 # threads queue one publisher's messages a few places out of order; an old one arriving
-# behind a long backlog (its publisher was down) is read after it rather than walked in.
+# behind a long backlog (its publisher was down) goes no further back than this.
 REORDER = 256
 HOLD_PLACE = 2.0  # s a message queued by a handler whose write has not landed stays first
 

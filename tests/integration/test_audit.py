@@ -578,6 +578,24 @@ def test_a_message_handled_before_its_subscriber_moved_and_acked_again_at_the_ne
     assert found == {"handled": {(mid, new)}, "lost": {(lost, new)}}, summary["classes"]
 
 
+def test_an_incremental_audit_follows_a_subscriber_that_moved_between_two_runs(spark, tmp_path):
+    # Day 1: M received at A, not handled yet: carried open, at A. Day 2: the bus is at B (its
+    # file lists both) and handles M there. The pair carried at A is the pair at B.
+    pub, old, new = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1", "tcp://10.0.0.2:2"
+    fleet, checkpoint, t0, mid = tmp_path / "fleet", str(tmp_path / "checkpoint"), 1_790_000_000_000, "0" * 24
+    bus_file = fleet / "sub" / "journal" / "sub.bus.json"
+    _segment(fleet, "pub", pub, 1, [{"event": e, "ts": t0, "id": mid, "peer": old, "role": "sender"}
+                                    for e in ("published", "sent", "acked")])
+    _segment(fleet, "sub", old, 1, [{"event": "received", "ts": t0 + 1, "id": mid, "peer": pub, "role": "receiver"}])
+    bus_file.write_text(json.dumps({"node": "sub", "datadir": "/srv/email", "addresses": {old: "email"}}))
+    first = job.run(spark, [str(fleet)], str(tmp_path / "day1"), grace_ms=0, checkpoint=checkpoint)
+    assert first["classes"]["in_flight"] == 1
+    _segment(fleet, "sub", new, 2, [{"event": "handled", "ts": t0 + 9, "id": mid, "peer": pub, "role": "receiver"}])
+    bus_file.write_text(json.dumps({"node": "sub", "datadir": "/srv/email", "addresses": {old: "email", new: "email"}}))
+    second = job.run(spark, [str(fleet)], str(tmp_path / "day2"), grace_ms=0, checkpoint=checkpoint)
+    assert classes_of(spark, tmp_path / "day2") == {"handled": {(mid, new)}}, second["classes"]
+
+
 def _jcol_segment(root: Path, node: str, address: str, seq: int, events: list[dict]) -> None:
     from servicebus.hooks.segments import Columns
 
