@@ -181,44 +181,48 @@ def merge_buses(files: list[dict[str, dict[str, str | None]]]) -> dict[str, dict
     return out
 
 
-def moved_addresses(files: list[dict[str, dict[str, str | None]]]) -> dict[str, str]:
-    """address -> the address its bus has now (the last its file lists), for every earlier
-    address of a bus that had several: a subscriber restarted elsewhere with its data
-    directory is one receiver (it deduplicates across the move; a message it handled at
-    one address and acked again as a duplicate at the next was read "lost" at the next).
-    An address two buses claim (merge_buses), or that two files move to different
+def moved_addresses(files: list[tuple[str | None, dict[str, dict[str, str | None]]]]) -> dict[str, tuple[str, str | None]]:
+    """address -> (the address its bus has now, that bus's node id), for every earlier
+    address of a bus that had several (``files``: read_bus_files, each its node id and its
+    addresses oldest first, the last its current one): a subscriber restarted elsewhere with
+    its data directory is one receiver (it deduplicates across the move; a message it
+    handled at one address and acked again as a duplicate at the next was read "lost" at
+    the next). A bus is its node id (else its name and data directory: many containers
+    have the same /data); an address two buses claim, or that two files move to different
     addresses, is left as it is: which bus it meant is unknown."""
-    owners: dict[str, list[dict[str, str | None]]] = {}
-    for found in files:
+    owners: dict[str, set[str]] = {}
+    for node, found in files:
         for address, bus in found.items():
-            if bus not in owners.setdefault(address, []):
-                owners[address].append(bus)
-    out: dict[str, str] = {}
+            owners.setdefault(address, set()).add(node or json.dumps(bus, sort_keys=True))
+    out: dict[str, tuple[str, str | None]] = {}
     unsure: set[str] = set()
-    for found in files:
+    for node, found in files:
         addresses = list(found)
         if len(addresses) < 2 or len(owners[addresses[-1]]) > 1:
             continue
         for address in addresses[:-1]:
-            if len(owners[address]) > 1 or out.setdefault(address, addresses[-1]) != addresses[-1]:
+            if len(owners[address]) > 1 or out.setdefault(address, (addresses[-1], node)) != (addresses[-1], node):
                 unsure.add(address)
     return {a: now for a, now in out.items() if a not in unsure}
 
 
-def read_bus_files(spark, globs: list[str]) -> list[dict[str, dict[str, str | None]]]:
-    """Each bus file beside the segments ``globs`` match, as parse_bus_file reads it (one
-    per bus, its addresses oldest first)."""
+def read_bus_files(spark, globs: list[str]) -> list[tuple[str | None, dict[str, dict[str, str | None]]]]:
+    """Each bus file beside the segments ``globs`` match: its node id (None if it names
+    none) and its addresses as parse_bus_file reads them (oldest first)."""
     from .hadoopfs import read_text
 
     files = []
     for path in segment_files(spark, bus_globs(globs)):
         text = read_text(spark, path, limit=BUS_FILE_MAX)
         if text:
-            files.append(parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:")))
+            found = parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:"))
+            if found:
+                node = json.loads(text).get("node")
+                files.append((node if isinstance(node, str) and node else None, found))
     return files
 
 
 def read_buses(spark, globs: list[str]) -> dict[str, dict[str, str | None]]:
     """address -> {"name", "datadir"} for every bus whose journal the segment ``globs`` read
     (merge_buses: where several claim one address)."""
-    return merge_buses(read_bus_files(spark, globs))
+    return merge_buses([found for _node, found in read_bus_files(spark, globs)])

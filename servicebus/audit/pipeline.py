@@ -46,7 +46,7 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
     skipped: list[str] = []
     globs = input_paths(paths, skipped)
     files = read_bus_files(spark, globs)  # every bus's, a checkpointed run's old segments' too
-    buses, moved = merge_buses(files), moved_addresses(files)
+    buses, moved = merge_buses([found for _node, found in files]), moved_addresses(files)
     state = None
     segments: list[str] = []
     if checkpoint is not None:
@@ -63,8 +63,14 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
                    .withColumn("new_events", F.col("n_events"))] if pairs is not None else [])
         carried = state.pairs(spark)
         if carried is not None and moved:  # carried at an address its bus has since left
-            now = address_now(moved)
-            carried = carried.withColumn("receiver", now(F.col("receiver"))).withColumn("sender", now(F.col("sender")))
+            now, col = address_now(moved), F.col
+            carried = carried.withColumn("receiver", now(col("receiver"))).withColumn("sender", now(col("sender")))
+            if "moved_to" in carried.columns:  # a drop "moved to" what is now known as the same bus: none
+                same = F.coalesce(now(col("moved_to")) == col("receiver"), F.lit(False))
+                carried = (carried
+                           .withColumn("dropped", F.when(same, col("dropped") - col("moved_drops")).otherwise(col("dropped")))
+                           .withColumn("moved_drops", F.when(same, F.lit(0).cast("long")).otherwise(col("moved_drops")))
+                           .withColumn("moved_to", F.when(~same, col("moved_to"))))
         if carried is not None:
             frames.append(carried.withColumn("touched", F.lit(0)).withColumn("new_events", F.lit(0)))
         if not frames:

@@ -21,6 +21,7 @@ _COMBINE = {
     "topic": "first", "kind": "first", "sender": "first",
     "published_ts": "min", "received_ts": "min", "handled_ts": "min", "first_ts": "min",
     "received": "sum", "handled_count": "sum", "deadlettered": "sum", "dropped": "sum",
+    "moved_drops": "sum", "moved_to": "first",
     "acked": "sum", "replayed": "sum",
     "retries": "sum", "n_events": "sum", "sender_deadlettered": "sum",
     "last_event": "max",
@@ -68,17 +69,25 @@ def one_per_message(events):
             .where(col("id").isNotNull()))
 
 
-def address_now(moved: dict[str, str] | None):
-    """A column's address as its bus has it now (``moved``: journals.moved_addresses)."""
+def address_now(moved: dict[str, tuple[str, str | None]] | None, own: bool = False):
+    """A column's address as its bus has it now (``moved``: journals.moved_addresses).
+    ``own``: the column is the address of the journal the event is in (its ``node``):
+    moved only when that journal is the bus that had it (an older bus without a bus file,
+    given the port later, is not the one that moved away from it)."""
     from pyspark.sql import functions as F
 
     if not moved:
         return lambda c: c
-    table = F.create_map(*[F.lit(x) for pair in moved.items() for x in pair])
-    return lambda c: F.coalesce(table[c], c)
+    latest = F.create_map(*[F.lit(x) for a, (now, _node) in moved.items() for x in (a, now)])
+    if not own:
+        return lambda c: F.coalesce(latest[c], c)
+    nodes = {a: node for a, (_now, node) in moved.items() if node is not None}
+    owner = F.create_map(*[F.lit(x) for pair in nodes.items() for x in pair]) if nodes else F.lit(None)
+    return lambda c: F.when(owner[c].isNull() | (owner[c] == F.col("node")),
+                            F.coalesce(latest[c], c)).otherwise(c) if nodes else F.coalesce(latest[c], c)
 
 
-def partials(events, moved: dict[str, str] | None = None):
+def partials(events, moved: dict[str, tuple[str, str | None]] | None = None):
     """One row per (message id, receiver): everything the classification needs. ``moved``
     (journals.moved_addresses): an earlier address of a bus -> its address now, so that a
     bus that moved is one receiver (and one sender, one journal clock).
@@ -95,22 +104,27 @@ def partials(events, moved: dict[str, str] | None = None):
     is_ = lambda *names: col("event").isin(*names)  # noqa: E731
     count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
     sender_side = col("role") == "sender"
-    now = address_now(moved)
+    now, own = address_now(moved), address_now(moved, own=True)
     e = (one_per_message(events)  # a line about a segment's messages: one event per message
-         .withColumn("receiver", now(when(sender_side, col("peer")).otherwise(col("address"))))
-         .withColumn("sender", now(when(sender_side, col("address")).otherwise(col("peer"))))
+         .withColumn("receiver", when(sender_side, now(col("peer"))).otherwise(own(col("address"))))
+         .withColumn("sender", when(sender_side, own(col("address"))).otherwise(now(col("peer"))))
          .withColumn("deadletter_reason",
                      when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event")))))
+    # "dropped, moved to B" at a bus's old address is no drop for that bus at B: it would
+    # hide a loss there (dropped is tested before lost). Where B is not known to be the
+    # same bus (yet), the drop stays, with where it went: a checkpointed run that learns of
+    # the move later takes it back (pipeline.run).
+    to = when(is_("dropped"), F.regexp_extract(col("error"), "^moved to (.+)$", 1))
+    e = e.withColumn("moved_to", when(to != "", to))
     if moved:
-        # "dropped, moved to B" at a bus's old address is no drop for that bus at B: it
-        # would hide a loss there (dropped is tested before lost).
-        to = now(F.regexp_extract(col("error"), "^moved to (.+)$", 1))
-        e = e.withColumn("event", when(is_("dropped") & (to == col("receiver")), "moved").otherwise(col("event")))
+        same_bus = is_("dropped") & (now(col("moved_to")) == col("receiver"))
+        e = (e.withColumn("event", when(same_bus, "moved").otherwise(col("event")))
+             .withColumn("moved_to", when(is_("dropped"), col("moved_to"))))
     codes = F.create_map(*[F.lit(x) for i, name in enumerate(EVENTS) for x in (name, i)])
     code = F.coalesce(codes[col("event")], F.lit(0)).cast("long")  # [], not element_at: null if absent, ANSI or not
     partitions = int(events.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     by_strings = e.repartition(partitions, "id", "receiver").groupBy(
-        "id", "receiver", "topic", "kind", "sender", "deadletter_reason").agg(
+        "id", "receiver", "topic", "kind", "sender", "deadletter_reason", "moved_to").agg(
         F.min(when(is_("published"), col("ts"))).alias("published_ts"),
         F.min(when(is_("received"), col("ts"))).alias("received_ts"),
         F.min(when(is_("handled"), col("ts"))).alias("handled_ts"),
@@ -119,6 +133,7 @@ def partials(events, moved: dict[str, str] | None = None):
         count_of("handled").alias("handled_count"),
         count_of("deadlettered", "expired").alias("deadlettered"),
         count_of("dropped").alias("dropped"),
+        F.sum(when(is_("dropped") & col("moved_to").isNotNull(), 1).otherwise(0)).alias("moved_drops"),
         count_of("acked").alias("acked"),  # the receiver acknowledged it: it had it
         count_of("replayed").alias("replayed"),  # a dead letter put back (servicebus replay)
         count_of("retried").alias("retries"),
@@ -143,9 +158,10 @@ def combine(frames):
     from pyspark.sql import functions as F
 
     union = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames)
-    for c in ("sender_deadlettered", "last_event"):  # a checkpoint an older audit wrote
+    for c, kind in (("sender_deadlettered", "long"), ("last_event", "long"), ("moved_drops", "long"),
+                    ("moved_to", "string")):  # a checkpoint an older audit wrote
         if c not in union.columns:
-            union = union.withColumn(c, F.lit(None).cast("long"))
+            union = union.withColumn(c, F.lit(None).cast(kind))
     fold = {"first": lambda c: F.first(c, ignorenulls=True), "min": F.min, "max": F.max, "sum": F.sum}
     extra = [F.max(c).alias(c) for c in ("touched", "was_open") if c in union.columns]
     if "new_events" in union.columns:  # events read by this run (not carried in)

@@ -596,6 +596,83 @@ def test_an_incremental_audit_follows_a_subscriber_that_moved_between_two_runs(s
     assert classes_of(spark, tmp_path / "day2") == {"handled": {(mid, new)}}, second["classes"]
 
 
+# Found by a hostile review of the move handling (helper-32), each seen failing first but the last.
+
+_PUB, _A, _B = "tcp://10.0.0.1:1", "tcp://10.0.0.5:7000", "tcp://10.0.0.7:7000"
+_T0 = 1_790_000_000_000
+
+
+def _bus_file(root, node, addresses, datadir="/data"):
+    journal = root / node / "journal"
+    journal.mkdir(parents=True, exist_ok=True)
+    (journal / f"{node}.bus.json").write_text(json.dumps({"node": node, "datadir": datadir, "addresses": addresses}))
+
+
+def test_a_loss_at_one_container_is_not_hidden_by_another_container_that_reused_its_old_address(spark, tmp_path):
+    fleet, mid = tmp_path / "fleet", "0" * 24
+    # M is broadcast to both instances: e2 (now at _A) handles it; e1 (at _B) acks it and never handles it.
+    _segment(fleet, "pub", _PUB, 1, [{"event": e, "ts": _T0 + i, "id": mid, "peer": to, "role": "sender"}
+                                    for to in (_A, _B) for i, e in enumerate(("published", "sent", "acked"))])
+    _segment(fleet, "e2", _A, 1, [{"event": e, "ts": _T0 + 5, "id": mid, "peer": _PUB, "role": "receiver"}
+                                 for e in ("received", "handled")])
+    _segment(fleet, "e1", _B, 1, [{"event": "received", "ts": _T0 - 1000, "id": "1" * 24, "peer": _PUB, "role": "receiver"},
+                                 {"event": "handled", "ts": _T0 - 999, "id": "1" * 24, "peer": _PUB, "role": "receiver"}])
+    _bus_file(fleet, "e1", {_A: "email", _B: "email"})
+    _bus_file(fleet, "e2", {_A: "email"})
+    summary = job.run(spark, [str(fleet)], str(tmp_path / "audit"), grace_ms=0, report=False)
+    found = classes_of(spark, tmp_path / "audit")
+    assert (mid, _B) in found.get("lost", set()), (found, summary["classes"])
+
+
+def test_a_drop_carried_from_before_the_move_was_known_does_not_hide_a_loss_at_the_new_address(spark, tmp_path):
+    # Run 1 (an audit before the bus file listed _B, e.g. the checkpoint of the previous audit
+    # version, or a bus file shipped later than the segments): the publisher dropped M at _A,
+    # "moved to _B". Run 2: M sent to _B, acked by _B, never handled: lost, as a full audit says.
+    fleet, checkpoint, mid = tmp_path / "fleet", str(tmp_path / "checkpoint"), "0" * 24
+    _segment(fleet, "pub", _PUB, 1, [
+        {"event": "published", "ts": _T0, "id": mid, "peer": _A, "role": "sender"},
+        {"event": "sent", "ts": _T0 + 1, "id": mid, "peer": _A, "role": "sender"},
+        {"event": "dropped", "ts": _T0 + 2, "id": mid, "peer": _A, "role": "sender", "error": f"moved to {_B}"}])
+    _segment(fleet, "sub", _A, 1, [{"event": e, "ts": _T0 - 10, "id": "1" * 24, "peer": _PUB, "role": "receiver"}
+                                  for e in ("received", "handled")])
+    _bus_file(fleet, "sub", {_A: "email"})
+    job.run(spark, [str(fleet)], str(tmp_path / "day1"), grace_ms=0, checkpoint=checkpoint, report=False)
+    _segment(fleet, "pub", _PUB, 2, [
+        {"event": "published", "ts": _T0, "id": mid, "peer": _B, "role": "sender"},
+        {"event": "sent", "ts": _T0 + 3, "id": mid, "peer": _B, "role": "sender"},
+        {"event": "acked", "ts": _T0 + 4, "id": mid, "peer": _B, "role": "sender"}])
+    _bus_file(fleet, "sub", {_A: "email", _B: "email"})
+    full = job.run(spark, [str(fleet)], str(tmp_path / "full"), grace_ms=0, report=False)
+    assert classes_of(spark, tmp_path / "full").get("lost") == {(mid, _B)}, full["classes"]  # holds
+    second = job.run(spark, [str(fleet)], str(tmp_path / "day2"), grace_ms=0, checkpoint=checkpoint, report=False)
+    assert classes_of(spark, tmp_path / "day2").get("lost") == {(mid, _B)}, second["classes"]
+
+
+def test_held_back_and_forth_third_bus_odd_addresses_and_a_long_bus_file(spark, tmp_path):
+    fleet = tmp_path / "fleet"
+    a, b, c = "tcp://[::1]:7000", "tcp://h$x.(1)+:7001", "tcp://10.0.0.9:1"
+    m1, m2, m3 = "1" * 24, "2" * 24, "3" * 24
+    _segment(fleet, "pub", _PUB, 1, [
+        {"event": "published", "ts": _T0, "id": m1, "peer": a, "role": "sender"},
+        {"event": "dropped", "ts": _T0 + 1, "id": m1, "peer": a, "role": "sender", "error": f"moved to {b}"},
+        {"event": "published", "ts": _T0, "id": m1, "peer": b, "role": "sender"},
+        {"event": "acked", "ts": _T0 + 2, "id": m1, "peer": b, "role": "sender"},  # then nothing: lost
+        {"event": "published", "ts": _T0, "id": m2, "peer": b, "role": "sender"},
+        {"event": "dropped", "ts": _T0 + 3, "id": m2, "peer": b, "role": "sender", "error": f"moved to {c}"},
+        {"event": "published", "ts": _T0, "id": m2, "peer": c, "role": "sender"},
+        {"event": "published", "ts": _T0, "id": m3, "peer": b, "role": "sender"},
+        {"event": "dropped", "ts": _T0 + 3, "id": m3, "peer": b, "role": "sender", "error": f"moved to {a}"},
+        {"event": "published", "ts": _T0, "id": m3, "peer": a, "role": "sender"}])
+    _segment(fleet, "other", c, 1, [{"event": "handled", "ts": _T0 + 4, "id": m2, "peer": _PUB, "role": "receiver"}])
+    _segment(fleet, "sub", a, 1, [{"event": "handled", "ts": _T0 + 4, "id": m3, "peer": _PUB, "role": "receiver"}])
+    old = {f"tcp://10.9.{n}.1:1": "email" for n in range(97)}
+    _bus_file(fleet, "sub", {**old, b: "email", a: "email"}, datadir="/srv/email")  # _A -> _B -> _A, 99 earlier
+    _bus_file(fleet, "other", {c: "other"}, datadir="/srv/other")
+    summary = job.run(spark, [str(fleet)], str(tmp_path / "audit"), grace_ms=0, report=False)
+    assert classes_of(spark, tmp_path / "audit") == {
+        "lost": {(m1, a)}, "dropped": {(m2, a)}, "handled": {(m2, c), (m3, a)}}, summary["classes"]
+
+
 def _jcol_segment(root: Path, node: str, address: str, seq: int, events: list[dict]) -> None:
     from servicebus.hooks.segments import Columns
 

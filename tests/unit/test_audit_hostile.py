@@ -60,16 +60,22 @@ def test_a_bus_that_moved_is_one_receiver_at_its_latest_address_unless_another_b
     from servicebus.audit.journals import moved_addresses
 
     email = {"name": "email", "datadir": "/srv/email"}
-    moved = {"tcp://a:1": email, "tcp://a:2": email, "tcp://a:3": email}  # oldest first
-    assert moved_addresses([moved]) == {"tcp://a:1": "tcp://a:3", "tcp://a:2": "tcp://a:3"}
-    assert moved_addresses([moved, dict(moved)]) == moved_addresses([moved])  # its file read twice
+    moved = ("e1", {"tcp://a:1": email, "tcp://a:2": email, "tcp://a:3": email})  # oldest first
+    now = ("tcp://a:3", "e1")
+    assert moved_addresses([moved]) == {"tcp://a:1": now, "tcp://a:2": now}
+    assert moved_addresses([moved, moved]) == moved_addresses([moved])  # its file read twice
     billing = {"name": "billing", "datadir": "/srv/billing"}
     # another bus at one of email's old ports: that address could be either bus's
-    assert moved_addresses([moved, {"tcp://a:2": billing}]) == {"tcp://a:1": "tcp://a:3"}
-    assert moved_addresses([moved, {"tcp://a:3": billing}]) == {}  # ... or at the one it has now
-    assert moved_addresses([{"tcp://b:1": billing}]) == {}  # never moved
-    older = {"tcp://a:1": email, "tcp://a:9": email}  # a copy that moves a:1 elsewhere: not sure
-    assert moved_addresses([moved, older]) == {"tcp://a:2": "tcp://a:3"}
+    assert moved_addresses([moved, ("b1", {"tcp://a:2": billing})]) == {"tcp://a:1": now}
+    assert moved_addresses([moved, ("b1", {"tcp://a:3": billing})]) == {}  # ... or at the one it has now
+    assert moved_addresses([("b1", {"tcp://b:1": billing})]) == {}  # never moved
+    older = ("e1", {"tcp://a:1": email, "tcp://a:9": email})  # a copy that moves a:1 elsewhere: not sure
+    assert moved_addresses([moved, older]) == {"tcp://a:2": now}
+    # Another container of the same service, with the same /data, given a:1 later: a
+    # different bus (node id), whatever its name and data directory (review, seen failing).
+    assert moved_addresses([moved, ("e2", {"tcp://a:1": email})]) == {"tcp://a:2": now}
+    # Files that name no node: a bus is its name and data directory.
+    assert moved_addresses([(None, moved[1])]) == {"tcp://a:1": ("tcp://a:3", None), "tcp://a:2": ("tcp://a:3", None)}
 
 
 def test_the_printed_summary_shows_control_characters_and_newlines_in_names_and_ids_not_obeys_them():

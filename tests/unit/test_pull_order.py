@@ -5,6 +5,7 @@ before a handler's write has landed. No sockets: the queues over a dict as the k
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -90,3 +91,88 @@ def test_a_message_whose_write_never_lands_stops_holding_up_the_ones_behind_it(m
     _land(kv, sub, "id-2")  # id-1's handler keeps failing: its write never lands
     assert _read(queues, sub, 1) == []
     assert _read(queues, sub, 1) == ["id-2"], "one reading a message at a time is not stuck"
+
+
+# Found by a hostile review (helper-32), each seen failing on the first version of make_ready/read.
+
+def test_a_held_message_keeps_its_place_when_a_read_asks_for_more_than_one():
+    queues, kv = _queues()
+    sub = Sub("t", "s")
+    for mid in ("id-1", "id-2", "id-3"):
+        queues._arrived([sub], mid)
+    for mid in ("id-2", "id-3"):
+        _land(kv, sub, mid)
+    # id-1's write has not landed: with max=10 the later ones must not be handed out first
+    got = _read(queues, sub, 10)
+    _land(kv, sub, "id-1")
+    got += _read(queues, sub, 10)
+    assert got == ["id-1", "id-2", "id-3"]
+
+
+def test_a_held_message_keeps_its_place_ahead_of_a_backlog_longer_than_reorder():
+    queues, kv = _queues()
+    sub = Sub("t", "s")
+    ids = [f"id-{n:06d}" for n in range(1000)]
+    for mid in ids:
+        queues._arrived([sub], mid)
+        if mid != ids[0]:
+            _land(kv, sub, mid)
+    assert _read(queues, sub, 1) == []  # id-000000 not landed yet: held
+    _land(kv, sub, ids[0])
+    assert _read(queues, sub, 1) == [ids[0]]
+
+
+def test_a_read_that_fails_before_its_commit_leaves_its_messages_readable():
+    # e.g. the push loop's task cancelled by sync() while it awaits the fetch (a push
+    # subscriber changed to a pull one), or a kv read error
+    queues, kv = _queues()
+    sub = Sub("t", "s")
+    for mid in ("id-1", "id-2"):
+        _land(kv, sub, mid)
+        queues._arrived([sub], mid)
+
+    async def cancelled(fn, *args):
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(queues.read(sub, 10, cancelled))
+    assert _read(queues, sub, 10) == ["id-1", "id-2"]
+
+
+def test_a_message_due_for_dead_letter_is_not_stranded_when_the_commit_fails():
+    queues, kv = _queues()
+    sub = Sub("t", "s", max_attempts=1, visibility=0.1)
+    _land(kv, sub, "id-1")
+    queues._arrived([sub], "id-1")
+    assert _read(queues, sub, 10) == ["id-1"]  # its one attempt
+    time.sleep(0.15)  # not acked: visible again, due for the dead letters
+
+    async def disk_full(fn, *args):
+        if fn == queues._commit:
+            raise OSError("disk full")
+        return fn(*args)
+
+    with pytest.raises(OSError):
+        asyncio.run(queues.read(sub, 10, disk_full))
+    assert _read(queues, sub, 10) == []
+    assert sub.dead == 1 and "id-1" not in sub.queue, (sub.dead, sub.queue, sub.ready, sub.later)
+
+
+def test_an_ack_that_lands_while_a_read_commits_is_not_undone_in_the_kv():
+    # reader 1 read id-1; its visibility ended and reader 2's read takes it again; reader 1's
+    # ack lands while reader 2's read awaits its commit (a pool thread)
+    queues, kv = _queues()
+    sub = Sub("t", "s", visibility=0.1)
+    _land(kv, sub, "id-1")
+    queues._arrived([sub], "id-1")
+    assert _read(queues, sub, 10) == ["id-1"]
+    time.sleep(0.15)
+
+    async def ack_meanwhile(fn, *args):
+        if fn == queues._commit:
+            queues.ack(sub, ["id-1"])
+            queues.acked(sub, ["id-1"])
+        return fn(*args)
+
+    asyncio.run(queues.read(sub, 10, ack_meanwhile))
+    assert sub.msg_key("id-1") not in kv  # else read again after a restart (load), acked or not
