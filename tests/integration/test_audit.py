@@ -624,6 +624,22 @@ def test_a_loss_at_one_container_is_not_hidden_by_another_container_that_reused_
     assert (mid, _B) in found.get("lost", set()), (found, summary["classes"])
 
 
+def test_a_bus_without_a_bus_file_at_a_moved_bus_old_address_is_not_taken_for_it(spark, tmp_path):
+    # e2, an older bus that writes no bus file, was given A after e1 moved from A to B.
+    # e2 handles M at A; e1 acks M at B and never handles it: lost at B, not hidden by e2.
+    fleet, mid = tmp_path / "fleet", "0" * 24
+    _segment(fleet, "pub", _PUB, 1, [{"event": e, "ts": _T0 + i, "id": mid, "peer": to, "role": "sender"}
+                                     for to in (_A, _B) for i, e in enumerate(("published", "sent", "acked"))])
+    _segment(fleet, "e2", _A, 1, [{"event": e, "ts": _T0 + 5, "id": mid, "peer": _PUB, "role": "receiver"}
+                                  for e in ("received", "handled")])
+    _segment(fleet, "e1", _B, 1, [{"event": e, "ts": _T0 - 9, "id": "1" * 24, "peer": _PUB, "role": "receiver"}
+                                  for e in ("received", "handled")])
+    _bus_file(fleet, "e1", {_A: "email", _B: "email"})
+    summary = job.run(spark, [str(fleet)], str(tmp_path / "audit"), grace_ms=0, report=False)
+    found = classes_of(spark, tmp_path / "audit")
+    assert (mid, _B) in found.get("lost", set()) and (mid, _A) in found.get("handled", set()), summary["classes"]
+
+
 def test_a_drop_carried_from_before_the_move_was_known_does_not_hide_a_loss_at_the_new_address(spark, tmp_path):
     # Run 1 (an audit before the bus file listed _B, e.g. the checkpoint of the previous audit
     # version, or a bus file shipped later than the segments): the publisher dropped M at _A,
