@@ -608,15 +608,22 @@ def _bus_file(root, node, addresses, datadir="/data"):
     (journal / f"{node}.bus.json").write_text(json.dumps({"node": node, "datadir": datadir, "addresses": addresses}))
 
 
-def test_a_loss_at_one_container_is_not_hidden_by_another_container_that_reused_its_old_address(spark, tmp_path):
+def _handled_at_a_lost_at_b(tmp_path):
+    """M published to _A and _B and acked by both; e2's journal (at _A) handles it, e1's
+    (at _B) has another message only."""
     fleet, mid = tmp_path / "fleet", "0" * 24
-    # M is broadcast to both instances: e2 (now at _A) handles it; e1 (at _B) acks it and never handles it.
     _segment(fleet, "pub", _PUB, 1, [{"event": e, "ts": _T0 + i, "id": mid, "peer": to, "role": "sender"}
-                                    for to in (_A, _B) for i, e in enumerate(("published", "sent", "acked"))])
+                                     for to in (_A, _B) for i, e in enumerate(("published", "sent", "acked"))])
     _segment(fleet, "e2", _A, 1, [{"event": e, "ts": _T0 + 5, "id": mid, "peer": _PUB, "role": "receiver"}
-                                 for e in ("received", "handled")])
-    _segment(fleet, "e1", _B, 1, [{"event": "received", "ts": _T0 - 1000, "id": "1" * 24, "peer": _PUB, "role": "receiver"},
-                                 {"event": "handled", "ts": _T0 - 999, "id": "1" * 24, "peer": _PUB, "role": "receiver"}])
+                                  for e in ("received", "handled")])
+    _segment(fleet, "e1", _B, 1, [{"event": e, "ts": _T0 - 9, "id": "1" * 24, "peer": _PUB, "role": "receiver"}
+                                  for e in ("received", "handled")])
+    return fleet, mid
+
+
+def test_a_loss_at_one_container_is_not_hidden_by_another_container_that_reused_its_old_address(spark, tmp_path):
+    # M is broadcast to both instances: e2 (now at _A) handles it; e1 (at _B) acks it and never handles it.
+    fleet, mid = _handled_at_a_lost_at_b(tmp_path)
     _bus_file(fleet, "e1", {_A: "email", _B: "email"})
     _bus_file(fleet, "e2", {_A: "email"})
     summary = job.run(spark, [str(fleet)], str(tmp_path / "audit"), grace_ms=0, report=False)
@@ -627,13 +634,7 @@ def test_a_loss_at_one_container_is_not_hidden_by_another_container_that_reused_
 def test_a_bus_without_a_bus_file_at_a_moved_bus_old_address_is_not_taken_for_it(spark, tmp_path):
     # e2, an older bus that writes no bus file, was given A after e1 moved from A to B.
     # e2 handles M at A; e1 acks M at B and never handles it: lost at B, not hidden by e2.
-    fleet, mid = tmp_path / "fleet", "0" * 24
-    _segment(fleet, "pub", _PUB, 1, [{"event": e, "ts": _T0 + i, "id": mid, "peer": to, "role": "sender"}
-                                     for to in (_A, _B) for i, e in enumerate(("published", "sent", "acked"))])
-    _segment(fleet, "e2", _A, 1, [{"event": e, "ts": _T0 + 5, "id": mid, "peer": _PUB, "role": "receiver"}
-                                  for e in ("received", "handled")])
-    _segment(fleet, "e1", _B, 1, [{"event": e, "ts": _T0 - 9, "id": "1" * 24, "peer": _PUB, "role": "receiver"}
-                                  for e in ("received", "handled")])
+    fleet, mid = _handled_at_a_lost_at_b(tmp_path)
     _bus_file(fleet, "e1", {_A: "email", _B: "email"})
     summary = job.run(spark, [str(fleet)], str(tmp_path / "audit"), grace_ms=0, report=False)
     found = classes_of(spark, tmp_path / "audit")

@@ -53,13 +53,19 @@ def test_messages_queued_out_of_order_by_handler_threads_are_read_in_publish_ord
     assert _read(queues, sub, 10) == ["id-1", "id-2", "id-3", "id-4"]
 
 
-def test_a_message_whose_write_has_not_landed_keeps_its_place_ahead_of_later_ones():
+def _first_not_landed() -> tuple[PullQueues, _Kv, Sub]:
+    """id-1, id-2, id-3 queued by their handlers; id-1's write has not landed yet."""
     queues, kv = _queues()
     sub = Sub("t", "s")
     for mid in ("id-1", "id-2", "id-3"):
         queues._arrived([sub], mid)
     for mid in ("id-2", "id-3"):
         _land(kv, sub, mid)
+    return queues, kv, sub
+
+
+def test_a_message_whose_write_has_not_landed_keeps_its_place_ahead_of_later_ones():
+    queues, kv, sub = _first_not_landed()
     # id-1's handler has queued it but not returned: a read does not hand out id-2 first
     assert _read(queues, sub, 1) == []
     _land(kv, sub, "id-1")
@@ -96,12 +102,7 @@ def test_a_message_whose_write_never_lands_stops_holding_up_the_ones_behind_it(m
 # Found by a hostile review (helper-32), each seen failing on the first version of make_ready/read.
 
 def test_a_held_message_keeps_its_place_when_a_read_asks_for_more_than_one():
-    queues, kv = _queues()
-    sub = Sub("t", "s")
-    for mid in ("id-1", "id-2", "id-3"):
-        queues._arrived([sub], mid)
-    for mid in ("id-2", "id-3"):
-        _land(kv, sub, mid)
+    queues, kv, sub = _first_not_landed()
     # id-1's write has not landed: with max=10 the later ones must not be handed out first
     got = _read(queues, sub, 10)
     _land(kv, sub, "id-1")
