@@ -79,12 +79,11 @@ def address_now(moved: dict[str, tuple[str, str | None]] | None, own: bool = Fal
     if not moved:
         return lambda c: c
     latest = F.create_map(*[F.lit(x) for a, (now, _node) in moved.items() for x in (a, now)])
-    if not own:
-        return lambda c: F.coalesce(latest[c], c)
     nodes = {a: node for a, (_now, node) in moved.items() if node is not None}
-    owner = F.create_map(*[F.lit(x) for pair in nodes.items() for x in pair]) if nodes else F.lit(None)
-    return lambda c: F.when(owner[c].isNull() | (owner[c] == F.col("node")),
-                            F.coalesce(latest[c], c)).otherwise(c) if nodes else F.coalesce(latest[c], c)
+    if not own or not nodes:
+        return lambda c: F.coalesce(latest[c], c)
+    owner = F.create_map(*[F.lit(x) for pair in nodes.items() for x in pair])
+    return lambda c: F.when(owner[c].isNull() | (owner[c] == F.col("node")), F.coalesce(latest[c], c)).otherwise(c)
 
 
 def partials(events, moved: dict[str, tuple[str, str | None]] | None = None):
