@@ -45,7 +45,8 @@ from ..wire.validation import validate_address
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
-from .services import Known, ServiceIntents, fleet_view, is_kicked, kick_target, load_table, readmit, stored_table
+from .services import (Known, ServiceIntents, fleet_view, is_kicked, kick_target, load_table, may_remember,
+                       pick_instance, readmit, stored_table)
 from .state import State
 
 __all__ = ["Directory", "Known"]
@@ -81,6 +82,9 @@ class Directory:
         self.kicked: dict[str, str] = {}  # node id, address or "svc:<name>" -> why (kick)
         self.secret = os.urandom(16)
         self.hints: dict[str, list[Any]] = {}  # address -> [node, times asked]: asked there (3 times)
+        # address -> node id of the bus that answered there: a seed or a publisher without a
+        # name is in no table, yet it must get our proof, or our moves are refused there
+        self.answered: dict[str, str] = {}
         self.services = ServiceIntents(state, roster, handshake, self)
         self.found: Callable[[str], Any] = lambda name: None  # set by the core (machine.py)
         self._turn = 0
@@ -117,20 +121,9 @@ class Directory:
     def addresses(self, service: str) -> list[str]:
         return [k.member.address for k in self.known.values() if k.confirmed and k.member.name == service]
     def pick(self, name: str) -> str:
-        """The address of one instance of ``name`` for a command or request: of those up,
-        the ones heard from within two gossip intervals (else any up), in turn; if none is
-        up, the one heard from last. ``ValueError`` if none is known."""
-        found = [k for k in self.known.values() if k.confirmed and k.member.name == name]
-        if not found:
-            raise ValueError(f"no instance of service {name!r} is known (yet): give this bus a seed "
-                             "(Bus(seeds=[...])) or wait until discovery finds one")
-        up = sorted((k for k in found if k.up), key=lambda k: k.member.node)
-        fresh = [k for k in up if self.s.now - k.heard <= 2 * self.s.config.gossip_interval]
-        if fresh or up:
-            chosen = fresh or up
-            self._turn += 1
-            return chosen[self._turn % len(chosen)].member.address
-        return max(found, key=lambda k: k.heard).member.address
+        """The address of one instance of ``name`` for a command or request (services.py)."""
+        self._turn += 1
+        return pick_instance(self, name, self._turn)
 
     # --- gossip ----------------------------------------------------------------------------
 
@@ -168,13 +161,15 @@ class Directory:
             targets[k.member.address] = k.member.node
         related = sorted(k for k in {p for p, _t in s.intents} | {a for a, _t in s.subscriptions})
         by_address = {k.member.address: k.member.node for k in confirmed}
+        answered = {a: n for a, n in self.answered.items() if may_remember(self, a, n)}
         if related:
             address = related[self.beat % len(related)]  # business partners learn our proof
-            if address in by_address:
-                targets[address] = by_address[address]
+            partner = by_address.get(address) or answered.get(address)
+            if partner:
+                targets[address] = partner
         for seed in self.seeds:
             if seed not in self.heard_seeds:
-                targets.setdefault(seed, "")
+                targets.setdefault(seed, answered.get(seed, ""))
         if now < self.announce_until or self.spread:
             targets.update(by_address)
             self.spread = False
@@ -279,6 +274,10 @@ class Directory:
         if address is not None:
             self.heard_seeds.add(address)
             self.hints.pop(address, None)
+            if self.answered.get(address) != frame.sender and may_remember(self, address, frame.sender):
+                self.answered[address] = frame.sender
+                self.dirty = True
+                self.soon(now)  # our proof to it now: until it has it, a move of ours is refused
         new = 0
         for member in frame.members:
             if member.node == s.node_id:
@@ -340,6 +339,7 @@ class Directory:
         old, was = k.member, k.confirmed
         if k.proof is None and proof is not None:
             k.proof, self.dirty = proof, True
+            s.counters["instances_proven"] += 1
         k.member, k.heard, k.via, k.confirmed = member, now, source, True
         if member.left:
             if k.up:

@@ -19,9 +19,12 @@ from .handshake import Handshake
 from .peers import Roster
 from .state import Intent, State
 
-__all__ = ["ServiceIntents", "Instances", "Known", "load_table", "stored_table"]
+__all__ = ["ServiceIntents", "Instances", "Known", "load_table", "stored_table", "MAX_ANSWERED",
+           "may_remember", "pick_instance"]
 
 log = logging.getLogger("servicebus")
+
+MAX_ANSWERED = 100  # addresses whose node id this bus keeps (where it gossips unasked)
 
 
 @dataclass(eq=False)
@@ -42,6 +45,10 @@ def load_table(d: Any, stored: dict[str, Any] | None, wall: int) -> None:
         d.dirty = True  # the secret, at least
         return
     d.kicked = dict(stored.get("kicked") or {})
+    answered = stored.get("answered")
+    if isinstance(answered, dict):
+        d.answered = {a: n for a, n in list(answered.items())[:MAX_ANSWERED]
+                      if isinstance(a, str) and isinstance(n, str)}
     if isinstance(stored.get("secret"), bytes) and len(stored["secret"]) == 16:
         d.secret = stored["secret"]
     else:
@@ -62,12 +69,43 @@ def load_table(d: Any, stored: dict[str, Any] | None, wall: int) -> None:
             d._vouch(k, False)
 
 
+def may_remember(d: Any, address: str, node: str) -> bool:
+    """Whether ``Directory.answered`` may map ``address`` to ``node`` (and our proof for
+    ``node`` go there). Only where we gossip of our own accord (seeds, business partners):
+    a stranger's table cannot grow this one. Not a node id we know first hand elsewhere:
+    whoever answers at an address of ours would get the proof meant for that instance (and
+    could move our backlog there)."""
+    known = d.known.get(node)
+    if node == d.s.node_id or (known is not None and known.confirmed and known.member.address != address):
+        return False
+    if address in d.answered or address in d.seeds:
+        return True
+    return len(d.answered) < MAX_ANSWERED and any(
+        address == a for a in {p for p, _t in d.s.intents} | {a for a, _t in d.s.subscriptions})
+
+
+def pick_instance(d: Any, name: str, turn: int) -> str:
+    """``Directory.pick``: the address of one instance of ``name`` for a command or
+    request: of those up, the ones heard from within two gossip intervals (else any up),
+    in turn; if none is up, the one heard from last. ``ValueError`` if none is known."""
+    found = [k for k in d.known.values() if k.confirmed and k.member.name == name]
+    if not found:
+        raise ValueError(f"no instance of service {name!r} is known (yet): give this bus a seed "
+                         "(Bus(seeds=[...])) or wait until discovery finds one")
+    up = sorted((k for k in found if k.up), key=lambda k: k.member.node)
+    fresh = [k for k in up if d.s.now - k.heard <= 2 * d.s.config.gossip_interval]
+    if fresh or up:
+        chosen = fresh or up
+        return str(chosen[turn % len(chosen)].member.address)
+    return str(max(found, key=lambda k: k.heard).member.address)
+
+
 def stored_table(d: Any) -> dict[str, Any]:
     members = [d.me().wire()] if d.name else []
     for k in d.known.values():
         members.append({**k.member.wire(), "since": k.since, "via": k.via, "up": k.up,
                         "confirmed": k.confirmed, "proof": k.proof})
-    return {"members": members, "kicked": d.kicked, "secret": d.secret}
+    return {"members": members, "kicked": d.kicked, "secret": d.secret, "answered": d.answered}
 
 
 class Instances(Protocol):

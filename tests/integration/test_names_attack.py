@@ -142,6 +142,50 @@ def test_a_forged_gossip_naming_a_subscribers_node_id_must_not_move_its_events_t
         impostor.close()
 
 
+def test_a_seed_answering_with_another_instances_node_id_never_gets_the_proof_meant_for_that_instance(
+        buses, ctx):
+    """A bus sends its proof to a seed or a publisher by address once it knows the node id
+    that answered there (they may have no name). A hostile seed that answers as the
+    publisher's node id must not get the proof meant for the publisher: with it, it could
+    tell the publisher that the subscriber moved to the seed's host and take its events."""
+    orders = buses("orders")
+    orders_node = next(m for m in _table(ctx, orders.address).members if m.name == "orders").node
+    hostile = ctx.socket(zmq.ROUTER)
+    address = free_address()
+    hostile.bind(address)
+    proofs: list[str | None] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not hostile.poll(50):
+                continue
+            ident, *frames = hostile.recv_multipart()
+            try:
+                frame = decode(frames, max_payload=MAX)
+            except Exception:  # noqa: BLE001
+                continue
+            if isinstance(frame, P.Gossip):
+                proofs.append(frame.proof)
+                if not frame.reply:
+                    hostile.send_multipart([ident, *P.encode_gossip(orders_node, [], reply=True)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        email = buses("email", seeds=[orders.address, address])
+        email.subscribe("orders", "order.placed", wait=10)
+        email.subscribe(address, "order.placed")  # a business partner too: gossiped to unasked
+        wait_until(lambda: proofs, timeout=10, message="the hostile seed to be gossiped to")
+        sent = email.counters()["gossip_sent"]
+        wait_until(lambda: email.counters()["gossip_sent"] >= sent + 20, timeout=20)
+        assert proofs and all(p is None for p in proofs), f"the hostile seed got a proof: {proofs}"
+    finally:
+        stop.set()
+        thread.join(5)
+        hostile.close(0)
+
+
 def test_a_second_hand_entry_with_a_huge_beat_must_not_rename_an_instance_or_silence_its_own_gossip(buses, ctx):
     """Only the instance raises its (epoch, beat); a second-hand entry is believed for
     everything but its address. A stranger's one frame with the email instance's node id,
