@@ -54,6 +54,9 @@ def _pull_address(datadir: Path) -> str:
     if kept.exists():
         address = kept.read_text().strip()
         with socket.socket() as probe:
+            # As ZeroMQ binds: a port whose connections wait in TIME_WAIT (a kill -9 leaves
+            # them) is free for it; only a listening socket there takes it.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
                 return address

@@ -403,6 +403,31 @@ def assert_still_serving(url: str) -> None:
     publish(url, "still.serving", {"ok": True})
 
 
+def test_the_pull_bus_keeps_its_port_when_a_kill_left_connections_to_it_in_time_wait(tmp_path):
+    """After a kill -9 the pull bus's accepted connections linger in TIME_WAIT on its port;
+    ZeroMQ binds there again (SO_REUSEADDR), so the port is free for it: taking another one
+    moves the pull bus, and what the front bus owes the old address waits for a move."""
+    from servicebus.gateway.server import _pull_address
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    (tmp_path / "gateway.address").write_text(f"tcp://127.0.0.1:{port}\n")
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # this side closes first, as a killed process's does: TIME_WAIT here
+    client.recv(1)
+    client.close()
+    listener.close()
+    assert _pull_address(tmp_path) == f"tcp://127.0.0.1:{port}"
+    with socket.socket() as taken:  # really in use (listening, as ZeroMQ does): another port
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert _pull_address(tmp_path) != f"tcp://127.0.0.1:{port}"
+
+
 def test_bad_json_and_bad_types_are_4xx_with_the_field(gw):
     url, topic = gw.url, "hostile.t"
     put_sub(url, topic, "s")
