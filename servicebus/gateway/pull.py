@@ -134,6 +134,7 @@ class PullQueues:
         self.subs: dict[tuple[str, str], Sub] = {}
         self._handled: set[str] = set()  # topics the pull bus has a handler for
         self._lock = threading.Lock()  # subs as the handler threads see them
+        self._kv_lock = threading.Lock()  # a read's commit and an ack of the same message
 
     # --- state ------------------------------------------------------------------------------
 
@@ -246,7 +247,12 @@ class PullQueues:
     async def read(self, sub: Sub, limit: int, run: Any) -> list[dict[str, Any]]:
         """Up to ``limit`` messages, each made invisible and its attempt counted, stored
         (one fsynced write) before they are returned; those whose attempts ran out become
-        dead letters instead. The caller holds the subscriber's read lock."""
+        dead letters instead. The caller holds the subscriber's read lock.
+
+        The ids stay in ``ready``, in their places, until that write succeeded: a read
+        cancelled or failed on the way (a push loop stopped, a full disk) leaves them as
+        they were. A message whose handler's write has not landed yet holds its place and
+        the ones after it (up to HOLD_PLACE), so that a read never skips ahead of it."""
         now = time.time()
         sub.due(now)
         ids: list[str] = []
@@ -256,24 +262,24 @@ class PullQueues:
             ids.append(mid)
         if not ids:
             return []
-        for mid in ids:
-            del sub.ready[mid]
         fetched = await run(self._fetch, sub, ids)
         taken: list[dict[str, Any]] = []
         dead: list[tuple[str, dict]] = []
         for mid, record in fetched:
             entry = sub.queue.get(mid)
-            if entry is None:
+            if entry is None or mid not in sub.ready:
+                sub.ready.pop(mid, None)
                 continue  # acked or deleted meanwhile
             if record is None:
                 held = sub.pending.get(mid)
-                if held is not None:  # its handler's write has not landed: read it later,
-                    if held > time.monotonic():  # ahead of later ones while that is usual
-                        sub.make_ready(mid)
-                    else:  # a handler failing again and again holds up no one
-                        sub.ready[mid] = None
-                else:
+                if held is None:  # gone from the kv and not on its way: forget it
                     del sub.queue[mid]
+                    del sub.ready[mid]
+                    continue
+                if held > time.monotonic():
+                    break  # its handler's write has not landed: it and those after it wait
+                del sub.ready[mid]  # a handler failing again and again holds up no one
+                sub.ready[mid] = None
                 continue
             sub.pending.pop(mid, None)
             if entry[0] >= sub.max_attempts:
@@ -286,39 +292,48 @@ class PullQueues:
             wait = min(300.0, sub.visibility * 2 ** attempts) if sub.push else sub.visibility
             record["visible_at"] = now + wait
             taken.append({"id": mid, **record})
+        acked: set[str] = set()
         if taken or dead:
-            try:
-                await run(self._commit, sub, taken, dead)
-            except BaseException:
-                for item in taken:  # not counted: readable again as they were
-                    if item["id"] in sub.queue:
-                        sub.ready[item["id"]] = None
-                raise
+            acked = await run(self._commit, sub, taken, dead)  # raises: nothing changed here either
         for item in taken:
+            sub.ready.pop(item["id"], None)
             entry = sub.queue.get(item["id"])
-            if entry is not None:
+            if entry is not None and item["id"] not in acked:
                 entry[0], entry[1] = item["attempts"], item["visible_at"]
                 heapq.heappush(sub.later, (item["visible_at"], item["id"]))
         for mid, _record in dead:
-            if sub.queue.pop(mid, None) is not None:
+            sub.ready.pop(mid, None)
+            if sub.queue.pop(mid, None) is not None and mid not in acked:
                 sub.dead += 1
-        return taken
+        return [item for item in taken if item["id"] not in acked] if acked else taken
 
-    def _commit(self, sub: Sub, taken: list[dict[str, Any]], dead: list[tuple[str, dict]]) -> None:
-        with self.pull.transaction() as tx:
+    def _commit(self, sub: Sub, taken: list[dict[str, Any]], dead: list[tuple[str, dict]]) -> set[str]:
+        """A pool thread. Under the lock acks take too: a message acked while this read
+        was on its way is not written back (a restart would have read it again); its id
+        is returned."""
+        kv, acked = self.pull.kv, set()
+        with self._kv_lock, self.pull.transaction() as tx:
             for item in taken:
-                tx.kv[sub.msg_key(item["id"])] = {k: v for k, v in item.items() if k != "id"}
+                key = sub.msg_key(item["id"])
+                if kv.get(key) is None:
+                    acked.add(item["id"])
+                    continue
+                tx.kv[key] = {k: v for k, v in item.items() if k != "id"}
             for mid, record in dead:
+                if kv.get(sub.msg_key(mid)) is None:
+                    acked.add(mid)
+                    continue
                 tx.kv.delete(sub.msg_key(mid))
                 tx.kv[sub.dead_key(mid)] = {**record, "error": f"not acknowledged after {record.get('attempts')} reads",
                                             "at": int(time.time() * 1000)}
+        return acked
 
     def ack(self, sub: Sub, ids: list[str]) -> list[str]:
         """Delete the messages ``ids`` (durable when it returns; a pool thread: kv writes
         only); returns the ids not queued. ``acked`` then forgets them (loop thread)."""
         known = [mid for mid in ids if mid in sub.queue]
         if known:
-            with self.pull.transaction() as tx:
+            with self._kv_lock, self.pull.transaction() as tx:
                 for mid in known:
                     tx.kv.delete(sub.msg_key(mid))
         return [mid for mid in ids if mid not in known]
