@@ -36,6 +36,7 @@ from .hooks.base import Hook, Hooks
 from .hooks.journal import Journal, flush_datadir
 from .hooks.watch import Watches
 from .model.config import BusConfig
+from .model.packer import pack
 from .model.records import BusStatus
 from .model.stored import ReplyRecord
 from .store.datadir import ENDPOINT_FILE, OFF_FILE
@@ -147,6 +148,7 @@ class Lifecycle:
             batch.put_meta("node", node.encode())
             store.write(batch, sync=True)
         self.node_id = node
+        _durable_secret(store)
         clock = store.bus_clock()
 
         keys = load_keys(self.config.keys) if self.config.keys is not None else None
@@ -364,3 +366,24 @@ def _open_store(path: Path, compression: bool) -> Store:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.02)
+
+
+def _durable_secret(store: Store) -> None:
+    """Discovery's secret (core/members.py: what this bus proves itself with) on disk and
+    fsynced before anything can send a proof made with it. A gossip answer goes out at once,
+    before its turn's write: a power cut that then lost the secret would bring this bus back
+    with another, refused for good by every bus that kept the first proof."""
+    raw = store.get_meta("members")
+    try:
+        record = msgpack.unpackb(raw, raw=False) if raw else {}
+    except (ValueError, TypeError, msgpack.ExtraData):
+        return  # a damaged table: the core starts over, secret and all (`servicebus check`)
+    if not isinstance(record, dict):
+        return
+    secret = record.get("secret")
+    if isinstance(secret, bytes) and len(secret) == 16:
+        return
+    record["secret"] = os.urandom(16)
+    batch = store.batch()
+    batch.put_meta("members", pack(record))
+    store.write(batch, sync=True)

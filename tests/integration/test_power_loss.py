@@ -370,6 +370,45 @@ def test_a_sync_after_leveldb_switched_logs_makes_the_writes_in_the_old_log_dura
         store.close()
 
 
+SECRET_AT_START = textwrap.dedent("""
+    import sys
+    from servicebus import Bus
+    from servicebus.testing import free_address
+    bus = Bus(free_address(), sys.argv[1], name="svc", seeds=[free_address()])
+    print(bus._engine.core.members.secret.hex(), flush=True)  # it may prove itself from now on
+    sys.stdin.read()
+""")
+
+
+def test_the_secret_a_bus_proves_itself_with_survives_a_power_cut_right_after_it_started(power):
+    """Discovery's proof (core/members.py) is HMAC(the bus's secret, the receiver's node
+    id), kept by every bus it wrote to; one with another is refused for good. The secret
+    is made at the first start: if a power cut lost it after a proof went out (a gossip
+    answer goes at once), the bus would come back with another and be refused everywhere."""
+    disk = power("secret")
+    datadir = disk.path / "node"
+    proc = subprocess.Popen([sys.executable, "-c", SECRET_AT_START, str(datadir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        secret = proc.stdout.readline().strip()
+        assert len(secret) == 32, proc.stderr.read() if proc.poll() is not None else secret
+        os.killpg(proc.pid, signal.SIGKILL)  # the power goes: the process with it
+        disk.cut()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+    store = Store.open(datadir / "store", create=False)
+    try:
+        stored = store.meta("members") or {}
+    finally:
+        store.close()
+    assert isinstance(stored.get("secret"), bytes) and stored["secret"].hex() == secret, \
+        f"the secret after the cut: {stored.get('secret')!r}, before: {secret}"
+
+
 def segment_lines(datadir: Path) -> set[str]:
     """The events of the journal's segments (either format), each as one string."""
     return set(event_counts(datadir))
