@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+import signal
 from pathlib import Path
 
 import typer
@@ -57,15 +59,23 @@ def journal_events(datadir: Path = DATADIR,
     """Print the events of a bus's journal segments (DATADIR, or a journal folder), one JSON
     object per event and message, in the order they were written (segments of either format; a line that does not parse,
     such as a torn last one, is skipped). What the audit reconciles, readable by grep and jq."""
-    import json
+    # Into a reader that stops early (`| head`): die of SIGPIPE, quietly, as GNU tools do
+    # (click would turn the broken pipe into exit 1). This command reads files only; the
+    # handler is put back after it (a test may run it inside its own process).
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        _print_events(datadir, set(ids), topic)
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
 
+
+def _print_events(datadir: Path, wanted: set[str], topic: str | None) -> None:
     # A data directory, or a journal folder on its own (copied off a host, kept by chaos).
     try:
         bare = not (datadir / "store").is_dir() and any(is_segment(p.name) for p in datadir.iterdir())
     except OSError:
         bare = False  # _datadir says why
     folder = datadir if bare else _datadir(datadir) / "journal"
-    wanted = set(ids)
     paths = sorted(p for p in folder.iterdir() if is_segment(p.name)) if folder.is_dir() else []
     for path in paths:  # named <node>-<first seq>: in the order written
         for e in read_segment(path):

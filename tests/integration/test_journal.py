@@ -199,3 +199,23 @@ def test_the_journal_says_whose_it_is_the_service_name_at_each_address(tmp_path)
                          "addresses": {first: "email", second: "email"}}
     (anon_file,) = (tmp_path / "anon" / "journal").glob("*.bus.json")
     assert json.loads(anon_file.read_text())["addresses"] == {anon_address: None}
+
+
+def test_journal_events_into_a_reader_that_stops_early_ends_quietly_by_sigpipe(tmp_path):
+    """``servicebus journal events DIR | head -1``: as GNU tools do, the command dies of
+    SIGPIPE when its reader goes away (141 in a shell), with nothing on stderr; not a
+    Python traceback or an error exit of its own."""
+    import signal
+
+    with Bus(free_address(), tmp_path / "pub") as bus:
+        nobody = free_address()
+        for n in range(2000):  # journaled (a command is, an event without subscribers is not):
+            bus.send(nobody, "c", {"n": n})  # ~500 KB of lines, more than a pipe holds
+    proc = subprocess.Popen([CLI, "journal", "events", str(tmp_path / "pub")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(30) == -signal.SIGPIPE, (proc.returncode, err)
+    assert json.loads(first)["event"] == "published" and err == b""
