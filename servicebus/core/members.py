@@ -12,10 +12,9 @@ What is believed from whom (a hostile review of issue 30 found each of these ope
   connection to its address. Only confirmed instances are subscribed to, sent commands by
   name, vouched for and told to others. What others say of one we never heard is a hint we
   ask ourselves (100 at most, 16 new a frame, two asked a turn, forgotten unanswered).
-- An instance proves itself to us with HMAC(its secret, our node id), the same every time
-  and known to nobody else (it travels only to us). We keep the first one (trust on first
-  use); a first-hand frame with another is refused, and a move (a new address) needs it:
-  nobody can move another instance's backlog by naming its node id.
+- An instance proves itself to us with HMAC(its secret, our node id), the same every time,
+  sent only where it knows we are (proofs.py). We keep the first one (trust on first use);
+  a first-hand frame with another is refused, a move needs it.
 - Second hand, a confirmed instance's entry only keeps it alive, if its age grew plausibly
   (one more start at most, no more beats than time allows); its name, key, topics and
   address change only first hand; a new address heard second hand is asked there.
@@ -45,8 +44,9 @@ from ..wire.validation import validate_address
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
-from .services import (Known, ServiceIntents, fleet_view, is_kicked, kick_target, load_table, may_remember,
-                       pick_instance, readmit, stored_table)
+from .proofs import partners, proof_targets, prove_now, remember_answer
+from .services import (Known, ServiceIntents, fleet_view, is_kicked, kick_target, load_table, pick_instance,
+                       readmit, stored_table)
 from .state import State
 
 __all__ = ["Directory", "Known"]
@@ -85,6 +85,8 @@ class Directory:
         # address -> node id of the bus that answered there: a seed or a publisher without a
         # name is in no table, yet it must get our proof, or our moves are refused there
         self.answered: dict[str, str] = {}
+        self.prove_soon: set[str] = set()  # answered just now: our proof goes there (proofs.py)
+        self.asking_since: float | None = None
         self.services = ServiceIntents(state, roster, handshake, self)
         self.found: Callable[[str], Any] = lambda name: None  # set by the core (machine.py)
         self._turn = 0
@@ -159,17 +161,10 @@ class Directory:
         if down and (not up or self.beat % 5 == 0):
             k = random.choice(down)  # to find them again after a cut
             targets[k.member.address] = k.member.node
-        related = sorted(k for k in {p for p, _t in s.intents} | {a for a, _t in s.subscriptions})
         by_address = {k.member.address: k.member.node for k in confirmed}
-        answered = {a: n for a, n in self.answered.items() if may_remember(self, a, n)}
-        if related:
-            address = related[self.beat % len(related)]  # business partners learn our proof
-            partner = by_address.get(address) or answered.get(address)
-            if partner:
-                targets[address] = partner
-        for seed in self.seeds:
-            if seed not in self.heard_seeds:
-                targets.setdefault(seed, answered.get(seed, ""))
+        for address, node in proof_targets(self, by_address, self.beat, now).items():  # proofs.py
+            if node or address not in targets:
+                targets[address] = node
         if now < self.announce_until or self.spread:
             targets.update(by_address)
             self.spread = False
@@ -250,9 +245,9 @@ class Directory:
         self.next_gossip = min(self.next_gossip, max(now, self.last_tick + 0.1))
 
     def peer_up(self, address: str) -> None:
-        """A connection just answered: a seed that did, or an address we asked who it is
-        (the ask went before it was connected, and ZeroMQ dropped it), is asked at once."""
-        if address in self.seeds and address not in self.heard_seeds:
+        """A connection just answered: a seed or partner not heard yet (proofs.py), or an
+        address we asked who it is (ZeroMQ dropped the ask made before), is asked at once."""
+        if address not in self.heard_seeds and address in partners(self):
             self.next_gossip = 0.0
         for k in self.known.values():
             if not k.confirmed and k.member.address == address:
@@ -271,13 +266,16 @@ class Directory:
         connection to ``address``."""
         s = self.s
         s.counters["gossip_received"] += 1
+        # Our proof in the answer on first contact only (trust on first use, as it does with
+        # ours); to a node id we know, only where it is (proofs.py): a sender may name any.
+        first_contact = frame.sender not in self.known and frame.sender not in self.answered.values()
         if address is not None:
             self.heard_seeds.add(address)
             self.hints.pop(address, None)
-            if self.answered.get(address) != frame.sender and may_remember(self, address, frame.sender):
-                self.answered[address] = frame.sender
+            if remember_answer(self, address, frame.sender):
                 self.dirty = True
-                self.soon(now)  # our proof to it now: until it has it, a move of ours is refused
+                self.soon(now)  # our proof to it: until it has it, a move of ours is refused
+                prove_now(self, address)
         new = 0
         for member in frame.members:
             if member.node == s.node_id:
@@ -288,7 +286,7 @@ class Directory:
                 new += 1
         if ident is not None and not frame.reply:
             s.out.to_router.append((ident, P.encode_gossip(s.node_id, self.table(), reply=True,
-                                                           proof=self.proof(frame.sender))))
+                                                           proof=self.proof(frame.sender) if first_contact else None)))
         self.save()
 
     def _refuse(self, member: Member, why: str) -> None:
@@ -320,7 +318,10 @@ class Directory:
         s = self.s
         why = self._believed(member, source, user, connected)
         k = self.known.get(member.node)
-        if why is None and k is not None and k.proof is not None and proof != k.proof:
+        # An answer on our connection to the address it names needs none: it is whoever
+        # listens there (and answers carry none: proofs.py).
+        answer = proof is None and connected is not None and member.address == connected
+        if why is None and k is not None and k.proof is not None and proof != k.proof and not answer:
             why = "bad_proof"  # not the instance that wrote to us before
         if why is None and k is not None and k.confirmed and member.address != k.member.address and \
                 (k.proof is None or proof != k.proof):

@@ -17,14 +17,12 @@ from ..model.stored import IntentRecord
 from .commands import SubscribeCmd
 from .handshake import Handshake
 from .peers import Roster
+from .proofs import MAX_ANSWERED
 from .state import Intent, State
 
-__all__ = ["ServiceIntents", "Instances", "Known", "load_table", "stored_table", "MAX_ANSWERED",
-           "may_remember", "pick_instance"]
+__all__ = ["ServiceIntents", "Instances", "Known", "load_table", "stored_table", "pick_instance"]
 
 log = logging.getLogger("servicebus")
-
-MAX_ANSWERED = 100  # addresses whose node id this bus keeps (where it gossips unasked)
 
 
 @dataclass(eq=False)
@@ -67,21 +65,6 @@ def load_table(d: Any, stored: dict[str, Any] | None, wall: int) -> None:
     for k in d.known.values():
         if k.confirmed:
             d._vouch(k, False)
-
-
-def may_remember(d: Any, address: str, node: str) -> bool:
-    """Whether ``Directory.answered`` may map ``address`` to ``node`` (and our proof for
-    ``node`` go there). Only where we gossip of our own accord (seeds, business partners):
-    a stranger's table cannot grow this one. Not a node id we know first hand elsewhere:
-    whoever answers at an address of ours would get the proof meant for that instance (and
-    could move our backlog there)."""
-    known = d.known.get(node)
-    if node == d.s.node_id or (known is not None and known.confirmed and known.member.address != address):
-        return False
-    if address in d.answered or address in d.seeds:
-        return True
-    return len(d.answered) < MAX_ANSWERED and any(
-        address == a for a in {p for p, _t in d.s.intents} | {a for a, _t in d.s.subscriptions})
 
 
 def pick_instance(d: Any, name: str, turn: int) -> str:

@@ -76,13 +76,17 @@ def _fake(n: int, name: str, address: str, topics: int = 0, beat: int = 1) -> di
 
 
 class _Impostor:
-    """A ROUTER that acts as a bus: answers pings, acks every batch, keeps what it got."""
+    """A ROUTER that acts as a bus: answers pings, acks every batch, keeps what it got.
+    With ``node``: answers gossip as that node id (another bus's) and keeps the proofs
+    it is sent."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, node: str | None = None) -> None:
         self.address = free_address()
+        self.node = node
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.bind(self.address)
         self.got: list[str] = []
+        self.proofs: list[str | None] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -96,7 +100,11 @@ class _Impostor:
                 frame = decode(frames, max_payload=MAX)
             except Exception:  # noqa: BLE001
                 continue
-            if isinstance(frame, P.Ping):
+            if isinstance(frame, P.Gossip) and self.node is not None:
+                self.proofs.append(frame.proof)
+                if not frame.reply:
+                    self.sock.send_multipart([ident, *P.encode_gossip(self.node, [], reply=True)])
+            elif isinstance(frame, P.Ping):
                 self.sock.send_multipart([ident, *P.encode_pong("impostor", "boot-1")])
             elif isinstance(frame, P.Batch):
                 ids = [env.id for env in frame.messages]
@@ -138,6 +146,41 @@ def test_a_forged_gossip_naming_a_subscribers_node_id_must_not_move_its_events_t
         assert impostor.got == [], (f"a stranger took {len(impostor.got)} of the subscriber's events "
                                     f"(and acked them); the subscriber got {len(got)} of 20")
     finally:
+        forger.close(0)
+        impostor.close()
+
+
+def test_a_stranger_who_gossips_as_the_publisher_must_not_get_the_subscribers_proof_for_it(buses, ctx):
+    """The proof an instance sends a publisher must not be handed to whoever names the
+    publisher's node id: a stranger gossips to the subscriber as the publisher (its node id
+    is in any answer of the publisher), takes the proof from the answer, then tells the
+    publisher "email moved here" with it and acks the subscriber's events."""
+    orders = buses("orders")
+    email = buses("email", seeds=[orders.address])
+    got = counting_handler(email, "order.placed")
+    email.subscribe("orders", "order.placed", wait=10)
+    wait_until(lambda: orders.counters().get("instances_proven"), timeout=10,
+               message="the publisher to hold the subscriber's proof")
+    orders_node = _table(ctx, orders.address).sender
+    victim = next(m for m in _table(ctx, email.address).members if m.name == "email")
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.connect(email.address)
+    impostor = _Impostor(ctx)
+    forger = ctx.socket(zmq.DEALER)
+    forger.connect(orders.address)
+    try:
+        stranger.send_multipart(P.encode_gossip(orders_node, []))  # "I am orders"
+        assert stranger.poll(10_000), "no answer"
+        stolen = decode(stranger.recv_multipart(), max_payload=MAX).proof
+        forged = {**victim.wire(), "address": impostor.address, "beat": victim.beat + 100}
+        for n in range(20):  # "email moved here", again and again (its own gossip says otherwise)
+            forger.send_multipart(P.encode_gossip(victim.node, [forged], proof=stolen))
+            orders.publish("order.placed", {"n": n})
+        wait_until(lambda: len(got) + len(impostor.got) >= 20, timeout=15)
+        assert stolen is None and impostor.got == [], (
+            f"the stranger got the proof ({stolen}) and took {len(impostor.got)} of 20 events")
+    finally:
+        stranger.close(0)
         forger.close(0)
         impostor.close()
 
@@ -543,3 +586,117 @@ def test_held_subscribe_by_name_before_any_instance_then_two_publisher_instances
     for pub in (a, b):  # both instances were told
         wait_until(lambda pub=pub: not any(c[0] == email.address for c in pub._call(
             lambda f: E.Snapshot(f))["consumers"]), timeout=10)
+
+
+# --- moves of instances known only by address (hostile review helper-33) --------------
+
+
+def test_what_an_unnamed_publisher_owes_a_named_subscriber_without_seeds_follows_it_when_it_moves(buses):
+    """README: a bus proves itself "to the publishers it subscribes to by address, also when
+    those have no name". A named subscriber with no seed subscribes by address to a publisher
+    with no name; it comes back at a new port: what was owed at the old one must follow."""
+    hub = buses(None, datadir="hub")
+    email = buses("email", datadir="email")
+    got = counting_handler(email, "order.placed")
+    email.subscribe(hub.address, "order.placed", wait=10)
+    hub.publish("order.placed", {"n": 0})
+    wait_until(lambda: len(got) == 1, timeout=10)
+    wait_until(lambda: hub.counters().get("instances_proven") == 1, timeout=10,
+               message="the publisher to hold the subscriber's proof")
+    email.close()
+    for n in range(1, 11):  # owed at the old address
+        hub.publish("order.placed", {"n": n})
+    moved = buses("email", datadir="email", address=free_address())
+    got_there = counting_handler(moved, "order.placed")
+    wait_until(lambda: len(got_there) == 10, timeout=15,
+               message=lambda: f"10 owed events at the new address, got {sorted(got_there)}; "
+                               f"hub: {hub.counters().get('instances_proven')} proven")
+
+
+def test_a_named_subscriber_without_seeds_that_moves_gets_what_a_named_publisher_it_subscribes_to_by_address_owes(
+        buses):
+    """The same with a publisher that has a name (and no seed either): neither gossips to
+    the other unasked, so the publisher never hears the subscriber first hand. (A move
+    within a gossip interval of the first contact is not followed: the proof goes with
+    the first gossip after the publisher answered.)"""
+    hub = buses("orders", datadir="hub")
+    email = buses("email", datadir="email")
+    got = counting_handler(email, "order.placed")
+    email.subscribe(hub.address, "order.placed", wait=10)
+    hub.publish("order.placed", {"n": 0})
+    wait_until(lambda: len(got) == 1, timeout=10)
+    wait_until(lambda: hub.counters().get("instances_proven") == 1, timeout=10,
+               message="the publisher to hold the subscriber's proof")
+    email.close()
+    for n in range(1, 11):
+        hub.publish("order.placed", {"n": n})
+    moved = buses("email", datadir="email", address=free_address())
+    got_there = counting_handler(moved, "order.placed")
+    wait_until(lambda: len(got_there) == 10, timeout=15,
+               message=lambda: f"10 owed events at the new address, got {sorted(got_there)}")
+
+
+def test_commands_an_unnamed_seed_queued_for_a_named_instance_follow_it_when_it_moves(buses):
+    """A seed is told the instance's proof (README: "a bus proves itself the same way to its
+    seeds"). Its first gossip to a seed carries none (it does not know the seed's node id
+    yet) and once the seed answered it is no longer gossiped to as a seed: unless it is also
+    a publisher subscribed to by address, the seed holds the instance confirmed without a
+    proof, and every later move is refused (move_unproven), stranding the commands queued
+    for it."""
+    hub = buses(None, datadir="hub")
+    mailer = buses("mailer", datadir="mailer", seeds=[hub.address])
+    handled: set[int] = set()
+    mailer.handle("mail.send", lambda payload, message: handled.add(payload["n"]))
+    hub.send(mailer.address, "mail.send", {"n": 0})
+    wait_until(lambda: handled == {0}, timeout=10)
+    wait_until(lambda: hub.counters().get("gossip_received"), timeout=10, message="the seed to hear of it")
+    beat = mailer.fleet()[0]["beat"]
+    wait_until(lambda: mailer.fleet()[0]["beat"] >= beat + 10, timeout=10)  # ten turns to prove itself
+    mailer.close()
+    for n in range(1, 11):  # queued for the old address
+        hub.send(mailer.address, "mail.send", {"n": n})
+    moved = buses("mailer", datadir="mailer", seeds=[hub.address], address=free_address())
+    there: set[int] = set()
+    moved.handle("mail.send", lambda payload, message: there.add(payload["n"]))
+    wait_until(lambda: there == set(range(1, 11)), timeout=15,
+               message=lambda: f"10 queued commands at the new address, got {sorted(there)}; "
+                               f"hub refused: { {k: v for k, v in hub.counters().items() if 'refused' in k} }")
+
+
+def test_a_hostile_seed_answering_as_an_unnamed_publishers_node_id_never_gets_the_proof_meant_for_it(buses, ctx):
+    """README: the proof "never travels anywhere else", and a bus sends it to an address
+    "never for a node id it knows at another address". A publisher without a name is in
+    no table, so that check is void for it: a hostile seed that answers with the unnamed
+    publisher's node id (any stranger's gossip gets it) is sent the subscriber's proof for
+    the publisher at the subscriber's next start, and with it moves the subscriber's
+    backlog at the publisher to itself."""
+    hub = buses(None, datadir="hub")
+    hub_node = _table(ctx, hub.address).sender
+    seed = _Impostor(ctx, node=hub_node)
+    try:
+        email = buses("email", datadir="email", seeds=[seed.address, hub.address])
+        email.subscribe(hub.address, "order.placed", wait=10)
+        wait_until(lambda: hub.counters().get("instances_proven") == 1, timeout=10,
+                   message="the publisher to hold the subscriber's proof")
+        me = next(m for m in _table(ctx, email.address).members if m.name == "email")
+        email.close()
+        again = buses("email", datadir="email", seeds=[seed.address, hub.address], address=email.address)
+        wait_until(lambda: again.counters().get("gossip_received"), timeout=10)
+        wait_until(lambda: seed.proofs, timeout=10)
+        again.close()  # between two deploys: what it is owed waits at the publisher
+        stolen = [p for p in seed.proofs if p is not None]
+        if stolen:  # what a thief does with it: "email moved here"
+            forger = ctx.socket(zmq.DEALER)
+            forger.connect(hub.address)
+            forged = {**me.wire(), "address": seed.address, "beat": me.beat + 100}
+            forger.send_multipart(P.encode_gossip(me.node, [forged], proof=stolen[-1]))
+            wait_until(lambda: hub.counters().get("instances_moved"), timeout=10)
+            forger.close(0)
+            for n in range(10):
+                hub.publish("order.placed", {"n": n})
+            wait_until(lambda: len(seed.got) == 10, timeout=10)
+        assert not stolen and not seed.got, (
+            f"the hostile seed got the subscriber's proof for the publisher and took "
+            f"{len(seed.got)} of its events (acked)")
+    finally:
+        seed.close()
