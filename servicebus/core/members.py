@@ -266,9 +266,6 @@ class Directory:
         connection to ``address``."""
         s = self.s
         s.counters["gossip_received"] += 1
-        # Our proof in the answer on first contact only (trust on first use, as it does with
-        # ours); to a node id we know, only where it is (proofs.py): a sender may name any.
-        first_contact = frame.sender not in self.known and frame.sender not in self.answered.values()
         if address is not None:
             self.heard_seeds.add(address)
             self.hints.pop(address, None)
@@ -285,8 +282,8 @@ class Directory:
             elif self._second_hand(member, now, new < NEW_PER_FRAME):
                 new += 1
         if ident is not None and not frame.reply:
-            s.out.to_router.append((ident, P.encode_gossip(s.node_id, self.table(), reply=True,
-                                                           proof=self.proof(frame.sender) if first_contact else None)))
+            # No proof in an answer: whoever writes to us may name any node id (proofs.py).
+            s.out.to_router.append((ident, P.encode_gossip(s.node_id, self.table(), reply=True)))
         self.save()
 
     def _refuse(self, member: Member, why: str) -> None:
@@ -362,9 +359,10 @@ class Directory:
             s.vouched.pop(old.address, None)
             self.roster.move(old.address, member.address, member.node)
             self.services.moved(old.address, member.address)
-        if not was and connected is None:  # it wrote to us first (we are its seed): tell all now
-            self.spread = True
+        if not was and connected is None:  # it wrote to us first (we are its seed): tell all now,
+            self.spread = True  # and our proof to it where it said it is, this turn
             self.soon(now)
+            prove_now(self, member.address, member.node)
         if not was or old.name != member.name:
             self.services.resolve(member.name)
             self.found(member.name)  # handlers' commands that waited for an instance of it

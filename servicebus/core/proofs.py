@@ -72,14 +72,20 @@ def _provable(d: Any, partnered: set[str] | None = None) -> dict[str, str]:
     return out
 
 
-def prove_now(d: Any, address: str) -> None:
-    """``address`` just answered: if it is a publisher we subscribe to and the proof may
-    go there, our proof to it in this turn (the sooner it has it, the shorter the time a
-    move of ours would be refused there); others get it next turn (``proof_targets``)."""
-    node = _provable(d).get(address) if address in _subscribed(d) else None
-    if node:
+def prove_now(d: Any, address: str, node: str | None = None) -> None:
+    """Our proof to ``address`` in this turn (the sooner it has it, the shorter the time a
+    move of ours would be refused there): to ``node``, an instance just confirmed there
+    first hand; without ``node``, to the node id that just answered there if it is a
+    publisher we subscribe to and the proof may go there (others: ``proof_targets``)."""
+    if node is None:
+        node = _provable(d).get(address) if address in _subscribed(d) else None
+    if node and address not in d.s.own:
+        try:
+            peer = d.roster.peer(address)
+        except ValueError:  # not an address this bus may connect to (policy.py): not now
+            return
         d.prove_soon.discard(address)
-        d.roster.send(d.roster.peer(address), P.encode_gossip(d.s.node_id, d.table(), proof=d.proof(node)))
+        d.roster.send(peer, P.encode_gossip(d.s.node_id, d.table(), proof=d.proof(node)))
         d.s.counters["gossip_sent"] += 1
 
 

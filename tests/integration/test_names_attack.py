@@ -185,6 +185,47 @@ def test_a_stranger_who_gossips_as_the_publisher_must_not_get_the_subscribers_pr
         impostor.close()
 
 
+def test_a_stranger_gossiping_first_as_a_publisher_the_subscriber_has_not_met_yet_never_gets_the_proof_for_it(
+        buses, ctx):
+    """proofs.py: 'Never in an answer to gossip: whoever writes to this bus may name any node
+    id'. members.py still answers a *first contact* with the proof for the node id the
+    frame names. A stranger reads the publisher's node id from the publisher's own answer,
+    gossips to the subscriber as that node id before the subscriber ever met the publisher,
+    keeps the proof; the subscriber then subscribes to the publisher by address (the
+    publisher keeps the same proof, trust on first use), and the stranger moves the
+    subscription to an address of its own with it."""
+    orders = buses("orders")
+    email = buses("email")  # a named bus, no seeds: it has not met orders
+    got = counting_handler(email, "order.placed")
+    orders_node = _table(ctx, orders.address).sender
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.connect(email.address)
+    impostor = _Impostor(ctx)
+    forger = ctx.socket(zmq.DEALER)
+    forger.connect(orders.address)
+    try:
+        stranger.send_multipart(P.encode_gossip(orders_node, []))  # "I am orders" (first contact)
+        assert stranger.poll(10_000), "no answer"
+        stolen = decode(stranger.recv_multipart(), max_payload=MAX).proof
+        email.subscribe(orders.address, "order.placed", wait=10)
+        wait_until(lambda: orders.counters().get("instances_proven"), timeout=10,
+                   message="the publisher to hold the subscriber's proof")
+        victim = next(m for m in _table(ctx, email.address).members if m.name == "email")
+        forged = {**victim.wire(), "address": impostor.address, "beat": victim.beat + 100}
+        for n in range(20):  # "email moved here"
+            forger.send_multipart(P.encode_gossip(victim.node, [forged], proof=stolen))
+            orders.publish("order.placed", {"n": n})
+        wait_until(lambda: len(got) + len(impostor.got) >= 20, timeout=15,
+                   message=lambda: f"got {len(got)}, impostor {len(impostor.got)}")
+        assert stolen is None and impostor.got == [], (
+            f"the stranger got the proof ({stolen}) before first contact and took "
+            f"{len(impostor.got)} of 20 events; the subscriber got {len(got)}")
+    finally:
+        stranger.close(0)
+        forger.close(0)
+        impostor.close()
+
+
 def test_a_seed_answering_with_another_instances_node_id_never_gets_the_proof_meant_for_that_instance(
         buses, ctx):
     """A bus sends its proof to a seed or a publisher by address once it knows the node id
