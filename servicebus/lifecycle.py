@@ -160,6 +160,10 @@ class Lifecycle:
         self.address = self.config.advertise or endpoint
         lock.update(self.address)
         before = store.get_meta("address")
+        if before is not None and before.decode() != self.address and not self.config.name:
+            log.warning("this bus was at %s and is at %s now, without a name: nothing follows it here "
+                        "(what publishers owe %s waits there); give it name=... to be followed when it moves",
+                        before.decode(), self.address, before.decode())
         if self.config.journal and before is not None and before.decode() != self.address:
             # Events a crash left unmoved happened at the address the bus had then: moved
             # out under its new one, the audit would pair them with the wrong receiver.

@@ -240,3 +240,18 @@ def test_what_an_unnamed_publisher_owes_a_subscriber_that_seeds_from_it_follows_
         assert set(got_there.values()) == {1}
     finally:
         hub.close()
+
+
+def test_a_bus_without_a_name_that_starts_at_another_address_says_that_nothing_follows_it(tmp_path, caplog):
+    """Only an instance with a name is followed when it moves (a bus without one is its
+    address): starting elsewhere, a bus without a name says so, naming the old address."""
+    old, new = free_address(), free_address()
+    Bus(old, tmp_path / "anon").close()
+    with caplog.at_level("WARNING", logger="servicebus"):
+        Bus(new, tmp_path / "anon").close()
+    assert any(old in r.getMessage() and "without a name" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="servicebus"):
+        Bus(new, tmp_path / "named", name="svc").close()
+        Bus(free_address(), tmp_path / "named", name="svc").close()
+    assert not any("without a name" in r.getMessage() for r in caplog.records)
