@@ -253,7 +253,7 @@ class Core:
             if self.roster.on_pong(peer, frame, now):
                 self.sender.peer_up(peer)
                 self.handshake.peer_up(address)
-                self.members.peer_up(address)
+                self.members.peer_up(address, frame.sender)
                 s.tick_due = True
         elif isinstance(frame, P.Gossip):
             self.members.on_gossip(frame, now, None, None, address=address)

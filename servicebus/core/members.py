@@ -22,8 +22,7 @@ What is believed from whom (a hostile review of issue 30 found each of these ope
   to); with CURVE the key must be the frame's and peers.toml must allow it the name.
 
 When an instance moves, what is owed to it follows (``Roster.move``: subscriptions, cursors,
-backlogs, queued commands) and this bus's subscriptions to it are asked again there.
-"""
+backlogs, queued commands) and this bus's subscriptions to it are asked again there."""
 
 from __future__ import annotations
 
@@ -86,7 +85,6 @@ class Directory:
         # name is in no table, yet it must get our proof, or our moves are refused there
         self.answered: dict[str, str] = {}
         self.prove_soon: set[str] = set()  # answered just now: our proof goes there (proofs.py)
-        self.asking_since: float | None = None
         self.services = ServiceIntents(state, roster, handshake, self)
         self.found: Callable[[str], Any] = lambda name: None  # set by the core (machine.py)
         self._turn = 0
@@ -244,9 +242,12 @@ class Directory:
         not make this bus gossip without end)."""
         self.next_gossip = min(self.next_gossip, max(now, self.last_tick + 0.1))
 
-    def peer_up(self, address: str) -> None:
-        """A connection just answered: a seed or partner not heard yet (proofs.py), or an
-        address we asked who it is (ZeroMQ dropped the ask made before), is asked at once."""
+    def peer_up(self, address: str, node: str = "") -> None:
+        """A connection's pong (naming ``node``): a partner gets our proof now (proofs.py);
+        one not heard yet, or an address whose ask ZeroMQ dropped, is asked at once."""
+        if node and remember_answer(self, address, node):
+            self.dirty = True
+            prove_now(self, address)
         if address not in self.heard_seeds and address in partners(self):
             self.next_gossip = 0.0
         for k in self.known.values():
@@ -359,10 +360,10 @@ class Directory:
             s.vouched.pop(old.address, None)
             self.roster.move(old.address, member.address, member.node)
             self.services.moved(old.address, member.address)
-        if not was and connected is None:  # it wrote to us first (we are its seed): tell all now,
-            self.spread = True  # and our proof to it where it said it is, this turn
-            self.soon(now)
+        if not was:  # our proof to it where it is, this turn; if it wrote first, tell all now
             prove_now(self, member.address, member.node)
+            self.spread = self.spread or connected is None
+            self.soon(now)
         if not was or old.name != member.name:
             self.services.resolve(member.name)
             self.found(member.name)  # handlers' commands that waited for an instance of it

@@ -94,20 +94,20 @@ def proof_targets(d: Any, by_address: dict[str, str], beat: int, now: float) -> 
     ("" : no proof, asking who it is).
 
     A seed we do not subscribe to gets our proof for the node id it named only once every
-    partner answered (or ``down_after`` passed since we first asked): a hostile seed that
+    partner told its own (a partner that never answers holds that back): a hostile seed that
     answers first with a publisher's node id would otherwise get the proof meant for it
     before the publisher's own answer showed that node id elsewhere."""
     listed = partners(d)
     provable = _provable(d, set(listed))
     targets: dict[str, str] = {}
-    unheard = [a for a in listed if a not in by_address and a not in d.answered
-               and not (a in d.seeds and a in d.heard_seeds)]
-    for address in unheard[:ASK_PER_TURN]:  # who is there? (seeds: until they answer)
-        targets[address] = ""
-    if d.asking_since is None:
-        d.asking_since = now
-    settled = not unheard or now - d.asking_since >= d.s.config.down_after
+    # Not heard yet (no answer to our gossip since this bus started; a pong tells the node
+    # id but not the table): asked, with our proof if it may go there already.
+    unheard = [a for a in listed if a not in by_address and a not in d.heard_seeds]
+    # Every partner's node id known (an answer or a pong): a seed naming another's is seen.
+    settled = all(a in by_address or a in d.answered for a in listed)
     subscribed = _subscribed(d)
+    for address in unheard[:ASK_PER_TURN]:
+        targets[address] = provable.get(address, "") if settled or address in subscribed else ""
     for address in [a for a in d.prove_soon if a in provable and (settled or a in subscribed)]:
         targets[address] = provable[address]  # it answered just now: our proof there now
         d.prove_soon.discard(address)
