@@ -215,33 +215,6 @@ def test_a_handlers_send_by_name_before_any_instance_is_known_waits_and_is_deliv
 
 
 
-def test_what_an_unnamed_publisher_owes_a_subscriber_that_seeds_from_it_follows_the_subscriber_when_it_moves(
-        buses, tmp_path):
-    """The gateway's pull bus: named, its one seed the publisher, which has no name (no
-    discovery of its own) and is subscribed to by address. It must still learn the
-    subscriber's proof, or the subscriber's backlog stays owed at its old address when it
-    comes back at a new one (a kill -9 of the gateway lost a message that way)."""
-    hub = Bus(free_address(), tmp_path / "hub", **FAST)
-    try:
-        email = buses("email", seeds=[hub.address])
-        got = counting_handler(email, "order.placed")
-        email.subscribe(hub.address, "order.placed", wait=10)
-        hub.publish("order.placed", {"n": 0})
-        wait_until(lambda: len(got) == 1, timeout=10)
-        wait_until(lambda: hub.counters().get("instances_proven") == 1, timeout=10,
-                   message="the publisher to hold the subscriber's proof")
-        email.close()
-        for n in range(1, 11):  # owed at the old address
-            hub.publish("order.placed", {"n": n})
-        moved = buses("email", datadir="email", address=free_address())
-        got_there = counting_handler(moved, "order.placed")
-        wait_until(lambda: len(got_there) == 10, timeout=15,
-                   message=lambda: f"10 owed events at the new address, got {sorted(got_there)}")
-        assert set(got_there.values()) == {1}
-    finally:
-        hub.close()
-
-
 def test_a_bus_without_a_name_that_starts_at_another_address_says_that_nothing_follows_it(tmp_path, caplog):
     """Only an instance with a name is followed when it moves (a bus without one is its
     address): starting elsewhere, a bus without a name says so, naming the old address."""
