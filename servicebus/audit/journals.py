@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 from pathlib import Path
 
 from .errors import AuditError
@@ -151,12 +152,19 @@ def parse_bus_file(text: str, found_in: str) -> dict[str, dict[str, str | None]]
     """address -> {"name", "datadir"} from one bus file, found in the journal folder
     ``found_in``; {} for a file that is not one (a power cut may leave it empty)."""
     try:
-        data = json.loads(text)
+        return _bus_addresses(json.loads(text), found_in)
+    except ValueError:
+        return {}
+
+
+def _bus_addresses(data: Any, found_in: str) -> dict[str, dict[str, str | None]]:
+    """parse_bus_file of a bus file's parsed JSON."""
+    try:
         addresses = data["addresses"]
         datadir = data.get("datadir") or found_in.rpartition("/")[0]
         return {str(a): {"name": None if n is None else str(n), "datadir": str(datadir)}
                 for a, n in addresses.items()}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return {}
 
 
@@ -214,11 +222,16 @@ def read_bus_files(spark, globs: list[str]) -> list[tuple[str | None, dict[str, 
     files = []
     for path in segment_files(spark, bus_globs(globs)):
         text = read_text(spark, path, limit=BUS_FILE_MAX)
-        if text:
-            found = parse_bus_file(text, path.rpartition("/")[0].removeprefix("file:"))
-            if found:
-                node = json.loads(text).get("node")
-                files.append((node if isinstance(node, str) and node else None, found))
+        if not text:
+            continue
+        try:
+            data = json.loads(text)
+        except ValueError:
+            continue  # a power cut may leave it torn
+        found = _bus_addresses(data, path.rpartition("/")[0].removeprefix("file:"))
+        if found:  # (data is a dict)
+            node = data.get("node")
+            files.append((node if isinstance(node, str) and node else None, found))
     return files
 
 
