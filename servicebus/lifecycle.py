@@ -374,9 +374,10 @@ def _open_store(path: Path, compression: bool) -> Store:
 
 def _durable_secret(store: Store) -> None:
     """Discovery's secret (core/members.py: what this bus proves itself with) on disk and
-    fsynced before anything can send a proof made with it. A gossip answer goes out at once,
-    before its turn's write: a power cut that then lost the secret would bring this bus back
-    with another, refused for good by every bus that kept the first proof."""
+    fsynced before anything can send a proof made with it. A proof goes out with the turn
+    that makes it (core/proofs.py), whose write is not fsynced: a power cut that then lost
+    the secret would bring this bus back with another, refused for good by every bus that
+    kept the first proof."""
     raw = store.get_meta("members")
     try:
         record = msgpack.unpackb(raw, raw=False) if raw else {}
