@@ -141,6 +141,10 @@ class Dispatcher(WorkerLoop):
             self._parked -= woken
             if woken:
                 self._refill_pending = True  # not idle until its messages are read
+                # Its messages are in the store, not in memory: until a scan has read them,
+                # an ordered lane's newer arrivals wait in the store behind them.
+                self._overflow = True
+                self._overflow_gen += 1
         if woken:
             self._refill(only=key if woken == {key} else None)
 
@@ -152,11 +156,16 @@ class Dispatcher(WorkerLoop):
     def registry(self) -> Handlers:
         return self._handlers
 
-    def _park(self, key: tuple[int, str], expires: int | None) -> None:
+    def _park(self, key: tuple[int, str], expires: int | None) -> bool:
+        """A worker found no handler for ``key``: False if one registered since (run it
+        now), else True: it waits in the store until one does (``register`` reads it)."""
         with self._cv:
+            if key in self._handlers:
+                return False
             self._parked.add(key)
             if expires is not None:
                 self._wake_parked_at(expires)
+            return True
 
     # --- intake ------------------------------------------------------------------------
 
@@ -194,8 +203,11 @@ class Dispatcher(WorkerLoop):
                     prio = headers.get(PRIORITY_HEADER)
                     if type(prio) is int:
                         due -= PRIORITY_STEP * max(0, min(9, prio))
+                # An ordered message waits in the store while older ones may be there and
+                # not in memory (the queue overflowed, or a handler just woke parked ones):
+                # the refill reads them all back in id order.
                 if len(self._known) >= self._config.dispatch_queue or (
-                        lane is not None and self._lanes.has_gap(lane)):
+                        lane is not None and (self._overflow or self._lanes.has_gap(lane))):
                     self._overflow = True
                     self._overflow_gen += 1
                     if lane is not None:
@@ -278,7 +290,9 @@ class Dispatcher(WorkerLoop):
                     again = (self._overflow and not self._closing
                              and len(self._known) < self._config.dispatch_queue // 2)
                     if self._refill_pending and not self._closing:
-                        again, only = True, None
+                        again = True
+                    if again:  # an overflow or a request: only a scan of everything ends it
+                        only = None
                     if not again:
                         self._refill_pending = False
                         return

@@ -273,11 +273,17 @@ class RunnerRig:
         runner = Runner(self.store, self.config, self.handlers, requests=self.requests,
                         on_reply=lambda mid, reply: self.replies.append((mid, reply)),
                         hooks=Hooks([self.log]), clock=self.clock,
-                        park=lambda key, expires: self.parked.append((key, expires)),
+                        park=self._park,
                         closing=lambda: self.closing, wall=self.clock.wall_ms,
                         spawn=lambda item, due: self.spawned.append((item, due)))
         runner.staging.publisher = self.publisher
         return runner
+
+    def _park(self, key: tuple[int, str], expires: int | None) -> bool:
+        if key in self.handlers:  # registered since the runner looked: it runs it now
+            return False
+        self.parked.append((key, expires))
+        return True
 
     def restart(self) -> None:
         """The process started again: a new runner on what the store kept (the handlers

@@ -329,3 +329,48 @@ def test_a_low_priority_event_that_waited_long_enough_goes_before_a_new_high_one
     gate.set()
     wait_until(lambda: len(order) == 3, 10)
     assert order[1] == first
+
+
+def test_an_ordered_subscription_keeps_its_order_when_its_handler_registers_while_messages_arrive(make_bus):
+    """Messages stored before the handler registered wait in the store; the refill that
+    reads them when it registers takes a while (here: past many stored messages of a topic
+    nobody handles). A message arriving meanwhile must wait behind them, not run first."""
+    pub, sub = make_bus("pub"), make_bus("sub")
+    sub.subscribe(pub.address, "nobody.handles", wait=10)
+    sub.subscribe(pub.address, TOPIC, ordered=True, wait=10)
+    for _ in range(10):
+        pub.publish_many("nobody.handles", list(range(2000)))
+    pub.publish_many(TOPIC, list(range(100)))
+    assert pub.drain(30)  # all of it stored at the subscriber, none handled (no handler)
+    stop, sent = threading.Event(), [100]
+
+    def stream():
+        while not stop.is_set() and sent[0] < 2000:
+            pub.publish(TOPIC, sent[0])
+            sent[0] += 1
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    seen: list = []
+    try:
+        wait_until(lambda: sent[0] > 120, 10)  # frames are arriving
+        sub.every(TOPIC, lambda p, m: seen.append(p))
+        wait_until(lambda: len(seen) > 150, 30)
+    finally:
+        stop.set()
+        streaming.join(10)
+    wait_until(lambda: len(seen) == sent[0], 30)
+    assert seen == list(range(sent[0]))
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_more_messages_than_the_dispatch_queue_waiting_for_a_handler_all_run_when_it_registers(make_bus, ordered):
+    pub, sub = make_bus("pub"), make_bus("sub", dispatch_queue=20, workers=4)
+    sub.subscribe(pub.address, TOPIC, ordered=ordered, wait=10)
+    for i in range(300):  # one at a time: records of their own (not one segment)
+        pub.publish(TOPIC, i)
+    assert pub.drain(30)  # stored at the subscriber, waiting for a handler
+    seen = []
+    sub.every(TOPIC, lambda p, m: seen.append(p))
+    wait_until(lambda: len(seen) == 300, 30, message=lambda: f"{len(seen)} of 300 handled")
+    assert (seen if ordered else sorted(seen)) == list(range(300))

@@ -160,6 +160,26 @@ def test_messages_arriving_before_any_handler_wait_for_one(make_bus):
     assert sub.drain(5) and sub.status().deadletters == 0
 
 
+def test_a_handler_registered_while_a_worker_parks_its_message_still_gets_it(make_bus):
+    """A worker finds no handler and parks the message; the handler registers between the
+    two (here: from inside the park, the widest such gap). The message must run now, not
+    wait in the store until the next restart."""
+    pub, sub = pair(make_bus)
+    got = []
+    runner = sub._dispatcher.runner
+    park = runner._park
+
+    def registering_meanwhile(key, expires):
+        if not got and key[1] == "user.signup" and not sub._dispatcher.registry.get(key):
+            sub.every("user.signup", lambda p, m: got.append(p))
+        return park(key, expires)
+
+    runner._park = registering_meanwhile
+    pub.publish("user.signup", 1)
+    wait_until(lambda: got == [1], 10, message=lambda: f"still parked: {sub.status().incoming} stored")
+    assert sub.drain(5)
+
+
 def test_subscribe_is_idempotent_and_unsubscribe_stops_delivery(make_bus):
     pub, sub = pair(make_bus)
     sub.subscribe(pub.address, "user.signup", wait=10)
