@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 
 from ..model.clock import BusClock, wall_ms
 from ..model.config import BusConfig
-from ..model.segments import by_message
 from ..model.stored import Incoming
 from ..model.delivery import PRIORITY_HEADER
 from ..errors import StoreError
@@ -33,8 +32,9 @@ from ..hooks.base import Hooks
 from ..wire.protocol import Kind
 from .requests import PendingRequests
 from .runner import Runner
-from .scan import quarantine, reread, stored_item
+from .scan import reread
 from .segmentrun import START
+from .refill import RefillLoop
 from .workers import RUN, WorkerLoop
 from ..store import Store
 from ..model.stored import ReplyRecord
@@ -48,7 +48,7 @@ log = logging.getLogger("servicebus")
 # longer (so a steady stream of high ones never holds a low one back for good).
 PRIORITY_STEP = 1.0
 
-class Dispatcher(WorkerLoop):
+class Dispatcher(RefillLoop, WorkerLoop):
     def __init__(self, store: Store, config: BusConfig, *, on_idle: Callable[[], None],
                  requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
                  hooks: Hooks, clock: BusClock) -> None:
@@ -64,6 +64,7 @@ class Dispatcher(WorkerLoop):
         self._seq = itertools.count()
         self._known: set[str] = set()  # queued, running or waiting for a retry
         self._reserved: set[str] = set()  # being stored by the engine (see reserve)
+        self._sent_back: set[str] = set()  # running, to go back to the store (see _park)
         self._parked: set[tuple[int, str]] = set()  # (kind, topic) with stored, unhandled messages
         self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
@@ -71,6 +72,7 @@ class Dispatcher(WorkerLoop):
         self._lanes = Lanes()  # ordered subscriptions' lanes with work
         self._refilling = False
         self._refill_pending = False  # a refill was asked for while one ran
+        self._refill_wanted = False  # a worker is to run one (nothing finishing would start it)
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._concurrency = Concurrency(config.workers, time.monotonic())  # under _cv
@@ -140,13 +142,12 @@ class Dispatcher(WorkerLoop):
                 k[0] == key[0] and is_pattern(topic) and matches(topic, k[1]))}
             self._parked -= woken
             if woken:
-                self._refill_pending = True  # not idle until its messages are read
-                # Its messages are in the store, not in memory: until a scan has read them,
-                # an ordered lane's newer arrivals wait in the store behind them.
-                self._overflow = True
-                self._overflow_gen += 1
+                # Its messages wait in the store. An ordered lane's newer ones in memory
+                # (queued while the older ones parked) go back there too, and newer
+                # arrivals wait there (overflow): one scan reads them all in id order.
+                self._send_back({lane for lane, key in self._queued_lanes() if key in woken})
         if woken:
-            self._refill(only=key if woken == {key} else None)
+            self._refill()
 
     def handlers(self) -> list[tuple[str, str]]:
         """(topic or pattern, name) of every handler registered (hooks' ``BusView``)."""
@@ -156,16 +157,63 @@ class Dispatcher(WorkerLoop):
     def registry(self) -> Handlers:
         return self._handlers
 
-    def _park(self, key: tuple[int, str], expires: int | None) -> bool:
-        """A worker found no handler for ``key``: False if one registered since (run it
-        now), else True: it waits in the store until one does (``register`` reads it)."""
+    def _park(self, item: Incoming) -> None:
+        """A worker found no handler for ``item``: it waits in the store until one registers
+        (``register`` reads it). If one registered since the worker looked, it goes back to
+        the store as the worker finishes it (``_finish``), for a scan that reads it in id
+        order among its lane's messages: run at once, it could overtake older ones of its
+        lane that the registration's scan is reading."""
+        record = item.record
+        key = (record.kind, record.topic)
         with self._cv:
             if key in self._handlers:
-                return False
+                self._sent_back.add(item.id)
+                return
             self._parked.add(key)
-            if expires is not None:
-                self._wake_parked_at(expires)
-            return True
+            if record.expires is not None:
+                self._wake_parked_at(record.expires)
+
+    def _queued_lanes(self) -> list[tuple[LaneKey, tuple[int, str]]]:
+        """(lane, key) of every ordered message in memory and not running. Under _cv."""
+        found = [(lane, (item.record.kind, item.record.topic)) for lane, item in self._lanes.queued()]
+        for _due, _seq, item in self._heap:
+            lane = lane_of(item)
+            if lane is not None:
+                found.append((lane, (item.record.kind, item.record.topic)))
+        return found
+
+    def _send_back(self, lanes: set[LaneKey]) -> None:
+        """The messages of ``lanes`` that are in memory and not running leave it (they are
+        stored): the lanes wait for a scan of the store (overflow), which reads every lane
+        back in id order; one is asked for. Under _cv."""
+        forget = set()
+        for lane in lanes:
+            forget.update(self._lanes.hold(lane))
+        if lanes and self._heap:
+            kept = []
+            for entry in self._heap:
+                item = entry[2]
+                its = lane_of(item)
+                if its is not None and its in lanes:
+                    self._lanes.unhead(its, item.id)
+                    self._runner.paused.pop(item.id, None)  # its progress is stored
+                    forget.add(item.id)
+                else:
+                    kept.append(entry)
+            heapq.heapify(kept)
+            self._heap = kept
+        self._known -= forget
+        self._overflow = True
+        self._overflow_gen += 1
+        self._want_refill()
+
+    def _want_refill(self) -> None:
+        """What is in the store and not in memory is to be read: by the refill running (it
+        scans again), else by a worker woken for it. Under _cv."""
+        self._refill_pending = True
+        if not self._refilling:
+            self._refill_wanted = True
+            self._cv.notify()
 
     # --- intake ------------------------------------------------------------------------
 
@@ -187,7 +235,7 @@ class Dispatcher(WorkerLoop):
 
     def submit(self, items: Iterable[Incoming]) -> None:
         with self._cv:
-            added = 0
+            added = left = 0
             reserved = self._reserved
             now = time.monotonic()
             for item in items:
@@ -210,6 +258,7 @@ class Dispatcher(WorkerLoop):
                         lane is not None and (self._overflow or self._lanes.has_gap(lane))):
                     self._overflow = True
                     self._overflow_gen += 1
+                    left += 1
                     if lane is not None:
                         self._lanes.left_behind(lane)
                     continue
@@ -218,6 +267,11 @@ class Dispatcher(WorkerLoop):
                 else:
                     self._enqueue(item, due, lane)
                 added += 1
+            if left and not self._refilling and len(self._known) < self._config.dispatch_queue // 2:
+                # Left in the store with little in memory: no finishing message may come to
+                # start the refill that reads it, so a worker is woken for it.
+                self._refill_wanted = True
+                self._cv.notify()
             if added:
                 # Wake as many workers as may take the runs (concurrency.py), not all of
                 # them: every needless wake-up is a context switch and a turn at the GIL.
@@ -264,112 +318,6 @@ class Dispatcher(WorkerLoop):
             heapq.heappush(self._heap, (due, next(self._seq), ready))
             self._nudge()
 
-    def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
-        """Read stored incoming messages that are not in memory yet (restart, overflow, a
-        handler registered late, a parked message's TTL). One refill runs at a time; a
-        request made meanwhile makes it scan once more (everything) before it ends, so
-        no request is lost and ``idle`` stays False until then."""
-        with self._cv:
-            self._refill_pending = True
-            if self._refilling:
-                return
-            self._refilling = True
-        try:
-            while True:
-                with self._cv:
-                    self._refill_pending = False
-                    gen = self._overflow_gen
-                filled = self._scan(only, strict)
-                with self._cv:
-                    if only is None:
-                        # Something was turned away while we scanned: its record may sort
-                        # before where the scan had got to, so scan again once there is room.
-                        self._overflow = not filled or gen != self._overflow_gen
-                        if not self._overflow:  # every lane's messages are in memory, in order
-                            self._lanes.all_read()
-                    again = (self._overflow and not self._closing
-                             and len(self._known) < self._config.dispatch_queue // 2)
-                    if self._refill_pending and not self._closing:
-                        again = True
-                    if again:  # an overflow or a request: only a scan of everything ends it
-                        only = None
-                    if not again:
-                        self._refill_pending = False
-                        return
-        except StoreError:
-            if not self._closing:
-                raise
-        finally:
-            with self._cv:
-                self._refilling = False
-
-    def _scan(self, only: tuple[int, str] | None, strict: bool) -> bool:
-        """Queue stored messages not yet in memory; False if the queue filled up first.
-        Not ``strict`` (a running bus), damaged records become dead letters and the scan
-        goes on."""
-        now_ms, now = wall_ms(), time.monotonic()
-        damaged: list | None = None if strict else []
-        try:
-            return self._scan_records(only, strict, damaged, now_ms, now)
-        finally:
-            if damaged:
-                quarantine(self._store, damaged)
-
-    def _scan_records(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
-                      now_ms: int, now: float) -> bool:
-        redos: list[tuple[str, Callable[[], None]]] = []
-        try:
-            return self._scan_stored(only, strict, damaged, now_ms, now, redos)
-        finally:
-            for message_id, redo in redos:  # written here, but the write was dropped
-                log.warning("message %s: its last write may have been lost with a failed write; "
-                            "writing it again (its handler does not run again)", message_id)
-                redo()
-
-    def _scan_stored(self, only: tuple[int, str] | None, strict: bool, damaged: list | None,
-                     now_ms: int, now: float, redos: list) -> bool:
-        for message_id, record in self._store.incoming(damaged):
-            if only is not None and (record.kind, record.topic) != only:
-                continue
-            with self._cv:
-                if self._closing:
-                    return True
-                if message_id in self._known:
-                    continue
-                if len(self._known) >= self._config.dispatch_queue:
-                    return False
-                key = (record.kind, record.topic)
-                if record.kind != Kind.REPLY and key not in self._handlers and (
-                        record.expires is None or record.expires > now_ms):
-                    # Nobody handles it yet: it waits in the store, not in the queue, or
-                    # enough of them would fill the queue on every scan and keep the
-                    # messages after them from their handlers. register() reads them.
-                    self._parked.add(key)
-                    if record.expires is not None:
-                        self._wake_parked_at(record.expires)
-                    if strict:  # at start every record is checked (rule 9), its run state too
-                        self._store.get_runstate(message_id)
-                    continue
-                # The iterator reads a snapshot: a message finished since it was taken is
-                # gone from the store (finishing deletes it before leaving _known).
-                if not self._store.has_incoming(message_id):
-                    continue
-                redo = self._runner.redo_for(message_id)
-                if redo is not None:
-                    redos.append((message_id, redo))
-                    continue
-                progress_redo = self._runner.writer.progress_redo(message_id) \
-                    if by_message(message_id, record.ids) else None
-                if progress_redo is not None:  # written again after the scan, read by the next
-                    redos.append((message_id, progress_redo))
-                    self._refill_pending = True
-                    continue
-                item, due = stored_item(self._store, message_id, record, strict, now_ms, now,
-                                        self._config.retry_max)
-                self._enqueue(item, due, lane_of(item))
-                self._nudge()
-        return True
-
     def _requeue(self, due: float, seq: int, item: Incoming, read: bool = True) -> None:
         """Back in the queue where it was: a segment paused between two of its messages
         (``read``: its progress is read again), or what its worker had taken after it."""
@@ -400,6 +348,13 @@ class Dispatcher(WorkerLoop):
                     item = item._replace(runstate=None, progress=None)
                 heapq.heappush(self._heap, (retry_at, next(self._seq), item))
                 self._nudge()
+            elif item.id in self._sent_back:  # parked as a handler registered (_park)
+                self._sent_back.discard(item.id)
+                self._known.discard(item.id)
+                lane = lane_of(item)
+                if lane is not None:
+                    self._lanes.unhead(lane, item.id)
+                self._send_back(set() if lane is None else {lane})
             else:
                 self._known.discard(item.id)
                 self._lane_done(item)

@@ -64,6 +64,26 @@ class Lanes:
             if state.head is None and not state.waiting:
                 del self._lanes[key]
 
+    def queued(self) -> list[tuple[LaneKey, Incoming]]:
+        """(lane, message) of every message waiting behind a lane's head."""
+        return [(lane, item) for lane, state in self._lanes.items() for _mid, _due, item in state.waiting]
+
+    def hold(self, lane: LaneKey) -> list[str]:
+        """``lane``'s messages go back to the store (they are stored): the ids of those
+        waiting behind its head, dropped; newer ones wait in the store too (a gap) until
+        a refill has read it all back in order."""
+        state = self._lanes.setdefault(lane, _Lane())
+        state.gap = True
+        dropped = [mid for mid, _due, _item in state.waiting]
+        state.waiting = []
+        return dropped
+
+    def unhead(self, lane: LaneKey, message_id: str) -> None:
+        """``message_id``, ``lane``'s head and not running, went back to the store."""
+        state = self._lanes.get(lane)
+        if state is not None and state.head == message_id:
+            state.head = None
+
     def admit(self, item: Incoming, due: float, lane: LaneKey) -> bool:
         """Take ``item`` into its lane: True if it heads it (ready to run now), False if
         it waits behind the head."""

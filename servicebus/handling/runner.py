@@ -77,7 +77,7 @@ def _failed_text(exc: BaseException) -> str:
 class Runner:
     def __init__(self, store: RunStore, config: BusConfig, handlers: Handlers, *,
                  requests: PendingRequests, on_reply: Callable[[str, ReplyRecord], None],
-                 hooks: Hooks, clock: BusClock, park: Callable[[tuple[int, str], int | None], bool],
+                 hooks: Hooks, clock: BusClock, park: Callable[[Incoming], None],
                  closing: Callable[[], bool], wall: Callable[[], int] = wall_ms,
                  spawn: Callable[[Incoming, float], None] | None = None) -> None:
         self._config = config
@@ -416,10 +416,9 @@ class Runner:
         return None, False
 
     def _parked(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
-        # Kept in the store until a handler registers or its TTL passes, if it has one;
-        # run now if one registered since the check (register() did not see it parked).
-        if not self._park((item.record.kind, item.record.topic), item.record.expires):
-            return time.monotonic(), False
+        # Kept in the store until a handler registers or its TTL passes, if it has one
+        # (or read back at once, if one registered since the check: dispatch.py).
+        self._park(item)
         return None, False
 
     def _unstarted(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:

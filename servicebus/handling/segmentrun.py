@@ -78,9 +78,9 @@ def run_segment(runner: Runner, item: Incoming, marked: bool,
     if nxt_index < len(ids):
         first = runner._outcome_before(item)  # the segment's: expired, parked, not ours
         if first is not None:
-            if first.kind == "parked":  # run now if a handler registered since the check
-                parked = runner._park((record.kind, record.topic), record.expires)
-                return (None, False) if parked else (time.monotonic(), False)
+            if first.kind == "parked":
+                runner._park(item)
+                return None, False
             return _all_dead(runner, item, nxt_index, skipped, first.reason or "expired", first.error)
         started += 1  # this run of the next message (written already when ``marked``)
         if not marked:

@@ -31,12 +31,14 @@ class WorkerLoop:
     _heap: list[tuple[float, int, Incoming]]
     _closing: bool
     _parked_expiry: float | None
+    _refill_wanted: bool
+    _refilling: bool
     _config: BusConfig
     _concurrency: Concurrency
     _runner: "Runner"
     _watchers: int  # workers waiting with a timeout, to see runs stall (under _cv)
 
-    def _refill(self, only: tuple[int, str] | None = None, strict: bool = False) -> None:
+    def _refill(self, strict: bool = False) -> None:
         raise NotImplementedError
 
     def _requeue(self, due: float, seq: int, item: Incoming, read: bool = True) -> None:
@@ -48,11 +50,14 @@ class WorkerLoop:
     def _next_run(self) -> list[tuple[float, int, Incoming]] | None:
         """The next ready messages for one worker: a fair share of what is ready (so slow,
         I/O-bound handlers still spread over all workers), at most RUN. An empty list when
-        a parked message's TTL passed: the worker scans the store for it."""
+        a parked message's TTL passed or a refill is wanted: the worker scans the store."""
         with self._cv:
             while True:
                 if self._closing:
                     return None
+                if self._refill_wanted and not self._refilling:
+                    self._refill_wanted = False
+                    return []
                 parked = self._parked_expiry
                 if parked is not None and parked <= time.monotonic():
                     self._parked_expiry = None
@@ -105,7 +110,9 @@ class WorkerLoop:
             if run is None:
                 return
             if not run:
-                self._refill()  # a parked message expired: the scan queues it to dead-letter
+                # A parked message expired (the scan queues it to dead-letter), or what is
+                # in the store is to be read and nothing finishing would start the refill.
+                self._refill()
                 continue
             waits = self._runner.waits
             began, waited = time.perf_counter(), waits.seconds

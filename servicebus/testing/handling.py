@@ -279,11 +279,8 @@ class RunnerRig:
         runner.staging.publisher = self.publisher
         return runner
 
-    def _park(self, key: tuple[int, str], expires: int | None) -> bool:
-        if key in self.handlers:  # registered since the runner looked: it runs it now
-            return False
-        self.parked.append((key, expires))
-        return True
+    def _park(self, item: Incoming) -> None:
+        self.parked.append(((item.record.kind, item.record.topic), item.record.expires))
 
     def restart(self) -> None:
         """The process started again: a new runner on what the store kept (the handlers

@@ -169,10 +169,11 @@ def test_a_handler_registered_while_a_worker_parks_its_message_still_gets_it(mak
     runner = sub._dispatcher.runner
     park = runner._park
 
-    def registering_meanwhile(key, expires):
+    def registering_meanwhile(item):
+        key = (item.record.kind, item.record.topic)
         if not got and key[1] == "user.signup" and not sub._dispatcher.registry.get(key):
             sub.every("user.signup", lambda p, m: got.append(p))
-        return park(key, expires)
+        return park(item)
 
     runner._park = registering_meanwhile
     pub.publish("user.signup", 1)
