@@ -79,7 +79,8 @@ class Lanes:
         return dropped
 
     def unhead(self, lane: LaneKey, message_id: str) -> None:
-        """``message_id``, ``lane``'s head and not running, went back to the store."""
+        """``message_id``, ``lane``'s head, went back to the store: it does not run now
+        (a scan reads it again, in order)."""
         state = self._lanes.get(lane)
         if state is not None and state.head == message_id:
             state.head = None
