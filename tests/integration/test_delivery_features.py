@@ -13,6 +13,8 @@ import pytest
 
 from servicebus.testing import free_address, wait_until
 
+from ..streams import Stream
+
 TOPIC = "orders.created"
 
 
@@ -342,25 +344,13 @@ def test_an_ordered_subscription_keeps_its_order_when_its_handler_registers_whil
         pub.publish_many("nobody.handles", list(range(2000)))
     pub.publish_many(TOPIC, list(range(100)))
     assert pub.drain(30)  # all of it stored at the subscriber, none handled (no handler)
-    stop, sent = threading.Event(), [100]
-
-    def stream():
-        while not stop.is_set() and sent[0] < 2000:
-            pub.publish(TOPIC, sent[0])
-            sent[0] += 1
-
-    streaming = threading.Thread(target=stream)
-    streaming.start()
     seen: list = []
-    try:
-        wait_until(lambda: sent[0] > 120, 10)  # frames are arriving
+    with Stream(pub, TOPIC, first=100, last=2000) as stream:
+        wait_until(lambda: stream.sent > 120, 10)  # frames are arriving
         sub.every(TOPIC, lambda p, m: seen.append(p))
         wait_until(lambda: len(seen) > 150, 30)
-    finally:
-        stop.set()
-        streaming.join(10)
-    wait_until(lambda: len(seen) == sent[0], 30)
-    assert seen == list(range(sent[0]))
+    wait_until(lambda: len(seen) == stream.sent, 30)
+    assert seen == list(range(stream.sent))
 
 
 @pytest.mark.parametrize("ordered", [False, True])

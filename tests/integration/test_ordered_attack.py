@@ -20,6 +20,8 @@ import pytest
 
 from servicebus.testing import free_address, wait_until
 
+from ..streams import Stream
+
 TOPIC = "orders.created"
 
 
@@ -88,7 +90,7 @@ def test_an_ordered_message_queued_before_the_handler_registers_runs_after_the_o
 
 
 def test_an_ordered_subscription_keeps_its_order_across_restarts_with_a_backlog_and_a_live_stream(make_bus, tmp_path):
-    """(held) A subscriber with a backlog restarts again and again while the publisher keeps
+    """A subscriber with a backlog restarts again and again while the publisher keeps
     publishing; the handler registers right after the bus starts (as a service does)."""
     import time
     pub = make_bus("pub")
@@ -105,25 +107,14 @@ def test_an_ordered_subscription_keeps_its_order_across_restarts_with_a_backlog_
     sub = make_bus("sub0", address=sub_addr, datadir=datadir)
     sub.every(TOPIC, handler)
     sub.subscribe(pub.address, TOPIC, ordered=True, wait=10)
-    stop, sent = threading.Event(), [0]
-
-    def stream():
-        while not stop.is_set() and sent[0] < 20000:
-            pub.publish(TOPIC, sent[0])
-            sent[0] += 1
-
-    t = threading.Thread(target=stream)
-    t.start()
-    try:
+    with Stream(pub, TOPIC) as stream:
         for r in range(15):
-            wait_until(lambda: len(seen) > 0 and sub.status().incoming > 20, 30, message=lambda: f"round {r}: {len(seen)} seen of {sent[0]} sent; {_state(sub)}")
+            wait_until(lambda: len(seen) > 0 and sub.status().incoming > 20, 30,
+                       message=lambda: f"round {r}: {len(seen)} seen of {stream.sent} sent; {_state(sub)}")
             sub.close()
             sub = make_bus(f"sub{r + 1}", address=sub_addr, datadir=datadir)
             sub.every(TOPIC, handler)
-    finally:
-        stop.set()
-        t.join(10)
-    wait_until(lambda: len(seen) >= sent[0], 120, message=lambda: f"{len(seen)} of {sent[0]}")
+    wait_until(lambda: len(seen) >= stream.sent, 120, message=lambda: f"{len(seen)} of {stream.sent}")
     bad = [(i, a, b) for i, (a, b) in enumerate(zip(seen, seen[1:])) if b <= a]
     assert not bad, f"out of order at {bad[:5]} of {len(seen)}"
 
@@ -194,7 +185,7 @@ def test_a_stream_through_a_small_dispatch_queue_never_stalls(make_bus, ordered)
 
 
 def test_ordered_priorities_keep_their_order_within_each_level(make_bus):
-    """(held) An ordered subscription is ordered within each priority level."""
+    """An ordered subscription is ordered within each priority level."""
     pub = make_bus("pub")
     sub = make_bus("sub", workers=4)
     seen: list = []
@@ -215,7 +206,7 @@ def test_ordered_priorities_keep_their_order_within_each_level(make_bus):
 
 
 def test_an_ordered_pattern_keeps_its_order_when_its_handler_registers_while_a_stream_arrives(make_bus):
-    """(held) A pattern handler (orders.*) registers while an ordered stream arrives."""
+    """A pattern handler (orders.*) registers while an ordered stream arrives."""
     pub = make_bus("pub")
     sub = make_bus("sub")
     sub.subscribe(pub.address, "orders.*", ordered=True, wait=10)
