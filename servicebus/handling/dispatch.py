@@ -145,7 +145,7 @@ class Dispatcher(RefillLoop, WorkerLoop):
                 # Its messages wait in the store. An ordered lane's newer ones in memory
                 # (queued while the older ones parked) go back there too, and newer
                 # arrivals wait there (overflow): one scan reads them all in id order.
-                self._send_back({lane for lane, key in self._queued_lanes() if key in woken})
+                self._send_back({lane for lane, k in self._queued_lanes() if k in woken})
         if woken:
             self._refill()
 
