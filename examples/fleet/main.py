@@ -78,6 +78,10 @@ def main() -> int:
             assert sorted(got) == ["1", "2", "3", "4", "5", "6"], got
         print("fleet: every order reached every subscriber once, by name only")
         return 0
+    except AssertionError:
+        for log in sorted(root.glob("*.log")):  # what each service said, to see why
+            print(f"--- {log.name} (last lines)", *log.read_text().splitlines()[-15:], sep="\n", file=sys.stderr)
+        raise
     finally:
         web.close()
         for proc in procs.values():
