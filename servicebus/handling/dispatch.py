@@ -255,12 +255,10 @@ class Dispatcher(RefillLoop, WorkerLoop):
                 # not in memory (the queue overflowed, or a handler just woke parked ones):
                 # the refill reads them all back in id order.
                 if len(self._known) >= self._config.dispatch_queue or (
-                        lane is not None and (self._overflow or self._lanes.has_gap(lane))):
+                        lane is not None and self._overflow):
                     self._overflow = True
                     self._overflow_gen += 1
                     left += 1
-                    if lane is not None:
-                        self._lanes.left_behind(lane)
                     continue
                 if lane is None:
                     self._push(item, due)

@@ -3,9 +3,10 @@ one) are handled one at a time, in id order, which is publish order (DESIGN.md; 
 keeps one frame of them in flight at a time).
 
 A lane holds the message queued, running or waiting for a retry (its head) and the ones
-after it, by id. When the dispatch queue is full, a lane's later messages stay in the
-store (a "gap"); until a refill has read them all back in order, no newer message of that
-lane may go ahead of them. All calls are made under the dispatcher's lock.
+after it, by id. While the store holds messages that are not in memory (the dispatcher's
+overflow: the queue was full, or a handler registered late), a newer ordered message
+waits in the store too, and a refill reads them all back in id order (dispatch.py,
+refill.py). All calls are made under the dispatcher's lock.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ def lane_of(item: Incoming) -> LaneKey | None:
 
 
 class _Lane:
-    __slots__ = ("head", "waiting", "gap")
+    __slots__ = ("head", "waiting")
 
     def __init__(self) -> None:
         self.head: str | None = None  # queued, running or waiting for a retry
         self.waiting: list[tuple[str, float, Incoming]] = []  # after it: a heap by id
-        self.gap = False  # later ones were left in the store (the queue was full)
 
 
 class Lanes:
@@ -49,33 +49,19 @@ class Lanes:
     def __len__(self) -> int:
         return len(self._lanes)
 
-    def has_gap(self, lane: LaneKey) -> bool:
-        state = self._lanes.get(lane)
-        return state is not None and state.gap
-
-    def left_behind(self, lane: LaneKey) -> None:
-        """A message of ``lane`` was left in the store: later ones wait for the refill."""
-        self._lanes.setdefault(lane, _Lane()).gap = True
-
-    def all_read(self) -> None:
-        """A refill read every stored message back in order: no lane has a gap now."""
-        for key, state in list(self._lanes.items()):
-            state.gap = False
-            if state.head is None and not state.waiting:
-                del self._lanes[key]
-
     def queued(self) -> list[tuple[LaneKey, Incoming]]:
         """(lane, message) of every message waiting behind a lane's head."""
         return [(lane, item) for lane, state in self._lanes.items() for _mid, _due, item in state.waiting]
 
     def hold(self, lane: LaneKey) -> list[str]:
-        """``lane``'s messages go back to the store (they are stored): the ids of those
-        waiting behind its head, dropped; newer ones wait in the store too (a gap) until
-        a refill has read it all back in order."""
-        state = self._lanes.setdefault(lane, _Lane())
-        state.gap = True
+        """``lane``'s messages waiting behind its head go back to the store (they are
+        stored): their ids, dropped here."""
+        state = self._lanes.get(lane)
+        if state is None:
+            return []
         dropped = [mid for mid, _due, _item in state.waiting]
         state.waiting = []
+        self._forget_empty(lane, state)
         return dropped
 
     def unhead(self, lane: LaneKey, message_id: str) -> None:
@@ -84,6 +70,7 @@ class Lanes:
         state = self._lanes.get(lane)
         if state is not None and state.head == message_id:
             state.head = None
+            self._forget_empty(lane, state)
 
     def admit(self, item: Incoming, due: float, lane: LaneKey) -> bool:
         """Take ``item`` into its lane: True if it heads it (ready to run now), False if
@@ -109,6 +96,9 @@ class Lanes:
             state.head = nxt.id
             return due, nxt
         state.head = None
-        if not state.gap:
-            del self._lanes[lane]  # type: ignore[arg-type]
+        self._forget_empty(lane, state)  # type: ignore[arg-type]
         return None
+
+    def _forget_empty(self, lane: LaneKey, state: _Lane) -> None:
+        if state.head is None and not state.waiting:
+            del self._lanes[lane]

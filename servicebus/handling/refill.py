@@ -4,7 +4,7 @@ the queue overflowed, when a handler registers late, after the store was reopene
 
 A scan reads the store in id order, so an ordered lane's messages are queued in publish
 order; one that ends with nothing turned away meanwhile (no overflow) has every lane's
-stored messages in memory, which lets the lanes take new arrivals again (lanes.py).
+stored messages in memory, which lets new ordered arrivals into memory again (submit).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..model.segments import by_message
 from ..model.stored import Incoming
 from ..wire.protocol import Kind
 from .handlers import Handlers
-from .lanes import LaneKey, Lanes, lane_of
+from .lanes import LaneKey, lane_of
 from .scan import quarantine, stored_item
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ class RefillLoop:
     _config: BusConfig
     _handlers: Handlers
     _runner: "Runner"
-    _lanes: Lanes
     _known: set[str]
     _parked: set[tuple[int, str]]
     _closing: bool
@@ -80,9 +79,9 @@ class RefillLoop:
                 with self._cv:
                     # Something was turned away while we scanned: its record may sort
                     # before where the scan had got to, so scan again once there is room.
+                    # Until then ordered arrivals wait in the store (submit): not over, a
+                    # lane's messages are all in memory, in order.
                     self._overflow = not filled or gen != self._overflow_gen
-                    if not self._overflow:  # every lane's messages are in memory, in order
-                        self._lanes.all_read()
                     again = (self._overflow and not self._closing
                              and len(self._known) < self._config.dispatch_queue // 2)
                     if (again or self._refill_pending) and not self._closing:

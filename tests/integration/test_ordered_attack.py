@@ -28,7 +28,7 @@ TOPIC = "orders.created"
 def _state(bus) -> str:
     d = bus._dispatcher
     with d._cv:
-        lanes = {k: (v.head, [w[0] for w in v.waiting][:3], len(v.waiting), v.gap)
+        lanes = {k: (v.head, [w[0] for w in v.waiting][:3], len(v.waiting))
                  for k, v in d._lanes._lanes.items()}
         return (f"known={sorted(d._known)[:5]} ({len(d._known)}) heap={[(h[0], h[2].id) for h in d._heap][:5]} "
                 f"lanes={lanes} parked={d._parked} overflow={d._overflow} refilling={d._refilling} "
