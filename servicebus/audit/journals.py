@@ -80,10 +80,12 @@ COLUMNS_SCHEMA = ("node STRING, address STRING, keys ARRAY<ARRAY<STRING>>, k ARR
 _KEY_FIELDS = ("event", "topic", "kind", "peer", "role")
 
 
-def read_events(spark, paths: list[str]):
+def read_events(spark, paths: list[str], *, spread: bool = False):
     """The events of every segment the globs match, one row per event (a line-format line
     with ``ids`` is still one row: reconcile.one_per_message spreads it), in the columns
-    of SCHEMA. Columnar lines are spread here, in the JVM, inside the scan's stage: each
+    of SCHEMA. ``spread``: one row per message already (lines with ``ids`` spread, rows
+    without an event or id left out), without the ``ids`` column: the columnar rows are
+    not put through an explode of one each. Columnar lines are spread here, in the JVM, inside the scan's stage: each
     entry looks its event, topic, kind, peer and role up in its line's ``keys`` (an index
     out of range, in a damaged line, gives nulls: the event is then left out, as a line
     that does not parse is)."""
@@ -96,25 +98,30 @@ def read_events(spark, paths: list[str]):
     if len(paths) > 1:  # a glob that matches nothing fails the read: only those that match
         matching = set(segment_files(spark, paths, which=True))
         lines, columns = [p for p in lines if p in matching], [p for p in columns if p in matching]
+    from .reconcile import one_per_message
+
     frames = []
     if lines or not columns:
-        frames.append(spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(lines or paths))
+        lined = spark.read.schema(SCHEMA).option("mode", "DROPMALFORMED").json(lines or paths)
+        frames.append(one_per_message(lined) if spread else lined)
     if columns:
         raw = spark.read.schema(COLUMNS_SCHEMA).option("mode", "DROPMALFORMED").json(columns)
         entry = F.posexplode(F.arrays_zip("k", "ts", "id", "attempt")).alias("pos", "e")
-        spread = raw.select("node", "address", "keys", "error", "errors", entry)
+        entries = raw.select("node", "address", "keys", "error", "errors", entry)
         error_at = F.col("error")[F.col("pos").cast("string")]  # [], not element_at: null if absent
         # Null, not an error, out of range; a negative index would count from the end
         # (another event's key) and -1 would fail the whole job: none for them either.
         at = F.try_element_at(F.col("keys"), F.when(F.col("e.k") >= 0, F.col("e.k") + 1))
         key = F.when(F.size(at) == len(_KEY_FIELDS), at)  # a key of another shape: damage
         fields = {name: F.try_element_at(key, F.lit(i + 1)) for i, name in enumerate(_KEY_FIELDS)}
-        frames.append(spread.select(
+        frames.append(entries.select(
             fields["event"].alias("event"), F.col("e.ts").alias("ts"), "node", "address",
             F.col("e.id").alias("id"), fields["topic"].alias("topic"), fields["kind"].alias("kind"),
             fields["peer"].alias("peer"), F.col("e.attempt").alias("attempt"), fields["role"].alias("role"),
             F.try_element_at("errors", F.when(error_at >= 0, error_at + 1)).alias("error"),
-            F.lit(None).cast("array<string>").alias("ids")))
+            *([] if spread else [F.lit(None).cast("array<string>").alias("ids")])))
+        if spread:
+            frames[-1] = frames[-1].where(F.col("event").isNotNull() & F.col("id").isNotNull())
     return reduce(lambda a, b: a.unionByName(b), frames)
 
 

@@ -55,7 +55,7 @@ def run(spark, paths: list[str], out: str, *, grace_ms: int = 60_000, since_ms: 
         globs = [f for f in segments if f not in state.files]
         state.files = set(segments)  # what the checkpoint says was read, once this run is saved
     if globs:
-        pairs = partials(read_events(spark, globs), moved)
+        pairs = partials(read_events(spark, globs, spread=True), moved)
     else:
         pairs = None
     if state is not None:

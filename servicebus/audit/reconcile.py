@@ -53,18 +53,20 @@ def one_per_message(events):
     are left out.
 
     ``explode`` of the line's ``ids``, or of ``[id]`` for a line about one message (``ids``
-    null, absent, or an empty array, which no journal writes): in the JVM, inside the
-    scan's stage, before any shuffle; a Python UDF would ship every line to a Python
-    worker and back. ``id`` is filtered after the explode: an element of ``ids`` can be
-    null in a hand-written line. Events read without the column (an older schema) are each
-    about ``id``."""
+    null or an empty array, which no journal writes): in the JVM, inside the scan's stage,
+    before any shuffle; a Python UDF would ship every line to a Python worker and back.
+    ``id`` is filtered after the explode: an element of ``ids`` can be null in a
+    hand-written line. Events without the column (spread already, ``read_events(spread=
+    True)``, or an older schema) are each about ``id``: nothing to explode."""
     from pyspark.sql import functions as F
 
     col = F.col
-    ids = col("ids") if "ids" in events.columns else F.lit(None).cast("array<string>")
+    events = events.where(col("event").isNotNull())
+    if "ids" not in events.columns:
+        return events.where(col("id").isNotNull())
+    ids = col("ids")
     one_each = F.explode(F.coalesce(F.when(F.size(ids) > 0, ids), F.array(col("id"))))
     return (events
-            .where(col("event").isNotNull())
             .select(one_each.alias("id"), *[c for c in events.columns if c not in ("id", "ids")])
             .where(col("id").isNotNull()))
 
@@ -100,27 +102,35 @@ def partials(events, moved: dict[str, tuple[str, str | None]] | None = None):
     from pyspark.sql import functions as F
 
     col, when = F.col, F.when
-    is_ = lambda *names: col("event").isin(*names)  # noqa: E731
+    # Events as numbers before the shuffle: each aggregate below tests an int, not a
+    # string, and the rows shuffled are narrower (measured: 0.3-0.6 s of 6.3 warm on 5M).
+    code_of = {name: i for i, name in enumerate(EVENTS)}
+    code = col("code")
+    is_ = lambda *names: code.isin(*[code_of[n] for n in names])  # noqa: E731
     count_of = lambda *names: F.sum(when(is_(*names), 1).otherwise(0))  # noqa: E731
-    sender_side = col("role") == "sender"
+    sender_side = col("sender_side")
     now, own = address_now(moved), address_now(moved, own=True)
-    e = (one_per_message(events)  # a line about a segment's messages: one event per message
-         .withColumn("receiver", when(sender_side, now(col("peer"))).otherwise(own(col("address"))))
-         .withColumn("sender", when(sender_side, own(col("address"))).otherwise(now(col("peer"))))
-         .withColumn("deadletter_reason",
-                     when(is_("deadlettered", "expired"), F.coalesce(col("error"), col("event")))))
+    codes = F.create_map(*[F.lit(x) for name, i in code_of.items() for x in (name, i)])
+    by_role = col("role") == "sender"
+    event = col("event")
     # "dropped, moved to B" at a bus's old address is no drop for that bus at B: it would
     # hide a loss there (dropped is tested before lost). Where B is not known to be the
     # same bus (yet), the drop stays, with where it went: a checkpointed run that learns of
     # the move later takes it back (pipeline.run).
-    to = when(is_("dropped"), F.regexp_extract(col("error"), "^moved to (.+)$", 1))
-    e = e.withColumn("moved_to", when(to != "", to))
+    to = when(event == "dropped", F.regexp_extract(col("error"), "^moved to (.+)$", 1))
+    e = (one_per_message(events)  # a line about a segment's messages: one event per message
+         .select("id", "topic", "kind", "ts", "attempt",
+                 F.coalesce(codes[event], F.lit(0)).alias("code"),  # [], not element_at: null if absent, ANSI or not
+                 by_role.alias("sender_side"),
+                 when(by_role, now(col("peer"))).otherwise(own(col("address"))).alias("receiver"),
+                 when(by_role, own(col("address"))).otherwise(now(col("peer"))).alias("sender"),
+                 when(event.isin("deadlettered", "expired"), F.coalesce(col("error"), event))
+                 .alias("deadletter_reason"),
+                 when(to != "", to).alias("moved_to")))
     if moved:
         same_bus = is_("dropped") & (now(col("moved_to")) == col("receiver"))
-        e = (e.withColumn("event", when(same_bus, "moved").otherwise(col("event")))
+        e = (e.withColumn("code", when(same_bus, code_of["moved"]).otherwise(code))
              .withColumn("moved_to", when(is_("dropped"), col("moved_to"))))
-    codes = F.create_map(*[F.lit(x) for i, name in enumerate(EVENTS) for x in (name, i)])
-    code = F.coalesce(codes[col("event")], F.lit(0)).cast("long")  # [], not element_at: null if absent, ANSI or not
     partitions = int(events.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     by_strings = e.repartition(partitions, "id", "receiver").groupBy(
         "id", "receiver", "topic", "kind", "sender", "deadletter_reason", "moved_to").agg(
@@ -138,7 +148,7 @@ def partials(events, moved: dict[str, tuple[str, str | None]] | None = None):
         count_of("retried").alias("retries"),
         # where a dead letter is, for the command that replays it
         F.sum(when(sender_side & is_("deadlettered", "expired"), 1).otherwise(0)).alias("sender_deadlettered"),
-        F.max(col("ts") * _CODE_SPAN + code).alias("last_event"),
+        F.max(col("ts") * _CODE_SPAN + code.cast("long")).alias("last_event"),
         F.count(F.lit(1)).alias("n_events"),
         F.max(when(is_("handled", "handler_failed"), col("attempt"))).alias("attempts"),
         F.max(when(is_("sent"), col("attempt"))).alias("send_attempts"),
