@@ -69,7 +69,7 @@ class Dispatcher(RefillLoop, WorkerLoop):
         self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
         self._overflow_gen = 0
-        self._lanes = Lanes(config.dispatch_queue // 16)  # ordered subscriptions' lanes with work
+        self._lanes = Lanes()  # ordered subscriptions' lanes with work
         self._refilling = False
         self._refill_pending = False  # a refill was asked for while one ran
         self._refill_wanted = False  # a worker is to run one (nothing finishing would start it)
@@ -127,7 +127,7 @@ class Dispatcher(RefillLoop, WorkerLoop):
 
     def _idle(self) -> bool:
         return not (self._known or self._parked or self._overflow or self._refilling
-                    or self._refill_pending or self._lanes.capped)
+                    or self._refill_pending)
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -260,13 +260,6 @@ class Dispatcher(RefillLoop, WorkerLoop):
                     self._overflow_gen += 1
                     left += 1
                     continue
-                if lane is not None and self._lanes.full(lane):
-                    # Its lane holds its share of memory (or older ones wait in the store):
-                    # it waits there too, and the lane is read again once it has drained.
-                    self._lanes.leave(lane)
-                    if self._lanes.hungry(lane):
-                        self._want_refill()
-                    continue
                 if lane is None:
                     self._push(item, due)
                 else:
@@ -366,8 +359,6 @@ class Dispatcher(RefillLoop, WorkerLoop):
             idle = self._idle()
             refill = self._overflow and not self._refilling and \
                 len(self._known) < self._config.dispatch_queue // 2
-            # A capped lane drained to half: read more of it (a refill running scans again).
-            refill = refill or self._lanes.hungry(lane_of(item))
         if refill and not self._closing:
             self._refill()
             idle = self.idle

@@ -7,13 +7,6 @@ after it, by id. While the store holds messages that are not in memory (the disp
 overflow: the queue was full, or a handler registered late), a newer ordered message
 waits in the store too, and a refill reads them all back in id order (dispatch.py,
 refill.py). All calls are made under the dispatcher's lock.
-
-A lane holds at most ``cap`` messages in memory (a sixteenth of the dispatch queue): the
-rest wait in the store, the lane ``capped`` (its newer arrivals wait there too), and a
-refill reads more when it has drained to half (``hungry``). Without the cap, the messages
-of one key whose head waits (a retry's backoff, a slow handler) filled the queue and every
-other key of the subscription waited in the store until that head finished, though only
-messages with the same key are to wait for each other.
 """
 
 from __future__ import annotations
@@ -21,9 +14,9 @@ from __future__ import annotations
 import heapq
 
 from ..model.delivery import KEY_HEADER, ORDER_HEADER
-from ..model.stored import Incoming, IncomingRecord
+from ..model.stored import Incoming
 
-__all__ = ["LaneKey", "Lanes", "lane_of", "record_lane"]
+__all__ = ["LaneKey", "Lanes", "lane_of"]
 
 LaneKey = tuple[str, str, "str | None"]
 
@@ -31,19 +24,14 @@ LaneKey = tuple[str, str, "str | None"]
 def lane_of(item: Incoming) -> LaneKey | None:
     """The lane of a message from an ordered subscription: (publisher, subscription,
     key); None for any other message."""
-    return record_lane(item.record)
-
-
-def record_lane(record: IncomingRecord) -> LaneKey | None:
-    """lane_of a stored record."""
-    headers = record.headers
+    headers = item.record.headers
     if not headers:
         return None
     order = headers.get(ORDER_HEADER)
     if type(order) is not str:
         return None
     key = headers.get(KEY_HEADER)
-    return (record.reply_to, order, key if type(key) is str else None)
+    return (item.record.reply_to, order, key if type(key) is str else None)
 
 
 class _Lane:
@@ -55,43 +43,11 @@ class _Lane:
 
 
 class Lanes:
-    def __init__(self, cap: int) -> None:
+    def __init__(self) -> None:
         self._lanes: dict[LaneKey, _Lane] = {}
-        self.cap = max(1, cap)
-        # Lanes with stored messages left out of memory by the cap (not by an overflow),
-        # each with how many arrivals were left in the store for it (see uncap).
-        self.capped: dict[LaneKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._lanes)
-
-    def count(self, lane: LaneKey) -> int:
-        """``lane``'s messages in memory: its head and those waiting behind it."""
-        state = self._lanes.get(lane)
-        return 0 if state is None else len(state.waiting) + (state.head is not None)
-
-    def full(self, lane: LaneKey) -> bool:
-        """A message of ``lane`` is to wait in the store: the lane holds ``cap`` already,
-        or older ones of it wait there."""
-        return lane in self.capped or self.count(lane) >= self.cap
-
-    def hungry(self, lane: LaneKey | None) -> bool:
-        """``lane`` has messages in the store and has drained to half its cap: a refill
-        is to read more."""
-        return lane is not None and lane in self.capped and self.count(lane) <= self.cap // 2
-
-    def leave(self, lane: LaneKey) -> None:
-        """An arrival of ``lane`` was left in the store (``full``)."""
-        self.capped[lane] = self.capped.get(lane, 0) + 1
-
-    def uncap(self, before: dict[LaneKey, int], capped: set[LaneKey]) -> None:
-        """After a scan that saw every stored message (none turned away by a full queue):
-        a lane it did not cap, and with no arrival left in the store since the scan began
-        (``before``: ``capped`` then; the scan's snapshot may not hold a later one), has
-        all its messages in memory again."""
-        for lane, left in list(self.capped.items()):
-            if lane not in capped and before.get(lane) == left:
-                del self.capped[lane]
 
     def queued(self) -> list[tuple[LaneKey, Incoming]]:
         """(lane, message) of every message waiting behind a lane's head."""

@@ -4,10 +4,7 @@ the queue overflowed, when a handler registers late, after the store was reopene
 
 A scan reads the store in id order, so an ordered lane's messages are queued in publish
 order; one that ends with nothing turned away meanwhile (no overflow) has every lane's
-stored messages in memory, which lets new ordered arrivals into memory again (submit),
-but those of lanes at their cap (lanes.py): a lane's messages after the cap are left in
-the store for the rest of the scan (so that none of its newer ones goes before them), and
-the lane is read again when it has drained.
+stored messages in memory, which lets new ordered arrivals into memory again (submit).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from ..model.segments import by_message
 from ..model.stored import Incoming
 from ..wire.protocol import Kind
 from .handlers import Handlers
-from .lanes import LaneKey, Lanes, lane_of, record_lane
+from .lanes import LaneKey, lane_of
 from .scan import quarantine, stored_item
 
 if TYPE_CHECKING:
@@ -51,7 +48,6 @@ class RefillLoop:
     _refilling: bool
     _refill_pending: bool
     _refill_wanted: bool
-    _lanes: Lanes
 
     def _enqueue(self, item: Incoming, due: float, lane: LaneKey | None) -> None:
         raise NotImplementedError
@@ -78,17 +74,14 @@ class RefillLoop:
             while True:
                 with self._cv:
                     self._refill_pending = False
-                    gen, before = self._overflow_gen, dict(self._lanes.capped)
-                capped: set[LaneKey] = set()
-                filled = self._scan(strict, capped)
+                    gen = self._overflow_gen
+                filled = self._scan(strict)
                 with self._cv:
                     # Something was turned away while we scanned: its record may sort
                     # before where the scan had got to, so scan again once there is room.
                     # Until then ordered arrivals wait in the store (submit): not over, a
                     # lane's messages are all in memory, in order.
                     self._overflow = not filled or gen != self._overflow_gen
-                    if filled:  # every stored message was seen
-                        self._lanes.uncap(before, capped)
                     again = (self._overflow and not self._closing
                              and len(self._known) < self._config.dispatch_queue // 2)
                     if (again or self._refill_pending) and not self._closing:
@@ -106,23 +99,23 @@ class RefillLoop:
                 with self._cv:
                     self._refilling = False
 
-    def _scan(self, strict: bool, capped: set[LaneKey]) -> bool:
+    def _scan(self, strict: bool) -> bool:
         """Queue stored messages not yet in memory; False if the queue filled up first.
         Not ``strict`` (a running bus), damaged records become dead letters and the scan
         goes on."""
         now_ms, now = wall_ms(), time.monotonic()
         damaged: list | None = None if strict else []
         try:
-            return self._scan_records(strict, damaged, now_ms, now, capped)
+            return self._scan_records(strict, damaged, now_ms, now)
         finally:
             if damaged:
                 quarantine(self._store, damaged)
 
     def _scan_records(self, strict: bool, damaged: list | None,
-                      now_ms: int, now: float, capped: set[LaneKey]) -> bool:
+                      now_ms: int, now: float) -> bool:
         redos: list[tuple[str, Callable[[], None]]] = []
         try:
-            return self._scan_stored(strict, damaged, now_ms, now, redos, capped)
+            return self._scan_stored(strict, damaged, now_ms, now, redos)
         finally:
             for message_id, redo in redos:  # written here, but the write was dropped
                 log.warning("message %s: its last write may have been lost with a failed write; "
@@ -130,8 +123,7 @@ class RefillLoop:
                 redo()
 
     def _scan_stored(self, strict: bool, damaged: list | None,
-                     now_ms: int, now: float, redos: list, capped: set[LaneKey]) -> bool:
-        """``capped``: the lanes this scan left messages of in the store (their cap)."""
+                     now_ms: int, now: float, redos: list) -> bool:
         for message_id, record in self._store.incoming(damaged):
             with self._cv:
                 if self._closing:
@@ -165,13 +157,6 @@ class RefillLoop:
                 if progress_redo is not None:  # written again after the scan, read by the next
                     redos.append((message_id, progress_redo))
                     self._refill_pending = True
-                    continue
-                lane = record_lane(record)
-                if lane is not None and (lane in capped or self._lanes.count(lane) >= self._lanes.cap):
-                    # In the store with the rest of its lane, newer ones included (capped
-                    # for the whole scan, though the lane may drain meanwhile: order).
-                    capped.add(lane)
-                    self._lanes.capped.setdefault(lane, 0)
                     continue
                 item, due = stored_item(self._store, message_id, record, strict, now_ms, now,
                                         self._config.retry_max)

@@ -1,13 +1,17 @@
-"""Ordered keys: only messages with the same key wait for each other (README), whatever
-one key's head is doing and however many of its messages wait behind it.
+"""Ordered keys: only messages with the same key are to wait for each other, whatever one
+key's head is doing and however many of its messages wait behind it.
 
 Found by a hostile review (helper-36): one key's head waiting (a retry's backoff, a slow
-handler) held every other key of the subscription once that lane's waiting messages
-filled the dispatch queue: they counted in memory, the scan stopped at the queue's size,
-ordered arrivals stayed in the store while it overflowed, and nothing read them until the
-held head finished (the first three tests failed every run). A lane now holds at most a
-sixteenth of the queue in memory; the rest of it waits in the store and is read as it
-drains (handling/lanes.py).
+handler) holds every other key of the subscription once that lane's waiting messages fill
+the dispatch queue: they count in memory, the refill's scan stops at the queue's size,
+ordered arrivals stay in the store while it overflows, and nothing reads them until the
+held head finishes. The tests marked ``KNOWN`` fail on main (every run) and are strict
+expected failures until it is fixed: README states the limit. A fix tried (a lane capped
+at a sixteenth of the queue, the rest read from the store as it drains; branch
+``wip/lane-cap``) kept keys apart but made every scan of a capped lane read the whole
+store: a 30,000-message backlog of one lane drained in 13.7 s instead of 1.6, and larger
+ones quadratically. A fix needs the store to find a lane's next messages without a scan
+of every stored message (an index by lane), or the lane's ids kept in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ from servicebus.testing import free_address, wait_until
 
 TOPIC = "orders.created"
 
+KNOWN = pytest.mark.xfail(strict=True, reason="one key's waiting backlog fills the dispatch queue and holds "
+                                               "the other keys (README: ordered keys, the limit)")
 
+
+@KNOWN
 @pytest.mark.parametrize("queue", [5, 50])
 def test_other_keys_go_on_while_one_keys_head_waits_for_its_retry(make_bus, queue):
     """Key k1's first message asks to be retried in 20 s; k0 and k2 must not wait for it
@@ -56,6 +64,7 @@ def test_other_keys_go_on_while_one_keys_head_waits_for_its_retry(make_bus, queu
     assert seen["k2"] == [i for i in range(n) if i % 3 == 2]
 
 
+@KNOWN
 def test_other_keys_go_on_while_one_keys_handler_is_slow(make_bus):
     """Key k1's first message takes long to handle (held on an event, released at the
     end): k0 and k2 must be handled meanwhile by the other workers."""
@@ -96,8 +105,9 @@ def _in_order(seen: dict, n: int, keys: int) -> None:
         assert seen.get(f"k{k}") == [i for i in range(n) if i % keys == k], f"key k{k}"
 
 
-def test_a_backlog_many_times_a_lanes_cap_drains_in_order_while_the_other_keys_flow(make_bus):
-    """dispatch_queue=32 (a lane holds 2): key k1's first message is held in its handler
+@KNOWN
+def test_a_backlog_of_one_key_far_over_the_dispatch_queue_does_not_hold_the_other_keys(make_bus):
+    """dispatch_queue=32: key k1's first message is held in its handler
     while 400 of k1's messages pile up behind it; the other keys are all handled
     meanwhile, then k1's backlog drains through the store in order, and the subscriber is
     idle at the end (nothing left unread in the store)."""
@@ -120,7 +130,7 @@ def test_a_backlog_many_times_a_lanes_cap_drains_in_order_while_the_other_keys_f
     try:
         for i in range(n):
             pub.publish(TOPIC, (f"k{i % 3}", i), key=f"k{i % 3}")
-        wait_until(lambda: len(seen.get("k0", [])) + len(seen.get("k2", [])) >= 2 * n // 3, 30,
+        wait_until(lambda: len(seen.get("k0", [])) + len(seen.get("k2", [])) >= 2 * n // 3, 15,
                    message=lambda: f"k0 {len(seen.get('k0', []))}, k2 {len(seen.get('k2', []))}, "
                                    f"{sub.status().incoming} stored")
         assert "k1" not in seen and sub.status().incoming >= n // 3 - 1  # k1's backlog waits, stored
@@ -133,9 +143,9 @@ def test_a_backlog_many_times_a_lanes_cap_drains_in_order_while_the_other_keys_f
     _in_order(seen, n, 3)
 
 
-def test_capped_lanes_stored_at_a_restart_are_read_in_order_as_they_drain(make_bus, tmp_path):
+def test_keys_stored_at_a_restart_drain_in_order_through_a_small_dispatch_queue(make_bus, tmp_path):
     """The subscriber stops with hundreds of messages of three keys stored; it starts
-    again with dispatch_queue=16 (a lane holds 1): every key drains in order."""
+    again with dispatch_queue=16: every key drains in order, nothing left in the store."""
     pub = make_bus("pub")
     sub_addr, datadir = free_address(), tmp_path / "sub"
     sub = make_bus("sub", address=sub_addr, datadir=datadir)

@@ -301,7 +301,7 @@ def test_an_ordered_lane_lets_one_message_go_at_a_time_in_id_order():
                                 {ORDER_HEADER: "sub", KEY_HEADER: key}, [mid], make_blob([encode_payload(None)]))
         return Incoming(mid, record, None)
 
-    lanes = Lanes(cap=16)
+    lanes = Lanes()
     first, third, second, other = item("m1", "k"), item("m3", "k"), item("m2", "k"), item("m4", "j")
     lane = ("ipc://pub", "sub", "k")
     assert lanes.admit(first, 1.0, lane)  # heads its lane: runs now
@@ -312,32 +312,6 @@ def test_an_ordered_lane_lets_one_message_go_at_a_time_in_id_order():
     assert lanes.done(second) == (3.0, third)
     assert lanes.done(third) is None and lanes.done(other) is None
     assert len(lanes) == 0
-
-
-def test_a_lane_at_its_cap_leaves_the_rest_in_the_store_until_it_has_drained_to_half():
-    def item(mid):
-        record = IncomingRecord(int(Kind.EVENT), TOPIC, "pub", "ipc://pub", 0, 1, None, None,
-                                {ORDER_HEADER: "sub", KEY_HEADER: "k"}, [mid], make_blob([encode_payload(None)]))
-        return Incoming(mid, record, None)
-
-    lanes, lane = Lanes(cap=4), ("ipc://pub", "sub", "k")
-    items = [item(f"m{i}") for i in range(4)]
-    for n, it in enumerate(items):
-        assert not lanes.full(lane)
-        lanes.admit(it, float(n), lane)
-    assert lanes.full(lane) and lanes.count(lane) == 4  # the next waits in the store
-    lanes.leave(lane)
-    assert lanes.capped == {lane: 1} and not lanes.hungry(lane)
-    lanes.done(items[0])
-    assert not lanes.hungry(lane)  # 3 of 4
-    lanes.done(items[1])
-    assert lanes.hungry(lane) and lanes.full(lane)  # 2 of 4: read more; arrivals still wait
-    lanes.uncap({lane: 0}, set())  # an arrival was left after the scan began: it may not have seen it
-    assert lanes.capped == {lane: 1}
-    lanes.uncap({lane: 1}, {lane})  # the scan capped it again
-    assert lanes.capped == {lane: 1}
-    lanes.uncap({lane: 1}, set())  # read it all, nothing left since
-    assert lanes.capped == {} and not lanes.full(lane) and not lanes.hungry(lane)
 
 
 def test_commands_sent_by_one_of_several_handlers_are_stored_apart_for_each_message():
