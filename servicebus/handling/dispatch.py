@@ -69,6 +69,9 @@ class Dispatcher(RefillLoop, WorkerLoop):
         self._parked_expiry: float | None = None  # monotonic: a parked message's TTL passes
         self._overflow = False
         self._overflow_gen = 0
+        # Under this many in memory after an overflow, a refill reads more: half the queue
+        # (at least 1: with a queue of 1, "fewer than 1 // 2 = 0" never came, and it stalled).
+        self._low = max(1, config.dispatch_queue // 2)
         self._lanes = Lanes()  # ordered subscriptions' lanes with work
         self._refilling = False
         self._refill_pending = False  # a refill was asked for while one ran
@@ -265,7 +268,7 @@ class Dispatcher(RefillLoop, WorkerLoop):
                 else:
                     self._enqueue(item, due, lane)
                 added += 1
-            if left and not self._refilling and len(self._known) < self._config.dispatch_queue // 2:
+            if left and not self._refilling and len(self._known) < self._low:
                 # Left in the store with little in memory: no finishing message may come to
                 # start the refill that reads it, so a worker is woken for it.
                 self._refill_wanted = True
@@ -358,7 +361,7 @@ class Dispatcher(RefillLoop, WorkerLoop):
                 self._lane_done(item)
             idle = self._idle()
             refill = self._overflow and not self._refilling and \
-                len(self._known) < self._config.dispatch_queue // 2
+                len(self._known) < self._low
         if refill and not self._closing:
             self._refill()
             idle = self.idle

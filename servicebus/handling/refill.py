@@ -48,6 +48,7 @@ class RefillLoop:
     _refilling: bool
     _refill_pending: bool
     _refill_wanted: bool
+    _low: int
 
     def _enqueue(self, item: Incoming, due: float, lane: LaneKey | None) -> None:
         raise NotImplementedError
@@ -83,7 +84,7 @@ class RefillLoop:
                     # lane's messages are all in memory, in order.
                     self._overflow = not filled or gen != self._overflow_gen
                     again = (self._overflow and not self._closing
-                             and len(self._known) < self._config.dispatch_queue // 2)
+                             and len(self._known) < self._low)
                     if (again or self._refill_pending) and not self._closing:
                         continue
                     # Ends in the same hold of the lock as the decision: a message finishing
@@ -124,6 +125,7 @@ class RefillLoop:
 
     def _scan_stored(self, strict: bool, damaged: list | None,
                      now_ms: int, now: float, redos: list) -> bool:
+        parked: set[tuple[int, str]] = set()  # the (kind, topic) this scan left parked
         for message_id, record in self._store.incoming(damaged):
             with self._cv:
                 if self._closing:
@@ -133,12 +135,18 @@ class RefillLoop:
                 if len(self._known) >= self._config.dispatch_queue:
                     return False
                 key = (record.kind, record.topic)
+                if key in parked and key in self._handlers:
+                    # Its handler registered while this scan ran, after it parked older
+                    # ones of the topic: queued now, this one would overtake them. The
+                    # registration asked for the next scan, which reads them all in order.
+                    continue
                 if record.kind != Kind.REPLY and key not in self._handlers and (
                         record.expires is None or record.expires > now_ms):
                     # Nobody handles it yet: it waits in the store, not in the queue, or
                     # enough of them would fill the queue on every scan and keep the
                     # messages after them from their handlers. register() reads them.
                     self._parked.add(key)
+                    parked.add(key)
                     if record.expires is not None:
                         self._wake_parked_at(record.expires)
                     if strict:  # at start every record is checked (rule 9), its run state too

@@ -10,6 +10,13 @@ Two defects these found, each fixed with its tests seen failing first:
 - liveness: after the dispatch queue overflowed, ordered messages left in the store with
   nothing in memory waited for a refill nobody started (the small-queue test: 4 runs in 5;
   drain() never True).
+
+Two more from helper-37's review (the last two tests):
+- order: a refill scan already running when a handler registered parked a lane's older
+  messages (no handler yet), then queued its newer ones (the handler there by then): 3 of
+  10 runs, 16 of 50 keys out of order;
+- liveness: with dispatch_queue=1 a refill waited for fewer than 1 // 2 = 0 messages in
+  memory, which never happens (2 of 200 handled, ordered or not).
 """
 
 from __future__ import annotations
@@ -229,3 +236,55 @@ def test_an_ordered_pattern_keeps_its_order_when_its_handler_registers_while_a_s
         t.join(10)
     wait_until(lambda: len(seen) >= sent[0], 60, message=lambda: f"{len(seen)} of {sent[0]}; {_state(sub)}")
     assert seen == list(range(sent[0]))
+
+
+@pytest.mark.parametrize("queue", [2, 16])
+def test_keyed_ordered_messages_keep_their_order_when_the_handler_registers_during_a_burst(make_bus, queue):
+    """The subscriber starts with no handler while a backlog of 50 keys arrives (each
+    message parks as its lane's head runs); the handler registers midway: every key must
+    still be handled in publish order."""
+    pub = make_bus("pub")
+    sub_addr = free_address()
+    sub = make_bus("sub", address=sub_addr)
+    sub.subscribe(pub.address, TOPIC, ordered=True, wait=10)
+    sub.close()
+    n, keys = 1000, 50
+    for i in range(n):  # one at a time: separate records, waiting at pub
+        pub.publish(TOPIC, (f"k{i % keys}", i), key=f"k{i % keys}")
+    sub = make_bus("sub2", address=sub_addr, datadir=sub.datadir, dispatch_queue=queue, workers=4)
+    seen: dict = {}
+    lock = threading.Lock()
+
+    def handler(p, m):
+        with lock:
+            seen.setdefault(p[0], []).append(p[1])
+
+    wait_until(lambda: sub.status().incoming >= 300, 30)
+    sub.every(TOPIC, handler)
+    wait_until(lambda: sum(map(len, seen.values())) >= n, 60,
+               message=lambda: f"{sum(map(len, seen.values()))} of {n}; {_state(sub)}")
+    wrong = {k: v[:4] for k, v in seen.items() if v != sorted(v)}
+    assert not wrong, f"{len(wrong)} keys out of order, e.g. {list(wrong.items())[:3]}"
+    assert sub.drain(timeout=10)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("queue", [1, 2, 3])
+def test_a_stream_drains_with_a_dispatch_queue_of_one_to_three_and_nothing_failing(make_bus, queue, ordered):
+    """No retries, no slow handler: 200 messages (one key) through a subscriber with
+    dispatch_queue 1, 2 or 3 are all handled (in order, ordered) and drain() is True.
+    With 1, the refill waited for fewer than 1 // 2 = 0 messages in memory: never (2 of
+    200 handled, ordered or not)."""
+    pub = make_bus("pub")
+    sub = make_bus("sub", dispatch_queue=queue, workers=4)
+    seen: list = []
+    sub.every(TOPIC, lambda p, m: seen.append(p))
+    sub.subscribe(pub.address, TOPIC, ordered=ordered, wait=10)
+    n = 200
+    for i in range(n):
+        pub.publish(TOPIC, i, key="k")
+    wait_until(lambda: len(seen) >= n, 10, message=lambda: f"{len(seen)} of {n}; {_state(sub)}")
+    assert sorted(seen) == list(range(n))
+    if ordered:
+        assert seen == list(range(n))
+    assert sub.drain(timeout=10)
