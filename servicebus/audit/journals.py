@@ -85,10 +85,10 @@ def read_events(spark, paths: list[str], *, spread: bool = False):
     with ``ids`` is still one row: reconcile.one_per_message spreads it), in the columns
     of SCHEMA. ``spread``: one row per message already (lines with ``ids`` spread, rows
     without an event or id left out), without the ``ids`` column: the columnar rows are
-    not put through an explode of one each. Columnar lines are spread here, in the JVM, inside the scan's stage: each
-    entry looks its event, topic, kind, peer and role up in its line's ``keys`` (an index
-    out of range, in a damaged line, gives nulls: the event is then left out, as a line
-    that does not parse is)."""
+    not put through an explode of one each. Columnar lines are spread here, in the JVM,
+    inside the scan's stage: each entry looks its event, topic, kind, peer and role up in
+    its line's ``keys`` (an index out of range, in a damaged line, gives nulls: the event
+    is then left out, as a line that does not parse is)."""
     from functools import reduce
 
     from pyspark.sql import functions as F

@@ -271,8 +271,7 @@ class Dispatcher(RefillLoop, WorkerLoop):
             if left and not self._refilling and len(self._known) < self._low:
                 # Left in the store with little in memory: no finishing message may come to
                 # start the refill that reads it, so a worker is woken for it.
-                self._refill_wanted = True
-                self._cv.notify()
+                self._want_refill()
             if added:
                 # Wake as many workers as may take the runs (concurrency.py), not all of
                 # them: every needless wake-up is a context switch and a turn at the GIL.

@@ -417,7 +417,8 @@ class Runner:
 
     def _parked(self, item: Incoming, o: Outcome, nxt: Incoming | None) -> tuple[float | None, bool]:
         # Kept in the store until a handler registers or its TTL passes, if it has one
-        # (or read back at once, if one registered since the check: dispatch.py).
+        # (or, if one registered since the check, sent back to the store as this run ends
+        # for the next scan to read in order: dispatch.py _park).
         self._park(item)
         return None, False
 
