@@ -35,10 +35,14 @@ def spark_env() -> dict[str, str]:
 
 
 def alive_workers(web_port: int) -> int:
+    """Workers the master's web UI lists as alive; 0 while it is not answering JSON yet (a
+    starting master's UI can answer /json/ with an HTML page: seen once in CI)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/json/", timeout=2) as answer:
             state = json.load(answer)
-    except OSError:
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(state, dict):
         return 0
     return sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
 
